@@ -1,0 +1,1 @@
+"""fgpu: a Kubernetes DRA driver for fractional GPUs."""

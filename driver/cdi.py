@@ -1,0 +1,132 @@
+"""CDI spec files: one per claim, written atomically, removed on unprepare.
+
+Driver libraries and tools are bind-mounted from the driver root (`--driver-root`, "/" on a node
+whose driver is installed on the host, e.g. /run/nvidia/driver with the GPU operator). We do not
+depend on the NVIDIA Container Toolkit's generated CDI specs: a node without the toolkit works,
+and the spec says exactly what the container gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CDI_VERSION = "0.6.0"
+CDI_CLASS = "claim"
+CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib")
+LIBRARY_PATTERNS = (
+    "libnvidia-ml.so.*",
+    "libcuda.so.*",
+    "libcudadebugger.so.*",
+    "libnvidia-ptxjitcompiler.so.*",
+    "libnvidia-nvvm.so.*",
+    "libnvidia-gpucomp.so.*",
+    "libnvidia-allocator.so.*",
+    "libnvidia-cfg.so.*",
+)
+TOOLS = ("usr/bin/nvidia-smi", "usr/bin/nvidia-debugdump", "usr/bin/nvidia-cuda-mps-control")
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One named CDI device of a claim's spec."""
+
+    name: str
+    device_nodes: tuple[str, ...]
+    env: tuple[str, ...] = ()
+    mounts: tuple[tuple[str, str], ...] = ()  # (host path, container path)
+
+
+@dataclass(frozen=True)
+class DriverFiles:
+    """Host files every GPU container needs, found once at start-up under the driver root."""
+
+    root: Path
+    libraries: tuple[str, ...] = field(default_factory=tuple)  # paths relative to the root
+
+    @classmethod
+    def discover(cls, root: Path) -> DriverFiles:
+        found: list[str] = []
+        for directory in LIBRARY_DIRS:
+            for pattern in LIBRARY_PATTERNS:
+                found.extend(str(p.relative_to(root)) for p in sorted((root / directory).glob(pattern)))
+        found.extend(tool for tool in TOOLS if (root / tool).exists())
+        return cls(root=root, libraries=tuple(found))
+
+
+def cdi_kind(driver: str) -> str:
+    return f"k8s.{driver}/{CDI_CLASS}"
+
+
+def cdi_device_name(claim_uid: str, device: str) -> str:
+    return f"{claim_uid}-{device}"
+
+
+class CdiWriter:
+    def __init__(self, cdi_dir: Path, driver: str, driver_files: DriverFiles) -> None:
+        self.cdi_dir = cdi_dir
+        self.kind = cdi_kind(driver)
+        self._files = driver_files
+        self._prefix = f"{self.kind.replace('/', '-')}_"
+
+    def qualified_id(self, claim_uid: str, device: str) -> str:
+        return f"{self.kind}={cdi_device_name(claim_uid, device)}"
+
+    def spec_path(self, claim_uid: str) -> Path:
+        return self.cdi_dir / f"{self._prefix}{claim_uid}.json"
+
+    def claim_uids_on_disk(self) -> set[str]:
+        return {p.name[len(self._prefix) : -len(".json")] for p in self.cdi_dir.glob(f"{self._prefix}*.json")}
+
+    def spec(self, claim_uid: str, devices: list[CdiDevice]) -> dict[str, Any]:
+        root = self._files.root
+        common: dict[str, Any] = {
+            "env": ["NVIDIA_VISIBLE_DEVICES=void"],  # keeps a legacy nvidia runtime hook from adding GPUs
+            "deviceNodes": [{"path": path} for path in CONTROL_DEVICE_NODES],
+        }
+        if self._files.libraries:
+            common["mounts"] = [
+                {"hostPath": str(root / rel), "containerPath": f"/{rel}", "options": ["ro", "nosuid", "nodev", "bind"]}
+                for rel in self._files.libraries
+            ]
+        return {
+            "cdiVersion": CDI_VERSION,
+            "kind": self.kind,
+            "devices": [
+                {"name": cdi_device_name(claim_uid, d.name), "containerEdits": _device_edits(d)} for d in devices
+            ],
+            "containerEdits": common,
+        }
+
+    def write(self, claim_uid: str, devices: list[CdiDevice]) -> Path:
+        """Write the claim's spec atomically: a reader sees the old file or the new one, never half."""
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spec_path(claim_uid)
+        data = json.dumps(self.spec(claim_uid, devices), indent=2).encode()
+        fd, tmp = tempfile.mkstemp(dir=self.cdi_dir, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.rename(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def remove(self, claim_uid: str) -> None:
+        self.spec_path(claim_uid).unlink(missing_ok=True)
+
+
+def _device_edits(device: CdiDevice) -> dict[str, Any]:
+    # Device nodes are the host's /dev entries; the runtime fills in type, major and minor.
+    edits: dict[str, Any] = {"deviceNodes": [{"path": path} for path in device.device_nodes]}
+    if device.env:
+        edits["env"] = list(device.env)
+    if device.mounts:
+        edits["mounts"] = [{"hostPath": h, "containerPath": c, "options": ["rw", "bind"]} for h, c in device.mounts]
+    return edits

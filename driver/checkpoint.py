@@ -1,0 +1,123 @@
+"""The prepared-claims checkpoint file: versioned, checksummed, atomic, and locked.
+
+Every change runs under an exclusive file lock and re-reads the file first, so two plugin
+instances on one node (a rolling update) serialise on it instead of overwriting each other. A
+write goes to a temp file that is fsynced and renamed over the old one, then the directory is
+fsynced. A file that is corrupt or of an unknown version is moved aside with a clear log line
+and the plugin starts empty: it never crash-loops on its own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def current_boot_id() -> str:
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+@dataclass
+class CheckpointData:
+    """The file's payload: prepared claims keyed by UID, as JSON-ready dicts."""
+
+    boot_id: str
+    claims: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _checksum(payload: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+class Checkpoint:
+    def __init__(self, path: Path, boot_id: str | None = None) -> None:
+        self.path = path
+        self._lock_path = path.with_name(path.name + ".lock")
+        self._boot_id = boot_id or current_boot_id()
+        self._thread_lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        with self._thread_lock, open(self._lock_path, "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+
+    def read(self) -> CheckpointData:
+        with self._locked(exclusive=False):
+            return self._load()
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[CheckpointData]:
+        """Yield the current data under the lock; what the block leaves in it is written back."""
+        with self._locked(exclusive=True):
+            data = self._load()
+            before = json.dumps(data.claims, sort_keys=True)
+            yield data
+            if json.dumps(data.claims, sort_keys=True) != before or data.boot_id != self._boot_id:
+                data.boot_id = self._boot_id
+                self._store(data)
+
+    def _load(self) -> CheckpointData:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return CheckpointData(boot_id=self._boot_id)
+        try:
+            document = json.loads(raw)
+            version = document["version"]
+            payload = {"version": version, "bootId": document["bootId"], "claims": document["claims"]}
+        except (ValueError, KeyError, TypeError) as err:
+            return self._reset(f"unreadable ({err})")
+        if version != CHECKPOINT_VERSION:
+            return self._reset(f"version {version} is not the version {CHECKPOINT_VERSION} this fgpu understands")
+        if document.get("checksum") != _checksum(payload):
+            return self._reset("checksum mismatch (the file was modified or partly written)")
+        if payload["bootId"] != self._boot_id:
+            log.warning(
+                "checkpoint %s was written during boot %s, this is boot %s: claims prepared before the "
+                "reboot are kept and their CDI specs are rewritten when kubelet prepares them again",
+                self.path,
+                payload["bootId"],
+                self._boot_id,
+            )
+        return CheckpointData(boot_id=payload["bootId"], claims=payload["claims"])
+
+    def _reset(self, reason: str) -> CheckpointData:
+        aside = self.path.with_name(f"{self.path.name}.bad-{int(time.time())}")
+        os.replace(self.path, aside)
+        log.error("checkpoint %s is %s; moved it to %s and starting with no prepared claims", self.path, reason, aside)
+        return CheckpointData(boot_id=self._boot_id)
+
+    def _store(self, data: CheckpointData) -> None:
+        payload = {"version": CHECKPOINT_VERSION, "bootId": data.boot_id, "claims": data.claims}
+        document = {**payload, "checksum": _checksum(payload)}
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as handle:
+            handle.write(json.dumps(document, sort_keys=True).encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)

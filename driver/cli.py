@@ -1,0 +1,75 @@
+"""The `fgpu` command: discover, kubelet-plugin."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import yaml
+
+from driver.devices import node_devices
+from driver.discovery import discover_gpus
+from driver.nvml.machine import MachineProfileError
+from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from driver.settings import SettingsError, add_common_flags, add_plugin_flags, plugin_settings, validate_names
+from driver.slices import build_slices
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    validate_names(args)
+    session = NvmlSession.open(args.nvml)
+    try:
+        devices = node_devices(discover_gpus(session))
+    finally:
+        session.close()
+    document = {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": build_slices(args.driver_name, args.node_name, devices, generation=1, owner=None),
+    }
+    if args.output == "json":
+        print(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        print(yaml.safe_dump(document, sort_keys=True), end="")
+    return 0
+
+
+def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from driver.plugin.server import run_plugin  # grpc is only needed here
+
+    run_plugin(plugin_settings(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    discover = commands.add_parser("discover", help="print the ResourceSlices this node would publish")
+    add_common_flags(discover)
+    discover.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    discover.set_defaults(func=cmd_discover)
+
+    plugin = commands.add_parser("kubelet-plugin", help="run the node plugin")
+    add_plugin_flags(plugin)
+    plugin.set_defaults(func=cmd_kubelet_plugin)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return args.func(args)
+    except (SettingsError, MachineProfileError, NvmlUnavailableError) as err:
+        print(f"fgpu: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""NVML -> GPU records: what the node has, in the units and formats the rest of fgpu uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from driver.nvml.session import NvmlSession
+
+ARCHITECTURE_NAMES = {7: "Ampere", 8: "Ada Lovelace", 9: "Hopper", 10: "Blackwell"}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    minor: int
+    uuid: str
+    product_name: str
+    architecture: str
+    cuda_compute_capability: str  # semver, e.g. "9.0.0"
+    driver_version: str  # semver, e.g. "580.95.5"
+    cuda_driver_version: str  # semver, e.g. "13.0.0"
+    pci_bus_id: str  # lower case, e.g. "0000:18:00.0"
+    memory_bytes: int
+    multiprocessors: int
+    mig_capable: bool
+    mig_enabled: bool
+
+
+def semver(version: str) -> str:
+    """NVIDIA versions to semver: three numeric parts without leading zeros ("580.95.05" -> "580.95.5")."""
+    parts = [str(int(part)) for part in version.split(".")[:3]]
+    return ".".join(parts + ["0"] * (3 - len(parts)))
+
+
+def cuda_version(encoded: int) -> str:
+    """NVML encodes the CUDA driver version as 1000*major + 10*minor (13000 -> "13.0.0")."""
+    return f"{encoded // 1000}.{encoded % 1000 // 10}.0"
+
+
+def pci_bus_id(nvml_bus_id: str) -> str:
+    """NVML's "00000000:18:00.0" to the sysfs form Kubernetes uses, "0000:18:00.0"."""
+    domain, rest = nvml_bus_id.split(":", 1)
+    return f"{int(domain, 16):04x}:{rest.lower()}"
+
+
+def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
+    driver_version, cuda_driver = session.driver_versions()
+    gpus = []
+    for index in range(session.gpu_count()):
+        raw = session.describe(index)
+        major, minor = raw.cuda_compute_capability
+        gpus.append(
+            GpuInfo(
+                index=raw.index,
+                minor=raw.minor,
+                uuid=raw.uuid,
+                product_name=raw.product_name,
+                architecture=ARCHITECTURE_NAMES.get(raw.architecture, "Unknown"),
+                cuda_compute_capability=f"{major}.{minor}.0",
+                driver_version=semver(driver_version),
+                cuda_driver_version=cuda_version(cuda_driver),
+                pci_bus_id=pci_bus_id(raw.pci_bus_id),
+                memory_bytes=raw.memory_bytes,
+                multiprocessors=raw.multiprocessors,
+                mig_capable=raw.mig_capable,
+                mig_enabled=raw.mig_enabled,
+            )
+        )
+    return gpus

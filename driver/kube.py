@@ -1,0 +1,117 @@
+"""The narrow interface between fgpu and the Kubernetes API server, with plain-dict objects.
+
+Everything that reads or writes API objects goes through `KubeApi`, so tests can run against the
+real control plane or an in-memory stand-in with the same methods. Objects are the API's JSON
+(camelCase keys), exactly as the server sends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+JsonObject = dict[str, Any]
+
+
+class NotFoundError(LookupError):
+    """The object does not exist."""
+
+
+class KubeUnavailableError(ConnectionError):
+    """The API server could not be reached or answered with a server error."""
+
+
+class KubeApi(Protocol):
+    def get_claim(self, namespace: str, name: str) -> JsonObject: ...
+    def get_node(self, name: str) -> JsonObject: ...
+    def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
+    def create_slice(self, body: JsonObject) -> JsonObject: ...
+    def replace_slice(self, name: str, body: JsonObject) -> JsonObject: ...
+    def delete_slice(self, name: str) -> None: ...
+    def watch_slices(
+        self, driver: str, node: str, resource_version: str, timeout_s: int
+    ) -> Iterator[tuple[str, JsonObject]]: ...
+
+
+@contextlib.contextmanager
+def translated_errors() -> Iterator[None]:
+    """Map client exceptions onto NotFoundError / KubeUnavailableError; others pass through."""
+    try:
+        yield
+    except ApiException as err:
+        if err.status == 404:
+            raise NotFoundError(err.reason) from err
+        if err.status >= 500 or err.status == 429:
+            raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
+        raise
+    except (OSError, urllib3.exceptions.HTTPError) as err:
+        raise KubeUnavailableError(f"API server unreachable: {err}") from err
+
+
+def slice_field_selector(driver: str, node: str) -> str:
+    return f"spec.driver={driver},spec.nodeName={node}"
+
+
+class ClientKubeApi:
+    """KubeApi over the official `kubernetes` client, returning the server's JSON untouched."""
+
+    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
+        configuration = kubernetes.client.Configuration()
+        if kubeconfig:
+            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        configuration.retries = False
+        self._client = kubernetes.client.ApiClient(configuration)
+        self._resource = kubernetes.client.ResourceV1Api(self._client)
+        self._core = kubernetes.client.CoreV1Api(self._client)
+        self._timeout = timeout_s
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        with translated_errors():
+            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
+        data = response.data
+        return json.loads(data) if data else None
+
+    def get_claim(self, namespace: str, name: str) -> JsonObject:
+        return self._call(self._resource.read_namespaced_resource_claim, name, namespace)
+
+    def get_node(self, name: str) -> JsonObject:
+        return self._call(self._core.read_node, name)
+
+    def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
+        result = self._call(self._resource.list_resource_slice, field_selector=slice_field_selector(driver, node))
+        return result.get("items") or [], result["metadata"].get("resourceVersion", "")
+
+    def create_slice(self, body: JsonObject) -> JsonObject:
+        return self._call(self._resource.create_resource_slice, body)
+
+    def replace_slice(self, name: str, body: JsonObject) -> JsonObject:
+        return self._call(self._resource.replace_resource_slice, name, body)
+
+    def delete_slice(self, name: str) -> None:
+        try:
+            self._call(self._resource.delete_resource_slice, name)
+        except NotFoundError:
+            pass
+
+    def watch_slices(
+        self, driver: str, node: str, resource_version: str, timeout_s: int
+    ) -> Iterator[tuple[str, JsonObject]]:
+        watch = kubernetes.watch.Watch()
+        with translated_errors():
+            for event in watch.stream(
+                self._resource.list_resource_slice,
+                field_selector=slice_field_selector(driver, node),
+                resource_version=resource_version,
+                timeout_seconds=timeout_s,
+                deserialize=False,
+            ):
+                yield event["type"], event["object"]
+        watch.stop()

@@ -1,0 +1,545 @@
+"""A stateful NVML mock with pynvml's call signatures, return structures and NVMLError codes.
+
+It stands in for the `pynvml` module: code written against pynvml runs unchanged on it. MIG
+instances are really created and destroyed, placements, slice budgets and instance limits hold,
+and errors are the codes real NVML returns (INSUFFICIENT_RESOURCES for a taken placement, IN_USE for
+a GPU instance that still has compute instances, NOT_SUPPORTED for MIG calls on a non-MIG GPU).
+
+State lives in memory, or in a JSON file (shared, under a file lock) so that several processes -
+the plugin, a restarted plugin, fake system tools - see one GPU, as they would on a real node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pynvml
+from pynvml import NVMLError
+
+from driver.nvml.geometry import COMPUTE_SLICES, GEOMETRY_BY_ID, GEOMETRY_BY_INDEX, memory_slots
+from driver.nvml.machine import ARCHITECTURES, MachineProfile
+
+UUID_NAMESPACE = uuid.UUID("6f1c7a8e-2f43-4d1e-9a51-0b7c1d2e3f40")
+CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7}  # NVML_COMPUTE_INSTANCE_PROFILE_*_SLICE -> slices
+FULL_GI_ID = 0  # the 7g instance always gets id 0, as on real GPUs
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MockDevice:
+    index: int
+
+
+@dataclass(frozen=True)
+class MockGpuInstance:
+    gpu: int
+    gi_id: int
+
+
+@dataclass(frozen=True)
+class MockComputeInstance:
+    gpu: int
+    gi_id: int
+    ci_id: int
+
+
+@dataclass(frozen=True)
+class MockMigDevice:
+    gpu: int
+    gi_id: int
+    ci_id: int
+
+
+@dataclass
+class ComputeInstanceState:
+    profile_id: int
+    serial: int  # makes the MIG UUID change when an instance is re-created, as on real GPUs
+
+
+@dataclass
+class GpuInstanceState:
+    profile_id: int
+    start: int
+    size: int
+    compute_instances: dict[int, ComputeInstanceState] = field(default_factory=dict)
+
+
+@dataclass
+class GpuState:
+    mig_current: int = 0
+    mig_pending: int = 0
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
+    gpu_instances: dict[int, GpuInstanceState] = field(default_factory=dict)
+
+
+@dataclass
+class MachineState:
+    gpus: list[GpuState]
+    serial: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineState:
+        raw = json.loads(text)
+        gpus = []
+        for gpu in raw["gpus"]:
+            instances = {}
+            for gi_id, gi in gpu["gpu_instances"].items():
+                cis = {int(k): ComputeInstanceState(**v) for k, v in gi.pop("compute_instances").items()}
+                instances[int(gi_id)] = GpuInstanceState(**gi, compute_instances=cis)
+            gpu["gpu_instances"] = instances
+            gpus.append(GpuState(**gpu))
+        return cls(gpus=gpus, serial=raw["serial"])
+
+
+def _fail(code: int) -> NVMLError:
+    return NVMLError(code)
+
+
+class MockNvml:
+    """The subset of the pynvml module fgpu uses, over a mock machine."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, machine: MachineProfile, state_file: Path | None = None) -> None:
+        self.machine = machine
+        self._state_file = state_file
+        self._lock = threading.RLock()
+        self._initialized = 0
+        self._state = MachineState(gpus=[GpuState() for _ in range(machine.gpu_count)])
+        if state_file is not None and not state_file.exists():
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            state_file.write_text(self._state.to_json())
+
+    def __getattr__(self, name: str) -> Any:
+        # Constants (NVML_*) and structure types come from pynvml itself.
+        if name.startswith(("NVML_", "c_nvml", "nvmlPciInfo")):
+            return getattr(pynvml, name)
+        raise AttributeError(f"NVML mock does not implement {name}")
+
+    # --- state handling -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _machine(self, write: bool = False) -> Iterator[MachineState]:
+        with self._lock:
+            if self._initialized == 0:
+                raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            if self._state_file is None:
+                yield self._state
+                return
+            with open(self._state_file, "r+") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+                state = MachineState.from_json(handle.read())
+                yield state
+                if write:
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(state.to_json())
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
+    def _with_gpu(self, device: object, action: Callable[[GpuState], T], write: bool = False) -> T:
+        index = self._gpu_index(device)
+        with self._machine(write) as machine:
+            return action(machine.gpus[index])
+
+    def _gpu_index(self, device: object) -> int:
+        if isinstance(device, MockDevice | MockMigDevice):
+            index = device.index if isinstance(device, MockDevice) else device.gpu
+            if 0 <= index < self.machine.gpu_count:
+                return index
+        raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def _require_mig(self, gpu: GpuState) -> None:
+        if not self.machine.gpu.mig_capable or gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    # --- library and system ---------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        with self._lock:
+            self._initialized += 1
+
+    def nvmlShutdown(self) -> None:
+        with self._lock:
+            if self._initialized == 0:
+                raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            self._initialized -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        with self._machine():
+            return self.machine.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        with self._machine():
+            return self.machine.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        with self._machine():
+            return self.machine.gpu_count
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> MockDevice:
+        with self._machine():
+            if not 0 <= index < self.machine.gpu_count:
+                raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            return MockDevice(index)
+
+    # --- device properties ----------------------------------------------------------------------
+
+    def gpu_uuid(self, index: int) -> str:
+        return f"GPU-{uuid.uuid5(UUID_NAMESPACE, f'{self.machine.name}/{index}')}"
+
+    def nvmlDeviceGetUUID(self, device: object) -> str:
+        if isinstance(device, MockMigDevice):
+            return self._with_gpu(device, lambda gpu: self._mig_uuid(device, gpu))
+        return self.gpu_uuid(self._gpu_index(device))
+
+    def _mig_uuid(self, mig: MockMigDevice, gpu: GpuState) -> str:
+        instance = gpu.gpu_instances.get(mig.gi_id)
+        if instance is None or mig.ci_id not in instance.compute_instances:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        serial = instance.compute_instances[mig.ci_id].serial
+        key = f"{self.gpu_uuid(mig.gpu)}/{mig.gi_id}/{mig.ci_id}/{serial}"
+        return f"MIG-{uuid.uuid5(UUID_NAMESPACE, key)}"
+
+    def nvmlDeviceGetName(self, device: object) -> str:
+        self._gpu_index(device)
+        return self.machine.gpu.product_name
+
+    def nvmlDeviceGetIndex(self, device: object) -> int:
+        return self._gpu_index(device)
+
+    def nvmlDeviceGetMinorNumber(self, device: object) -> int:
+        return self._gpu_index(device)
+
+    def nvmlDeviceGetPciInfo(self, device: object) -> pynvml.nvmlPciInfo_t:
+        index = self._gpu_index(device)
+        bus = 0x18 + 0x10 * index
+        info = pynvml.nvmlPciInfo_t()
+        bus_id = f"00000000:{bus:02X}:00.0".encode()
+        info.busId = bus_id
+        info.busIdLegacy = bus_id
+        info.domain, info.bus, info.device = 0, bus, 0
+        info.pciDeviceId = (self.machine.gpu.pci_device_id << 16) | 0x10DE
+        return info
+
+    def nvmlDeviceGetMemoryInfo(self, device: object, version: int | None = None) -> pynvml.c_nvmlMemory_t:
+        self._gpu_index(device)
+        memory = pynvml.c_nvmlMemory_t()
+        memory.total = self.machine.gpu.memory_mib * 1024 * 1024
+        memory.used = 0
+        memory.free = memory.total
+        return memory
+
+    def nvmlDeviceGetCudaComputeCapability(self, device: object) -> tuple[int, int]:
+        self._gpu_index(device)
+        return self.machine.gpu.cuda_compute_capability
+
+    def nvmlDeviceGetArchitecture(self, device: object) -> int:
+        self._gpu_index(device)
+        return ARCHITECTURES[self.machine.gpu.architecture]
+
+    def nvmlDeviceGetAttributes(self, device: object) -> pynvml.c_nvmlDeviceAttributes:
+        index = self._gpu_index(device)
+        attributes = pynvml.c_nvmlDeviceAttributes()
+        if isinstance(device, MockMigDevice):
+            with self._machine() as machine:
+                spec = self._mig_spec_of(machine.gpus[index], device.gi_id)
+            attributes.multiprocessorCount = spec.multiprocessors
+            attributes.memorySizeMB = spec.memory_mib
+            return attributes
+        attributes.multiprocessorCount = self.machine.gpu.multiprocessors
+        attributes.memorySizeMB = self.machine.gpu.memory_mib
+        attributes.gpuInstanceSliceCount = COMPUTE_SLICES if self.machine.gpu.mig_capable else 0
+        attributes.computeInstanceSliceCount = attributes.gpuInstanceSliceCount
+        return attributes
+
+    def nvmlDeviceGetComputeMode(self, device: object) -> int:
+        return self._with_gpu(device, lambda gpu: gpu.compute_mode)
+
+    def nvmlDeviceSetComputeMode(self, device: object, mode: int) -> None:
+        if mode not in (pynvml.NVML_COMPUTEMODE_DEFAULT, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS, 2):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+        def apply(gpu: GpuState) -> None:
+            gpu.compute_mode = mode
+
+        self._with_gpu(device, apply, write=True)
+
+    # --- MIG mode -------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, device: object) -> list[int]:
+        if not self.machine.gpu.mig_capable:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._with_gpu(device, lambda gpu: [gpu.mig_current, gpu.mig_pending])
+
+    def nvmlDeviceSetMigMode(self, device: object, mode: int) -> int:
+        """Returns the activation status: SUCCESS, or RESET_REQUIRED where the change stays pending."""
+        if not self.machine.gpu.mig_capable:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+        def apply(gpu: GpuState) -> int:
+            if gpu.gpu_instances:
+                raise _fail(pynvml.NVML_ERROR_IN_USE)
+            gpu.mig_pending = mode
+            if not self.machine.gpu.mig_toggle_without_reset:
+                return pynvml.NVML_ERROR_RESET_REQUIRED
+            gpu.mig_current = mode
+            return pynvml.NVML_SUCCESS
+
+        return self._with_gpu(device, apply, write=True)
+
+    # --- GPU instances --------------------------------------------------------------------------
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(
+        self, device: object, profile: int, version: int = 2
+    ) -> pynvml.c_nvmlGpuInstanceProfileInfo_v2_t:
+        geometry = GEOMETRY_BY_INDEX.get(profile)
+        self._with_gpu(device, self._require_mig)
+        if geometry is None or geometry.profile_id not in self.machine.gpu.mig_profiles:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        spec = self.machine.gpu.mig_profiles[geometry.profile_id]
+        info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+        info.id = geometry.profile_id
+        info.isP2pSupported = 0
+        info.sliceCount = geometry.compute_slices
+        info.instanceCount = geometry.max_instances
+        info.multiprocessorCount = spec.multiprocessors
+        info.copyEngineCount = spec.copy_engines
+        info.decoderCount = spec.decoders
+        info.encoderCount = spec.encoders
+        info.jpegCount = spec.jpeg_engines
+        info.ofaCount = spec.ofa_engines
+        info.memorySizeMB = spec.memory_mib
+        info.name = f"MIG {spec.name}".encode()
+        return info
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, device: object, profileId: int, placementsRef: Any, countRef: Any
+    ) -> int:
+        """Two-call protocol as in NVML: a null placementsRef asks for the count only."""
+        self._with_gpu(device, self._require_mig)
+        geometry = self._geometry(profileId)
+        count = ctypes.cast(countRef, ctypes.POINTER(ctypes.c_uint)).contents
+        if placementsRef is None:
+            count.value = len(geometry.starts)
+            return pynvml.NVML_SUCCESS
+        if count.value < len(geometry.starts):
+            count.value = len(geometry.starts)
+            raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        array = ctypes.cast(placementsRef, ctypes.POINTER(pynvml.c_nvmlGpuInstancePlacement_t))
+        for i, start in enumerate(geometry.starts):
+            array[i].start = start
+            array[i].size = geometry.memory_slices
+        count.value = len(geometry.starts)
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(
+        self, device: object, profileId: int, placement: pynvml.c_nvmlGpuInstancePlacement_t
+    ) -> MockGpuInstance:
+        geometry = self._geometry(profileId)
+        if placement.start not in geometry.starts or placement.size != geometry.memory_slices:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        index = self._gpu_index(device)
+        with self._machine(write=True) as machine:
+            gpu = machine.gpus[index]
+            self._require_mig(gpu)
+            gi_id = self._create_gpu_instance(gpu, profileId, placement.start)
+        return MockGpuInstance(index, gi_id)
+
+    def nvmlDeviceCreateGpuInstance(self, device: object, profileId: int) -> MockGpuInstance:
+        """Lets the driver choose the placement: small profiles fill from the top, as NVIDIA's does,
+        which is why creation order matters (19,19,14,9 fails where 9 first succeeds)."""
+        geometry = self._geometry(profileId)
+        index = self._gpu_index(device)
+        with self._machine(write=True) as machine:
+            gpu = machine.gpus[index]
+            self._require_mig(gpu)
+            for start in sorted(geometry.starts, reverse=True):
+                if self._placement_free(gpu, start, geometry.memory_slices):
+                    return MockGpuInstance(index, self._create_gpu_instance(gpu, profileId, start))
+        raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+
+    def _geometry(self, profile_id: int):  # noqa: ANN202 - geometry dataclass
+        geometry = GEOMETRY_BY_ID.get(profile_id)
+        if geometry is None or profile_id not in self.machine.gpu.mig_profiles:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return geometry
+
+    @staticmethod
+    def _placement_free(gpu: GpuState, start: int, size: int) -> bool:
+        wanted = memory_slots(start, size)
+        return all(not wanted & memory_slots(gi.start, gi.size) for gi in gpu.gpu_instances.values())
+
+    def _create_gpu_instance(self, gpu: GpuState, profile_id: int, start: int) -> int:
+        geometry = GEOMETRY_BY_ID[profile_id]
+        same_profile = sum(1 for gi in gpu.gpu_instances.values() if gi.profile_id == profile_id)
+        compute_used = sum(GEOMETRY_BY_ID[gi.profile_id].compute_slices for gi in gpu.gpu_instances.values())
+        media_taken = geometry.media_extensions and any(
+            GEOMETRY_BY_ID[gi.profile_id].media_extensions for gi in gpu.gpu_instances.values()
+        )
+        if (
+            same_profile >= geometry.max_instances
+            or compute_used + geometry.compute_slices > COMPUTE_SLICES
+            or media_taken
+            or not self._placement_free(gpu, start, geometry.memory_slices)
+        ):
+            raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi_id = FULL_GI_ID if geometry.compute_slices == COMPUTE_SLICES else self._free_id(gpu.gpu_instances, 1)
+        gpu.gpu_instances[gi_id] = GpuInstanceState(profile_id, start, geometry.memory_slices)
+        return gi_id
+
+    @staticmethod
+    def _free_id(taken: dict[int, Any], first: int) -> int:
+        candidate = first
+        while candidate in taken:
+            candidate += 1
+        return candidate
+
+    def _gpu_instance(self, machine: MachineState, handle: object) -> GpuInstanceState:
+        if not isinstance(handle, MockGpuInstance | MockComputeInstance):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        instance = machine.gpus[handle.gpu].gpu_instances.get(handle.gi_id)
+        if instance is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return instance
+
+    def nvmlDeviceGetGpuInstanceById(self, device: object, gpuInstanceId: int) -> MockGpuInstance:
+        index = self._gpu_index(device)
+        with self._machine() as machine:
+            self._require_mig(machine.gpus[index])
+            if gpuInstanceId not in machine.gpus[index].gpu_instances:
+                raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return MockGpuInstance(index, gpuInstanceId)
+
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: object) -> pynvml.c_nvmlGpuInstanceInfo_t:
+        with self._machine() as machine:
+            instance = self._gpu_instance(machine, gpuInstance)
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id = gpuInstance.gi_id  # type: ignore[attr-defined]
+        info.profileId = instance.profile_id
+        info.placement.start = instance.start
+        info.placement.size = instance.size
+        return info
+
+    def nvmlGpuInstanceDestroy(self, gpuInstance: object) -> int:
+        with self._machine(write=True) as machine:
+            instance = self._gpu_instance(machine, gpuInstance)
+            if instance.compute_instances:
+                raise _fail(pynvml.NVML_ERROR_IN_USE)
+            del machine.gpus[gpuInstance.gpu].gpu_instances[gpuInstance.gi_id]  # type: ignore[attr-defined]
+        return pynvml.NVML_SUCCESS
+
+    # --- compute instances ----------------------------------------------------------------------
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, device: object, profile: int, engProfile: int, version: int = 2
+    ) -> pynvml.c_nvmlComputeInstanceProfileInfo_v2_t:
+        with self._machine() as machine:
+            instance = self._gpu_instance(machine, device)
+        slices = CI_PROFILE_SLICES.get(profile)
+        gi_slices = GEOMETRY_BY_ID[instance.profile_id].compute_slices
+        if slices is None or slices > gi_slices or engProfile != 0:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        spec = self.machine.gpu.mig_profiles[instance.profile_id]
+        info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+        info.id = profile
+        info.sliceCount = slices
+        info.instanceCount = gi_slices // slices
+        info.multiprocessorCount = spec.multiprocessors * slices // gi_slices
+        info.sharedCopyEngineCount = spec.copy_engines
+        info.sharedDecoderCount = spec.decoders
+        info.sharedEncoderCount = spec.encoders
+        info.sharedJpegCount = spec.jpeg_engines
+        info.sharedOfaCount = spec.ofa_engines
+        info.name = f"{slices}c.{spec.name}".encode()
+        return info
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: object, profileId: int) -> MockComputeInstance:
+        slices = CI_PROFILE_SLICES.get(profileId)
+        with self._machine(write=True) as machine:
+            instance = self._gpu_instance(machine, gpuInstance)
+            gi_slices = GEOMETRY_BY_ID[instance.profile_id].compute_slices
+            if slices is None or slices > gi_slices:
+                raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            used = sum(CI_PROFILE_SLICES[ci.profile_id] for ci in instance.compute_instances.values())
+            if used + slices > gi_slices:
+                raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            ci_id = self._free_id(instance.compute_instances, 0)
+            machine.serial += 1
+            instance.compute_instances[ci_id] = ComputeInstanceState(profileId, machine.serial)
+        return MockComputeInstance(gpuInstance.gpu, gpuInstance.gi_id, ci_id)  # type: ignore[attr-defined]
+
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: object, computeInstanceId: int) -> MockComputeInstance:
+        with self._machine() as machine:
+            instance = self._gpu_instance(machine, gpuInstance)
+            if computeInstanceId not in instance.compute_instances:
+                raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return MockComputeInstance(gpuInstance.gpu, gpuInstance.gi_id, computeInstanceId)  # type: ignore[attr-defined]
+
+    def nvmlComputeInstanceDestroy(self, computeInstance: object) -> int:
+        if not isinstance(computeInstance, MockComputeInstance):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._machine(write=True) as machine:
+            instance = self._gpu_instance(machine, computeInstance)
+            if instance.compute_instances.pop(computeInstance.ci_id, None) is None:
+                raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_SUCCESS
+
+    # --- MIG devices ----------------------------------------------------------------------------
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: object) -> int:
+        self._gpu_index(device)
+        return COMPUTE_SLICES if self.machine.gpu.mig_capable else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: object, index: int) -> MockMigDevice:
+        gpu_index = self._gpu_index(device)
+        with self._machine() as machine:
+            gpu = machine.gpus[gpu_index]
+            self._require_mig(gpu)
+            devices = [
+                MockMigDevice(gpu_index, gi_id, ci_id)
+                for gi_id, gi in sorted(gpu.gpu_instances.items())
+                for ci_id in sorted(gi.compute_instances)
+            ]
+        if not 0 <= index < len(devices):
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return devices[index]
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: object) -> bool:
+        return isinstance(device, MockMigDevice)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: object) -> MockDevice:
+        if not isinstance(migDevice, MockMigDevice):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return MockDevice(migDevice.gpu)
+
+    def nvmlDeviceGetGpuInstanceId(self, device: object) -> int:
+        if not isinstance(device, MockMigDevice):
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return device.gi_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device: object) -> int:
+        if not isinstance(device, MockMigDevice):
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return device.ci_id
+
+    def _mig_spec_of(self, gpu: GpuState, gi_id: int):  # noqa: ANN202
+        instance = gpu.gpu_instances.get(gi_id)
+        if instance is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return self.machine.gpu.mig_profiles[instance.profile_id]

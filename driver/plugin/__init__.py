@@ -1,0 +1,1 @@
+"""The kubelet plugin: registration, DRA and health gRPC services on Unix sockets."""

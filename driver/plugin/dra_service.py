@@ -1,0 +1,61 @@
+"""The DRAPlugin gRPC service, v1 and v1beta1, translating messages to Driver calls."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from driver.claims import ClaimRef
+from driver.driver import Driver
+from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+
+
+def _refs(claims: Any) -> list[ClaimRef]:
+    return [ClaimRef(namespace=c.namespace, name=c.name, uid=c.uid) for c in claims]
+
+
+def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type:
+    """One servicer class per API version: the versions differ only in their message types and
+    in v1's share_id field."""
+
+    class Servicer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, driver: Driver) -> None:
+            self._driver = driver
+
+        def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+            response = messages.NodePrepareResourcesResponse()
+            for uid, result in self._driver.prepare(_refs(request.claims)).items():
+                entry = response.claims[uid]
+                if result.error:
+                    entry.error = result.error
+                    continue
+                for device in result.devices:
+                    fields: dict[str, Any] = {
+                        "request_names": list(device.request_names),
+                        "pool_name": device.pool,
+                        "device_name": device.device,
+                        "cdi_device_ids": list(device.cdi_ids),
+                    }
+                    if has_share_id and device.share_id:
+                        fields["share_id"] = device.share_id
+                    entry.devices.append(messages.Device(**fields))
+            return response
+
+        def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+            response = messages.NodeUnprepareResourcesResponse()
+            for uid, error in self._driver.unprepare(_refs(request.claims)).items():
+                response.claims[uid].error = error
+            return response
+
+    return Servicer
+
+
+DraV1Service = _make_servicer(dra_v1_pb2_grpc.DRAPluginServicer, dra_v1_pb2, has_share_id=True)
+DraV1beta1Service = _make_servicer(dra_v1beta1_pb2_grpc.DRAPluginServicer, dra_v1beta1_pb2, has_share_id=False)
+
+
+def add_dra_services(server: grpc.Server, driver: Driver) -> None:
+    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1Service(driver), server)
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(driver), server)

@@ -1,0 +1,42 @@
+"""The plugin-watcher registration service kubelet calls on `<registrar-dir>/<driver>-reg.sock`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
+from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+
+log = logging.getLogger(__name__)
+
+# Kubelet takes the first version it supports, so the newest comes first.
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+
+
+class RegistrationService(reg_grpc.RegistrationServicer):
+    def __init__(self, driver_name: str, endpoint: str) -> None:
+        self._driver_name = driver_name
+        self._endpoint = endpoint
+        self.registered = threading.Event()
+
+    def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
+        return reg_pb.PluginInfo(
+            type="DRAPlugin",
+            name=self._driver_name,
+            endpoint=self._endpoint,
+            supported_versions=list(SUPPORTED_VERSIONS),
+        )
+
+    def NotifyRegistrationStatus(
+        self, request: reg_pb.RegistrationStatus, context: grpc.ServicerContext
+    ) -> reg_pb.RegistrationStatusResponse:
+        if request.plugin_registered:
+            log.info("registered with kubelet")
+            self.registered.set()
+        else:
+            log.error("kubelet rejected the registration: %s", request.error)
+            self.registered.clear()
+        return reg_pb.RegistrationStatusResponse()

@@ -1,0 +1,123 @@
+"""The `fgpu kubelet-plugin` process: wires discovery, state, CDI and publishing to the gRPC
+services, serves until SIGTERM, then removes its sockets and keeps its state."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from driver.cdi import CdiWriter, DriverFiles
+from driver.checkpoint import Checkpoint
+from driver.devices import node_devices
+from driver.discovery import discover_gpus
+from driver.driver import Driver
+from driver.kube import ClientKubeApi, KubeApi
+from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.nvml.session import NvmlSession
+from driver.plugin.dra_service import add_dra_services
+from driver.plugin.registration import RegistrationService
+from driver.plugin.sockets import prepare_socket_path, remove_socket
+from driver.publisher import SlicePublisher
+from driver.settings import PluginSettings
+from driver.state import PreparedClaims
+
+log = logging.getLogger(__name__)
+
+ORPHAN_SPEC_MIN_AGE_S = 120  # older than any prepare in flight (kubelet's timeout is 45 s)
+
+
+def sweep_orphan_cdi_specs(
+    cdi: CdiWriter, claims: PreparedClaims, min_age_s: float = ORPHAN_SPEC_MIN_AGE_S
+) -> list[str]:
+    """Remove spec files of claims the checkpoint does not know: left by a crash between writing
+    the spec and recording the claim. Young files may belong to another instance's prepare in
+    flight (rolling update), so they stay."""
+    known = claims.all()
+    now = time.time()
+    removed = []
+    for uid in sorted(cdi.claim_uids_on_disk() - set(known)):
+        path = cdi.spec_path(uid)
+        try:
+            if now - path.stat().st_mtime < min_age_s:
+                continue
+        except FileNotFoundError:
+            continue
+        cdi.remove(uid)
+        removed.append(uid)
+        log.info("removed orphaned CDI spec %s (claim %s is not prepared)", path, uid)
+    return removed
+
+
+class PluginProcess:
+    def __init__(self, settings: PluginSettings, api: KubeApi | None = None) -> None:
+        self.settings = settings
+        self._nvml = NvmlSession.open(settings.nvml)
+        self.gpus = discover_gpus(self._nvml)
+        log.info("discovered %d GPU(s): %s", len(self.gpus), ", ".join(g.product_name for g in self.gpus))
+        self.api = api or ClientKubeApi(settings.kubeconfig)
+        self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
+        self.cdi = CdiWriter(settings.cdi_dir, settings.driver_name, DriverFiles.discover(settings.driver_root))
+        self.driver = Driver(settings.driver_name, settings.node_name, self.gpus, self.api, self.claims, self.cdi)
+        self.publisher = SlicePublisher(self.api, settings.driver_name, settings.node_name, node_devices(self.gpus))
+        self.health = health.HealthServicer()
+        self._servers: list[grpc.Server] = []
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        settings = self.settings
+        sweep_orphan_cdi_specs(self.cdi, self.claims)
+        self.publisher.start()
+
+        dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
+        add_dra_services(dra_server, self.driver)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
+        dra_server.add_insecure_port(prepare_socket_path(settings.dra_socket))
+        if settings.healthcheck_port >= 0:
+            dra_server.add_insecure_port(f"[::]:{settings.healthcheck_port}")
+        dra_server.start()
+        self._servers.append(dra_server)
+        log.info("DRA service on %s", settings.dra_socket)
+
+        registration = RegistrationService(settings.driver_name, str(settings.dra_socket.absolute()))
+        reg_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration"))
+        reg_grpc.add_RegistrationServicer_to_server(registration, reg_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, reg_server)
+        reg_server.add_insecure_port(prepare_socket_path(settings.registration_socket))
+        reg_server.start()
+        self._servers.append(reg_server)
+        log.info("registration service on %s", settings.registration_socket)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.publisher.stop()
+        for server in self._servers:
+            server.stop(grace=5).wait()
+        for path in (self.settings.registration_socket, self.settings.dra_socket):
+            remove_socket(path)
+        self._nvml.close()
+        log.info("stopped; sockets removed, state kept in %s", self.settings.state_dir)
+
+    def serve_until_signal(self) -> None:
+        done = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: done.set())
+        self.start()
+        done.wait()
+        self.stop()
+
+
+def run_plugin(settings: PluginSettings) -> None:
+    for directory in (settings.state_dir, settings.cdi_dir, Path(settings.plugin_dir)):
+        directory.mkdir(parents=True, exist_ok=True)
+    PluginProcess(settings).serve_until_signal()

@@ -1,0 +1,115 @@
+"""Publishes the node's pool as ResourceSlices and keeps it there.
+
+Kubelet deletes all of a node's slices when it starts, and a user may delete or edit one; the
+publisher watches its own slices and restores them within seconds. Changes bump the pool
+generation, rewrite the slices in place and delete obsolete ones. An unreachable API server is
+retried with backoff, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from driver.devices import Device
+from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
+from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
+
+log = logging.getLogger(__name__)
+
+
+class SlicePublisher:
+    def __init__(self, api: KubeApi, driver: str, node: str, devices: list[Device], resync_s: int = 60) -> None:
+        self._api = api
+        self._driver = driver
+        self._node = node
+        self._devices = devices
+        self._resync_s = resync_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owner: dict[str, Any] | None = None
+        self.published = threading.Event()
+
+    def set_devices(self, devices: list[Device]) -> None:
+        with self._lock:
+            self._devices = devices
+        self.reconcile()
+
+    def reconcile(self) -> str:
+        """Make the API server hold exactly our slices; returns the list's resourceVersion."""
+        with self._lock:
+            if self._owner is None:
+                self._owner = node_owner(self._api.get_node(self._node))
+            existing, resource_version = self._api.list_slices(self._driver, self._node)
+            desired = build_slices(self._driver, self._node, self._devices, 0, self._owner)
+            if self._up_to_date(existing, desired):
+                self.published.set()
+                return resource_version
+            generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0) + 1
+            desired = build_slices(self._driver, self._node, self._devices, generation, self._owner)
+            by_name = {s["metadata"]["name"]: s for s in existing}
+            for body in desired:
+                name = body["metadata"]["name"]
+                if name in by_name:
+                    body["metadata"]["resourceVersion"] = by_name.pop(name)["metadata"]["resourceVersion"]
+                    self._api.replace_slice(name, body)
+                else:
+                    self._api.create_slice(body)
+            for name in by_name:
+                self._api.delete_slice(name)
+            log.info("published pool %s generation %d: %d slice(s)", self._node, generation, len(desired))
+            self.published.set()
+            return ""
+
+    @staticmethod
+    def _up_to_date(existing: list[dict[str, Any]], desired: list[dict[str, Any]]) -> bool:
+        if len(existing) != len(desired):
+            return False
+        want = {s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION] for s in desired}
+        generations = {s["spec"]["pool"]["generation"] for s in existing}
+        return len(generations) == 1 and all(
+            want.get(s["metadata"]["name"]) == (s["metadata"].get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
+            for s in existing
+        )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="slice-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                resource_version = self.reconcile()
+                backoff = 1.0
+                self._watch_until_change(resource_version)
+            except (KubeUnavailableError, NotFoundError) as err:
+                log.warning("publishing ResourceSlices failed, retrying in %.0fs: %s", backoff, err)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+            except Exception:
+                log.exception("unexpected error publishing ResourceSlices; retrying in %.0fs", backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _watch_until_change(self, resource_version: str) -> None:
+        """Return as soon as our slices may differ from what we want, or after the resync period."""
+        with self._lock:
+            desired = build_slices(self._driver, self._node, self._devices, 0, self._owner)
+        wanted = {s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION] for s in desired}
+        for event_type, obj in self._api.watch_slices(self._driver, self._node, resource_version, self._resync_s):
+            if self._stop.is_set():
+                return
+            name = obj.get("metadata", {}).get("name")
+            annotations = obj.get("metadata", {}).get("annotations") or {}
+            if event_type == "DELETED" or event_type == "ERROR":
+                log.info("ResourceSlice %s %s; republishing", name, event_type.lower())
+                return
+            if wanted.get(name) != annotations.get(SPEC_HASH_ANNOTATION):
+                log.info("ResourceSlice %s changed by someone else; republishing", name)
+                return

@@ -1,0 +1,116 @@
+"""Command-line flags and their environment variables -> one typed settings object."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    driver_name: str
+    node_name: str
+    registrar_dir: Path
+    plugin_dir: Path
+    cdi_dir: Path
+    state_dir: Path
+    nvml: str
+    kubeconfig: str | None
+    driver_root: Path
+    healthcheck_port: int
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.registrar_dir / f"{self.driver_name}-reg.sock"
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin_dir / "dra.sock"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.state_dir / "checkpoint.json"
+
+
+def _env_default(parser_default: str | None, env: str) -> str | None:
+    return os.environ.get(env, parser_default)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver-name", default=_env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"), help="DRA driver name [DRIVER_NAME]"
+    )
+    parser.add_argument("--node-name", default=_env_default(None, "NODE_NAME"), help="this node's name [NODE_NAME]")
+    parser.add_argument(
+        "--nvml",
+        default=_env_default("real", "NVML"),
+        help="'real' (the NVML library) or 'mock:<machine|profile.yaml>' [NVML]",
+    )
+
+
+def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
+    add_common_flags(parser)
+    parser.add_argument(
+        "--registrar-dir",
+        default=_env_default("/var/lib/kubelet/plugins_registry", "REGISTRAR_DIR"),
+        help="kubelet's plugin registry directory [REGISTRAR_DIR]",
+    )
+    parser.add_argument(
+        "--plugin-dir",
+        default=_env_default(None, "PLUGIN_DIR"),
+        help="directory of the DRA socket, default /var/lib/kubelet/plugins/<driver> [PLUGIN_DIR]",
+    )
+    parser.add_argument(
+        "--cdi-dir", default=_env_default("/var/run/cdi", "CDI_DIR"), help="CDI spec directory [CDI_DIR]"
+    )
+    parser.add_argument(
+        "--state-dir", default=_env_default(None, "STATE_DIR"), help="checkpoint directory, default the plugin dir"
+    )
+    parser.add_argument(
+        "--kubeconfig", default=_env_default(None, "KUBECONFIG"), help="kubeconfig; in-cluster config when absent"
+    )
+    parser.add_argument(
+        "--driver-root",
+        default=_env_default("/", "DRIVER_ROOT"),
+        help="where the NVIDIA driver files are [DRIVER_ROOT]",
+    )
+    parser.add_argument(
+        "--healthcheck-port",
+        type=int,
+        default=int(_env_default("-1", "HEALTHCHECK_PORT") or -1),
+        help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
+    )
+
+
+def validate_names(args: argparse.Namespace) -> None:
+    if not DNS_SUBDOMAIN.match(args.driver_name or "") or len(args.driver_name) > 63:
+        raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
+    if not args.node_name:
+        raise SettingsError("--node-name (or NODE_NAME) is required")
+
+
+def plugin_settings(args: argparse.Namespace) -> PluginSettings:
+    validate_names(args)
+    plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
+    return PluginSettings(
+        driver_name=args.driver_name,
+        node_name=args.node_name,
+        registrar_dir=Path(args.registrar_dir),
+        plugin_dir=plugin_dir,
+        cdi_dir=Path(args.cdi_dir),
+        state_dir=Path(args.state_dir) if args.state_dir else plugin_dir,
+        nvml=args.nvml,
+        kubeconfig=args.kubeconfig,
+        driver_root=Path(args.driver_root),
+        healthcheck_port=args.healthcheck_port,
+    )
