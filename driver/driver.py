@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from driver.cdi import CdiDevice, CdiWriter
 from driver.claims import ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
-from driver.discovery import GpuInfo
 from driver.devices import whole_gpu_name
+from driver.discovery import GpuInfo
 from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
 from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
 

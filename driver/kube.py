@@ -96,10 +96,8 @@ class ClientKubeApi:
         return self._call(self._resource.replace_resource_slice, name, body)
 
     def delete_slice(self, name: str) -> None:
-        try:
+        with contextlib.suppress(NotFoundError):
             self._call(self._resource.delete_resource_slice, name)
-        except NotFoundError:
-            pass
 
     def watch_slices(
         self, driver: str, node: str, resource_version: str, timeout_s: int

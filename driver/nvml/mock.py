@@ -351,30 +351,30 @@ class MockNvml:
     def nvmlDeviceCreateGpuInstanceWithPlacement(
         self, device: object, profileId: int, placement: pynvml.c_nvmlGpuInstancePlacement_t
     ) -> MockGpuInstance:
-        geometry = self._geometry(profileId)
-        if placement.start not in geometry.starts or placement.size != geometry.memory_slices:
-            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         index = self._gpu_index(device)
         with self._machine(write=True) as machine:
             gpu = machine.gpus[index]
             self._require_mig(gpu)
+            geometry = self._geometry(profileId)
+            if placement.start not in geometry.starts or placement.size != geometry.memory_slices:
+                raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             gi_id = self._create_gpu_instance(gpu, profileId, placement.start)
         return MockGpuInstance(index, gi_id)
 
     def nvmlDeviceCreateGpuInstance(self, device: object, profileId: int) -> MockGpuInstance:
         """Lets the driver choose the placement: small profiles fill from the top, as NVIDIA's does,
         which is why creation order matters (19,19,14,9 fails where 9 first succeeds)."""
-        geometry = self._geometry(profileId)
         index = self._gpu_index(device)
         with self._machine(write=True) as machine:
             gpu = machine.gpus[index]
             self._require_mig(gpu)
+            geometry = self._geometry(profileId)
             for start in sorted(geometry.starts, reverse=True):
                 if self._placement_free(gpu, start, geometry.memory_slices):
                     return MockGpuInstance(index, self._create_gpu_instance(gpu, profileId, start))
         raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
 
-    def _geometry(self, profile_id: int):  # noqa: ANN202 - geometry dataclass
+    def _geometry(self, profile_id: int):
         geometry = GEOMETRY_BY_ID.get(profile_id)
         if geometry is None or profile_id not in self.machine.gpu.mig_profiles:
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -538,7 +538,7 @@ class MockNvml:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return device.ci_id
 
-    def _mig_spec_of(self, gpu: GpuState, gi_id: int):  # noqa: ANN202
+    def _mig_spec_of(self, gpu: GpuState, gi_id: int):
         instance = gpu.gpu_instances.get(gi_id)
         if instance is None:
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)

@@ -4,7 +4,7 @@
 # cache outside the tree. A stamp of the module files and our sources makes a second build free.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-version="$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/go.mod")"
+version="$(cd "$here" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
 out="${FGPU_CLUSTER_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/fgpu/k8s-${version#v}}"
 stamp="$(cat "$here/go.mod" "$here/go.sum" $(find "$here/cmd" -name '*.go' | sort) | sha256sum | cut -c1-16)"
 
@@ -15,14 +15,14 @@ fi
 mkdir -p "$out"
 cd "$here"
 export CGO_ENABLED=0
-# -p 2 keeps memory in check on small machines; -trimpath keeps paths out of the binaries.
+# -p 2 keeps memory in check on small machines.
 for target in kube-apiserver kube-controller-manager kube-scheduler; do
   echo "building $target ..." >&2
-  go build -p 2 -trimpath -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=${version} -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$(echo "$version" | cut -d. -f2)" -o "$out/$target" "k8s.io/kubernetes/cmd/$target"
+  go build -p 2 -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=${version} -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$(echo "$version" | cut -d. -f2)" -o "$out/$target" "k8s.io/kubernetes/cmd/$target"
 done
 for target in etcd allocate; do
   echo "building $target ..." >&2
-  go build -trimpath -o "$out/$target" "./cmd/$target"
+  go build -o "$out/$target" "./cmd/$target"
 done
 echo "$stamp" > "$out/.stamp"
 echo "$out"

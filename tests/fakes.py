@@ -1,0 +1,135 @@
+"""An in-memory KubeApi for unit tests: same methods and JSON shapes as driver.kube.ClientKubeApi.
+
+Integration and end-to-end tests use the real control plane (tests/cluster) instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from driver.kube import JsonObject, KubeUnavailableError, NotFoundError
+
+
+class InMemoryKubeApi:
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], JsonObject] = {}
+        self.nodes: dict[str, JsonObject] = {}
+        self.slices: dict[str, JsonObject] = {}
+        self.unavailable = False
+        self.claim_gets = 0
+        self._version = 0
+        self._lock = threading.Lock()
+        self._watchers: list[queue.Queue[tuple[str, JsonObject]]] = []
+
+    def _check(self) -> None:
+        if self.unavailable:
+            raise KubeUnavailableError("connection refused")
+
+    def _bump(self, obj: JsonObject) -> JsonObject:
+        self._version += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self._version)
+        return obj
+
+    def _notify(self, event: str, obj: JsonObject) -> None:
+        for watcher in list(self._watchers):
+            watcher.put((event, copy.deepcopy(obj)))
+
+    # KubeApi
+    def get_claim(self, namespace: str, name: str) -> JsonObject:
+        self._check()
+        self.claim_gets += 1
+        try:
+            return copy.deepcopy(self.claims[(namespace, name)])
+        except KeyError:
+            raise NotFoundError(f"{namespace}/{name}") from None
+
+    def get_node(self, name: str) -> JsonObject:
+        self._check()
+        try:
+            return copy.deepcopy(self.nodes[name])
+        except KeyError:
+            raise NotFoundError(name) from None
+
+    def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
+        self._check()
+        with self._lock:
+            items = [
+                copy.deepcopy(s)
+                for s in self.slices.values()
+                if s["spec"]["driver"] == driver and s["spec"].get("nodeName") == node
+            ]
+            return items, str(self._version)
+
+    def create_slice(self, body: JsonObject) -> JsonObject:
+        self._check()
+        with self._lock:
+            name = body["metadata"]["name"]
+            if name in self.slices:
+                raise ValueError(f"slice {name} already exists")
+            self.slices[name] = self._bump(copy.deepcopy(body))
+            self._notify("ADDED", self.slices[name])
+            return copy.deepcopy(self.slices[name])
+
+    def replace_slice(self, name: str, body: JsonObject) -> JsonObject:
+        self._check()
+        with self._lock:
+            current = self.slices.get(name)
+            if current is None:
+                raise NotFoundError(name)
+            if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                raise ValueError("conflict")
+            self.slices[name] = self._bump(copy.deepcopy(body))
+            self._notify("MODIFIED", self.slices[name])
+            return copy.deepcopy(self.slices[name])
+
+    def delete_slice(self, name: str) -> None:
+        self._check()
+        with self._lock:
+            removed = self.slices.pop(name, None)
+            if removed is not None:
+                self._notify("DELETED", removed)
+
+    def watch_slices(
+        self, driver: str, node: str, resource_version: str, timeout_s: int
+    ) -> Iterator[tuple[str, JsonObject]]:
+        self._check()
+        events: queue.Queue[tuple[str, JsonObject]] = queue.Queue()
+        self._watchers.append(events)
+        try:
+            while True:
+                try:
+                    event, obj = events.get(timeout=timeout_s)
+                except queue.Empty:
+                    return
+                if obj["spec"]["driver"] == driver and obj["spec"].get("nodeName") == node:
+                    yield event, obj
+        finally:
+            self._watchers.remove(events)
+
+
+def node_object(name: str, uid: str = "node-uid-1") -> JsonObject:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+
+
+def allocated_claim(
+    namespace: str,
+    name: str,
+    uid: str,
+    results: list[dict[str, Any]],
+    config: list[dict[str, Any]] | None = None,
+) -> JsonObject:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": r["request"].split("/")[0]} for r in results]}},
+        "status": {"allocation": {"devices": {"results": results, "config": config or []}}},
+    }
+
+
+def result(device: str, request: str = "gpu", pool: str = "node-a", driver: str = "gpu.fgpu.dev") -> dict[str, Any]:
+    return {"request": request, "driver": driver, "pool": pool, "device": device}

@@ -1,0 +1,116 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from driver.cdi import CdiWriter, DriverFiles
+from driver.checkpoint import Checkpoint
+from driver.claims import ClaimRef
+from driver.discovery import discover_gpus
+from driver.driver import Driver
+from driver.nvml.session import NvmlSession
+from driver.state import PreparedClaims
+from tests.fakes import InMemoryKubeApi, allocated_claim, result
+
+NODE = "node-a"
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    api = InMemoryKubeApi()
+    gpus = discover_gpus(NvmlSession.open("mock:dgx-h100"))
+    claims = PreparedClaims(Checkpoint(tmp_path / "state" / "checkpoint.json", boot_id="b"))
+    cdi = CdiWriter(tmp_path / "cdi", "gpu.fgpu.dev", DriverFiles(root=Path("/")))
+    return api, Driver("gpu.fgpu.dev", NODE, gpus, api, claims, cdi), cdi, claims
+
+
+def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "default") -> ClaimRef:
+    api.claims[(ns, name)] = allocated_claim(ns, name, uid, results)
+    return ClaimRef(ns, name, uid)
+
+
+def test_prepare_writes_cdi_and_is_idempotent(env):
+    api, driver, cdi, claims = env
+    ref = add_claim(api, "c1", "uid-1", [result("gpu-3", request="gpus"), result("gpu-5", request="gpus/h100")])
+    first = driver.prepare([ref])["uid-1"]
+    assert first.error == ""
+    assert [(d.device, d.request_names) for d in first.devices] == [("gpu-3", ("gpus",)), ("gpu-5", ("gpus",))]
+    assert first.devices[0].cdi_ids == ("k8s.gpu.fgpu.dev/claim=uid-1-gpu-3",)
+    spec = json.loads(cdi.spec_path("uid-1").read_text())
+    assert spec["kind"] == "k8s.gpu.fgpu.dev/claim"
+    nodes = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
+    assert nodes == {"uid-1-gpu-3": ["/dev/nvidia3"], "uid-1-gpu-5": ["/dev/nvidia5"]}
+    assert {"path": "/dev/nvidiactl"} in spec["containerEdits"]["deviceNodes"]
+    gets = api.claim_gets
+    assert driver.prepare([ref])["uid-1"] == first
+    assert api.claim_gets == gets  # answered from the checkpoint
+    cdi.spec_path("uid-1").unlink()
+    assert driver.prepare([ref])["uid-1"] == first
+    assert cdi.spec_path("uid-1").exists()  # a lost spec is rewritten
+
+
+def test_bad_claims_fail_alone_and_change_nothing(env):
+    api, driver, cdi, claims = env
+    good = add_claim(api, "good", "uid-good", [result("gpu-0")])
+    mismatch = add_claim(api, "recreated", "uid-new", [result("gpu-1")])
+    other_node = add_claim(api, "elsewhere", "uid-far", [result("gpu-2", pool="node-b")])
+    other_driver = add_claim(api, "theirs", "uid-theirs", [result("gpu-2", driver="gpu.nvidia.com")])
+    unknown = add_claim(api, "unknown", "uid-unknown", [result("gpu-99")])
+    api.claims[("default", "pending")] = {"metadata": {"name": "pending", "uid": "uid-pending"}, "status": {}}
+    pending = ClaimRef("default", "pending", "uid-pending")
+    missing = ClaimRef("default", "missing", "uid-missing")
+    batch = [good, ClaimRef("default", "recreated", "uid-old"), other_node, other_driver, unknown, pending, missing]
+    results = driver.prepare(batch)
+    assert results["uid-good"].error == ""
+    expectations = {
+        "uid-old": "UID mismatch",
+        "uid-far": "not this node's pool node-a",
+        "uid-theirs": "no device of driver gpu.fgpu.dev",
+        "uid-unknown": "'gpu-99' is not a device",
+        "uid-pending": "not allocated",
+        "uid-missing": "does not exist",
+    }
+    for uid, reason in expectations.items():
+        assert reason in results[uid].error
+        assert uid in results[uid].error  # names the claim
+    assert set(claims.all()) == {"uid-good"}
+    assert cdi.claim_uids_on_disk() == {"uid-good"}
+    assert mismatch.uid not in results
+
+
+def test_api_server_unreachable_is_a_per_claim_error(env):
+    api, driver, cdi, claims = env
+    ref = add_claim(api, "c1", "uid-1", [result("gpu-0")])
+    api.unavailable = True
+    outcome = driver.prepare([ref])["uid-1"]
+    assert "cannot read the claim from the API server" in outcome.error
+    assert claims.all() == {}
+    api.unavailable = False
+    assert driver.prepare([ref])["uid-1"].error == ""
+
+
+def test_unprepare_removes_only_that_claim_and_unknown_succeeds(env):
+    api, driver, cdi, claims = env
+    a = add_claim(api, "a", "uid-a", [result("gpu-0")])
+    b = add_claim(api, "b", "uid-b", [result("gpu-1")])
+    driver.prepare([a, b])
+    errors = driver.unprepare([a, ClaimRef("default", "ghost", "uid-ghost")])
+    assert errors == {"uid-a": "", "uid-ghost": ""}
+    assert set(claims.all()) == {"uid-b"}
+    assert cdi.claim_uids_on_disk() == {"uid-b"}
+    assert driver.unprepare([a]) == {"uid-a": ""}
+
+
+def test_driver_libraries_are_mounted_from_the_driver_root(tmp_path: Path):
+    root = tmp_path / "driver-root"
+    (root / "usr/lib/x86_64-linux-gnu").mkdir(parents=True)
+    (root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05").write_text("")
+    (root / "usr/lib/x86_64-linux-gnu/libunrelated.so.1").write_text("")
+    (root / "usr/bin").mkdir()
+    (root / "usr/bin/nvidia-smi").write_text("")
+    files = DriverFiles.discover(root)
+    assert files.libraries == ("usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05", "usr/bin/nvidia-smi")
+    spec = CdiWriter(tmp_path / "cdi", "gpu.fgpu.dev", files).spec("u", [])
+    mounts = spec["containerEdits"]["mounts"]
+    assert mounts[0]["hostPath"] == str(root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
+    assert mounts[0]["containerPath"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05"
