@@ -30,7 +30,7 @@ def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "def
 
 
 def test_prepare_writes_cdi_and_is_idempotent(env):
-    api, driver, cdi, claims = env
+    api, driver, cdi, _ = env
     ref = add_claim(api, "c1", "uid-1", [result("gpu-3", request="gpus"), result("gpu-5", request="gpus/h100")])
     first = driver.prepare([ref])["uid-1"]
     assert first.error == ""
@@ -79,7 +79,7 @@ def test_bad_claims_fail_alone_and_change_nothing(env):
 
 
 def test_api_server_unreachable_is_a_per_claim_error(env):
-    api, driver, cdi, claims = env
+    api, driver, _, claims = env
     ref = add_claim(api, "c1", "uid-1", [result("gpu-0")])
     api.unavailable = True
     outcome = driver.prepare([ref])["uid-1"]
