@@ -1,0 +1,305 @@
+"""The test control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler built
+from upstream (build.sh), started on loopback with generated certificates, RBAC and the DRA
+feature gates, plus fake Node objects.
+
+As a pytest session fixture: `Cluster(workdir).start()` ... `.stop()`. By hand:
+  python -m tests.cluster.harness up [--nodes N]   # prints the kubeconfig path
+  python -m tests.cluster.harness down
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+FEATURE_GATES = ",".join(
+    f"{gate}=true"
+    for gate in (
+        "DRAConsumableCapacity",
+        "DRAPartitionableDevices",
+        "DRADeviceBindingConditions",
+        "DRADeviceTaints",
+        "DRADeviceTaintRules",
+    )
+)
+RUN_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fgpu" / "cluster-run"
+START_TIMEOUT_S = 60
+
+
+def build_binaries() -> Path:
+    """Build (or find cached) control-plane binaries; returns their directory."""
+    run = subprocess.run([str(HERE / "build.sh")], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"building the control plane failed:\n{run.stderr[-4000:]}")
+    return Path(run.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@dataclass
+class Pki:
+    """A throw-away CA, the apiserver's serving certificate, client certificates and SA keys."""
+
+    directory: Path
+
+    def path(self, name: str) -> str:
+        return str(self.directory / name)
+
+    def generate(self, clients: dict[str, tuple[str, str]]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=fgpu-test-ca",
+                 "-keyout", self.path("ca.key"), "-out", self.path("ca.crt"))  # fmt: skip
+        san = "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc"
+        self._sign("apiserver", "/CN=kube-apiserver", extension=san)
+        for name, (common_name, organization) in clients.items():
+            subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
+            self._sign(name, subject, extension="extendedKeyUsage=clientAuth")
+        _openssl("genrsa", "-out", self.path("sa.key"), "2048")
+        _openssl("rsa", "-in", self.path("sa.key"), "-pubout", "-out", self.path("sa.pub"))
+
+    def _sign(self, name: str, subject: str, extension: str) -> None:
+        extfile = self.directory / f"{name}.ext"
+        extfile.write_text(extension + "\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+                 "-keyout", self.path(f"{name}.key"), "-out", self.path(f"{name}.csr"))  # fmt: skip
+        _openssl("x509", "-req", "-in", self.path(f"{name}.csr"), "-CA", self.path("ca.crt"),
+                 "-CAkey", self.path("ca.key"), "-CAcreateserial", "-days", "2",
+                 "-extfile", str(extfile), "-out", self.path(f"{name}.crt"))  # fmt: skip
+
+
+def write_kubeconfig(path: Path, server: str, pki: Pki, user: str) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fgpu-test", "cluster": {"server": server, "certificate-authority": pki.path("ca.crt")}}],
+        "users": [
+            {
+                "name": user,
+                "user": {"client-certificate": pki.path(f"{user}.crt"), "client-key": pki.path(f"{user}.key")},
+            }
+        ],
+        "contexts": [{"name": "fgpu-test", "context": {"cluster": "fgpu-test", "user": user}}],
+        "current-context": "fgpu-test",
+    }
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def node_object(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})},
+        },
+        "status": {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake node"}],
+        },
+    }
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    binaries: Path | None = None
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    kubeconfig: Path | None = None
+
+    def start(self) -> Cluster:
+        started = time.monotonic()
+        binaries = self.binaries or build_binaries()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        pki = Pki(self.workdir / "pki")
+        pki.generate(
+            {
+                "admin": ("fgpu-admin", "system:masters"),
+                "controller-manager": ("system:kube-controller-manager", ""),
+                "scheduler": ("system:kube-scheduler", ""),
+            }
+        )
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig = write_kubeconfig(self.workdir / "admin.kubeconfig", server, pki, "admin")
+        kcm_config = write_kubeconfig(self.workdir / "controller-manager.kubeconfig", server, pki, "controller-manager")
+        scheduler_config = write_kubeconfig(self.workdir / "scheduler.kubeconfig", server, pki, "scheduler")
+
+        self._spawn("etcd", [str(binaries / "etcd"), f"--data-dir={self.workdir / 'etcd'}",
+                             f"--listen-client-url=http://127.0.0.1:{etcd_port}",
+                             f"--listen-peer-url=http://127.0.0.1:{peer_port}"], logs)  # fmt: skip
+        self._spawn("kube-apiserver", [
+            str(binaries / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--tls-cert-file={pki.path('apiserver.crt')}", f"--tls-private-key-file={pki.path('apiserver.key')}",
+            f"--client-ca-file={pki.path('ca.crt')}",
+            f"--service-account-key-file={pki.path('sa.pub')}",
+            f"--service-account-signing-key-file={pki.path('sa.key')}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            "--authorization-mode=Node,RBAC",
+            "--service-cluster-ip-range=10.96.0.0/24",
+            f"--feature-gates={FEATURE_GATES}",
+            "--enable-priority-and-fairness=false", "--profiling=false",
+        ], logs)  # fmt: skip
+        self._wait_for_apiserver()
+        self._spawn("kube-controller-manager", [
+            str(binaries / "kube-controller-manager"),
+            f"--kubeconfig={kcm_config}", "--leader-elect=false", "--secure-port=0",
+            f"--service-account-private-key-file={pki.path('sa.key')}", f"--root-ca-file={pki.path('ca.crt')}",
+            # No kubelet heartbeats here: the node lifecycle controller would taint the fake nodes.
+            "--controllers=*,-nodelifecycle,-cloud-node-lifecycle,-nodeipam",
+            f"--feature-gates={FEATURE_GATES}",
+        ], logs)  # fmt: skip
+        self._spawn("kube-scheduler", [
+            str(binaries / "kube-scheduler"),
+            f"--kubeconfig={scheduler_config}", "--leader-elect=false", "--secure-port=0",
+            f"--feature-gates={FEATURE_GATES}",
+        ], logs)  # fmt: skip
+        self._wait_for_default_service_account()
+        log.info("control plane up in %.1fs: %s", time.monotonic() - started, self.kubeconfig)
+        return self
+
+    def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
+        with open(logs / f"{name}.log", "wb") as output:
+            self.processes[name] = subprocess.Popen(
+                argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+
+    def api_client(self) -> kubernetes.client.ApiClient:
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
+        return kubernetes.client.ApiClient(configuration)
+
+    def _poll(self, what: str, probe: Any) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if probe():
+                    return
+            except Exception as err:  # not up yet: connection refused, 403 during bootstrap ...
+                last = err
+            time.sleep(0.2)
+        raise TimeoutError(f"{what} not ready after {START_TIMEOUT_S}s: {last}")
+
+    def _wait_for_apiserver(self) -> None:
+        client = self.api_client()
+
+        def ready() -> bool:
+            response = client.call_api("/readyz", "GET", _preload_content=False, _request_timeout=2)
+            return response.status == 200
+
+        self._poll("kube-apiserver", ready)
+
+    def _wait_for_default_service_account(self) -> None:
+        core = kubernetes.client.CoreV1Api(self.api_client())
+        self._poll("default service account", lambda: core.read_namespaced_service_account("default", "default"))
+
+    def add_node(self, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        core = kubernetes.client.CoreV1Api(self.api_client())
+        created = core.create_node(node_object(name, labels))
+        # Node status set at creation is kept; make sure Ready holds (status subresource).
+        core.patch_node_status(name, {"status": node_object(name)["status"]})
+        return created.to_dict()
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            process = self.processes[name]
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        self.processes.clear()
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    if (RUN_DIR / "pids.json").exists():
+        print(f"a cluster seems to be running ({RUN_DIR}); run 'down' first", file=sys.stderr)
+        return 1
+    cluster = Cluster(RUN_DIR).start()
+    for i in range(args.nodes):
+        cluster.add_node(f"node-{i}")
+    (RUN_DIR / "pids.json").write_text(json.dumps({n: p.pid for n, p in cluster.processes.items()}))
+    print(cluster.kubeconfig)
+    return 0
+
+
+def _cmd_down(_: argparse.Namespace) -> int:
+    pids_file = RUN_DIR / "pids.json"
+    if not pids_file.exists():
+        print("no cluster running", file=sys.stderr)
+        return 0
+    pids = json.loads(pids_file.read_text())
+    for pid in reversed(list(pids.values())):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for pid in pids.values():
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    subprocess.run(["rm", "-rf", str(RUN_DIR)], check=True)
+    print("cluster stopped")
+    return 0
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.harness")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start a control plane with fake nodes; prints the kubeconfig")
+    up.add_argument("--nodes", type=int, default=2)
+    up.set_defaults(func=_cmd_up)
+    commands.add_parser("down", help="stop the control plane started by 'up'").set_defaults(func=_cmd_down)
+    args = parser.parse_args()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
