@@ -34,8 +34,6 @@ FEATURE_GATES = ",".join(
         "DRAConsumableCapacity",
         "DRAPartitionableDevices",
         "DRADeviceBindingConditions",
-        "DRADeviceTaints",
-        "DRADeviceTaintRules",
     )
 )
 RUN_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fgpu" / "cluster-run"
@@ -134,6 +132,13 @@ class Cluster:
     kubeconfig: Path | None = None
 
     def start(self) -> Cluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # no leftover processes from a failed start
+            raise
+
+    def _start(self) -> Cluster:
         started = time.monotonic()
         binaries = self.binaries or build_binaries()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -168,15 +173,16 @@ class Cluster:
             "--authorization-mode=Node,RBAC",
             "--service-cluster-ip-range=10.96.0.0/24",
             f"--feature-gates={FEATURE_GATES}",
-            "--enable-priority-and-fairness=false", "--profiling=false",
+            "--enable-priority-and-fairness=false", "--profiling=false", "--endpoint-reconciler-type=none",
         ], logs)  # fmt: skip
         self._wait_for_apiserver()
         self._spawn("kube-controller-manager", [
             str(binaries / "kube-controller-manager"),
             f"--kubeconfig={kcm_config}", "--leader-elect=false", "--secure-port=0",
+            "--use-service-account-credentials=true",
             f"--service-account-private-key-file={pki.path('sa.key')}", f"--root-ca-file={pki.path('ca.crt')}",
             # No kubelet heartbeats here: the node lifecycle controller would taint the fake nodes.
-            "--controllers=*,-nodelifecycle,-cloud-node-lifecycle,-nodeipam",
+            "--controllers=*,-node-lifecycle-controller,-node-ipam-controller",
             f"--feature-gates={FEATURE_GATES}",
         ], logs)  # fmt: skip
         self._spawn("kube-scheduler", [
@@ -203,6 +209,7 @@ class Cluster:
     def api_client(self) -> kubernetes.client.ApiClient:
         configuration = kubernetes.client.Configuration()
         kubernetes.config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
+        configuration.retries = False
         return kubernetes.client.ApiClient(configuration)
 
     def _poll(self, what: str, probe: Any) -> None:
@@ -222,7 +229,7 @@ class Cluster:
         client = self.api_client()
 
         def ready() -> bool:
-            response = client.call_api("/readyz", "GET", _preload_content=False, _request_timeout=2)
+            response = client.call_api("GET", f"{client.configuration.host}/readyz", _request_timeout=2)
             return response.status == 200
 
         self._poll("kube-apiserver", ready)
@@ -234,8 +241,10 @@ class Cluster:
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
         core = kubernetes.client.CoreV1Api(self.api_client())
         created = core.create_node(node_object(name, labels))
-        # Node status set at creation is kept; make sure Ready holds (status subresource).
         core.patch_node_status(name, {"status": node_object(name)["status"]})
+        # The TaintNodesByCondition admission plugin taints new nodes not-ready; the node lifecycle
+        # controller would lift it on the first heartbeat, but fake nodes have no kubelet.
+        core.patch_node(name, {"spec": {"taints": None}})
         return created.to_dict()
 
     def stop(self) -> None:

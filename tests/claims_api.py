@@ -1,0 +1,40 @@
+"""Creating ResourceClaims in the real API server for tests, allocated as kube-scheduler would."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import kubernetes
+
+DRIVER = "gpu.fgpu.dev"
+
+
+def create_claim(
+    api: kubernetes.client.ResourceV1Api,
+    name: str | None = None,
+    devices: list[tuple[str, str]] | None = None,
+    pool: str = "node-a",
+    driver: str = DRIVER,
+    namespace: str = "default",
+) -> dict[str, str]:
+    """A claim with one request per (request, device) pair, allocated to those devices when given."""
+    name = name or f"claim-{uuid.uuid4().hex[:8]}"
+    requests = sorted({request for request, _ in devices or [("gpu", "")]})
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "devices": {"requests": [{"name": r, "exactly": {"deviceClassName": "gpu.fgpu.dev"}} for r in requests]}
+        },
+    }
+    created = api.create_namespaced_resource_claim(namespace, body)
+    if devices:
+        allocation: dict[str, Any] = {
+            "devices": {
+                "results": [{"request": r, "driver": driver, "pool": pool, "device": d} for r, d in devices],
+            },
+        }
+        api.patch_namespaced_resource_claim_status(name, namespace, {"status": {"allocation": allocation}})
+    return {"namespace": namespace, "name": name, "uid": created.metadata.uid}

@@ -1,0 +1,56 @@
+"""Shared fixtures: the real control plane (session-wide) and plugin processes."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import kubernetes
+import pytest
+import yaml
+
+from tests.cluster.harness import Cluster
+from tests.plugin_process import PluginUnderTest
+
+ROOT = Path(__file__).resolve().parents[1]
+NODES = ("node-a", "node-b")
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    control_plane = Cluster(tmp_path_factory.mktemp("cluster")).start()
+    try:
+        for node in NODES:
+            control_plane.add_node(node, labels={"nvidia.com/gpu.present": "true"})
+        client = control_plane.api_client()
+        for document in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()):
+            kubernetes.utils.create_from_dict(client, document)
+        yield control_plane
+    finally:
+        control_plane.stop()
+
+
+@pytest.fixture
+def resource_api(cluster: Cluster) -> kubernetes.client.ResourceV1Api:
+    return kubernetes.client.ResourceV1Api(cluster.api_client())
+
+
+@pytest.fixture
+def core_api(cluster: Cluster) -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api(cluster.api_client())
+
+
+@pytest.fixture
+def start_plugin(cluster: Cluster) -> Iterator:
+    started: list[PluginUnderTest] = []
+
+    def start(node: str = "node-a", **kwargs: object) -> PluginUnderTest:
+        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig), **kwargs).start()
+        started.append(plugin)
+        return plugin
+
+    yield start
+    for plugin in started:
+        plugin.stop()
+        shutil.rmtree(plugin.root, ignore_errors=True)

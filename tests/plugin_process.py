@@ -1,0 +1,136 @@
+"""Runs `fgpu kubelet-plugin` as a real subprocess on real Unix sockets, and talks to it the way
+kubelet does, with clients generated from the protos."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
+from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+
+DRIVER = "gpu.fgpu.dev"
+VERSIONS = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
+
+
+def _accepts(path: Path) -> bool:
+    """A live listener, not a stale socket file left by a killed process."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def short_tempdir() -> Path:
+    """Unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer."""
+    return Path(tempfile.mkdtemp(prefix="fgpu-", dir="/tmp"))
+
+
+@dataclass
+class PluginUnderTest:
+    node: str
+    kubeconfig: str
+    root: Path = field(default_factory=short_tempdir)
+    nvml: str = "mock:dgx-h100"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def registrar_dir(self) -> Path:
+        return self.root / "registry"
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self.root / "plugin"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.registrar_dir / f"{DRIVER}-reg.sock"
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin_dir / "dra.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "plugin.log"
+
+    def start(self, wait: bool = True) -> PluginUnderTest:
+        argv = [
+            sys.executable, "-m", "driver.cli", "kubelet-plugin",
+            f"--node-name={self.node}", f"--nvml={self.nvml}", f"--kubeconfig={self.kubeconfig}",
+            f"--registrar-dir={self.registrar_dir}", f"--plugin-dir={self.plugin_dir}", f"--cdi-dir={self.cdi_dir}",
+        ]  # fmt: skip
+        env = {**os.environ, **self.extra_env}
+        env.pop("KUBECONFIG", None)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_for_sockets()
+        return self
+
+    def wait_for_sockets(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"plugin exited with {self.process.returncode}:\n{self.logs()}")
+            if _accepts(self.registration_socket) and _accepts(self.dra_socket):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"plugin sockets did not appear:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    # --- kubelet's side of the wire -------------------------------------------------------------
+
+    def register(self) -> reg_pb.PluginInfo:
+        with grpc.insecure_channel(f"unix://{self.registration_socket}") as channel:
+            stub = reg_grpc.RegistrationStub(channel)
+            info = stub.GetInfo(reg_pb.InfoRequest(), timeout=5)
+            stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+        return info
+
+    def prepare(self, claims: list[dict[str, str]], version: str = "v1") -> dict[str, Any]:
+        messages, stubs = VERSIONS[version]
+        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
+            response = stubs.DRAPluginStub(channel).NodePrepareResources(
+                messages.NodePrepareResourcesRequest(claims=[messages.Claim(**c) for c in claims]), timeout=45
+            )
+        return dict(response.claims)
+
+    def unprepare(self, claims: list[dict[str, str]], version: str = "v1") -> dict[str, str]:
+        messages, stubs = VERSIONS[version]
+        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
+            response = stubs.DRAPluginStub(channel).NodeUnprepareResources(
+                messages.NodeUnprepareResourcesRequest(claims=[messages.Claim(**c) for c in claims]), timeout=45
+            )
+        return {uid: result.error for uid, result in response.claims.items()}
