@@ -19,6 +19,7 @@ import grpc
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from tests.cluster.harness import die_with_parent
 
 DRIVER = "gpu.fgpu.dev"
 VERSIONS = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
@@ -81,7 +82,9 @@ class PluginUnderTest:
         env = {**os.environ, **self.extra_env}
         env.pop("KUBECONFIG", None)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+            )
         if wait:
             self.wait_for_sockets()
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -46,6 +47,12 @@ def build_binaries() -> Path:
     if run.returncode != 0:
         raise RuntimeError(f"building the control plane failed:\n{run.stderr[-4000:]}")
     return Path(run.stdout.strip().splitlines()[-1])
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the process that started it dies, so a killed test
+    run leaves no control plane behind (Linux PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -130,6 +137,7 @@ class Cluster:
     binaries: Path | None = None
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     kubeconfig: Path | None = None
+    outlive_parent: bool = False  # `harness up` leaves the control plane running after it exits
 
     def start(self) -> Cluster:
         try:
@@ -197,7 +205,11 @@ class Cluster:
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
         with open(logs / f"{name}.log", "wb") as output:
             self.processes[name] = subprocess.Popen(
-                argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=None if self.outlive_parent else die_with_parent,
             )
 
     def _check_alive(self) -> None:
@@ -248,29 +260,46 @@ class Cluster:
         return created.to_dict()
 
     def stop(self) -> None:
+        # One at a time, in reverse start order: the apiserver shuts down slowly once etcd is gone.
         for name in reversed(list(self.processes)):
-            process = self.processes[name]
+            process = self.processes.pop(name)
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes.values():
             try:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        self.processes.clear()
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     if (RUN_DIR / "pids.json").exists():
         print(f"a cluster seems to be running ({RUN_DIR}); run 'down' first", file=sys.stderr)
         return 1
-    cluster = Cluster(RUN_DIR).start()
+    cluster = Cluster(RUN_DIR, outlive_parent=True).start()
     for i in range(args.nodes):
         cluster.add_node(f"node-{i}")
     (RUN_DIR / "pids.json").write_text(json.dumps({n: p.pid for n, p in cluster.processes.items()}))
     print(cluster.kubeconfig)
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _terminate(pid: int, grace_s: float = 15.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _cmd_down(_: argparse.Namespace) -> int:
@@ -280,19 +309,7 @@ def _cmd_down(_: argparse.Namespace) -> int:
         return 0
     pids = json.loads(pids_file.read_text())
     for pid in reversed(list(pids.values())):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for pid in pids.values():
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        _terminate(pid)
     subprocess.run(["rm", "-rf", str(RUN_DIR)], check=True)
     print("cluster stopped")
     return 0

@@ -31,6 +31,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	resourcedefaults "k8s.io/kubernetes/pkg/apis/resource/v1"
 )
 
 type inputs struct {
@@ -157,12 +158,15 @@ func (in *inputs) add(obj map[string]any) error {
 		if err := convert(slice); err != nil {
 			return fmt.Errorf("ResourceSlice %s: %w", u.GetName(), err)
 		}
+		resourcedefaults.SetObjectDefaults_ResourceSlice(slice)
 		in.slices = append(in.slices, slice)
 	case "ResourceClaim":
 		claim := &resourceapi.ResourceClaim{}
 		if err := convert(claim); err != nil {
 			return fmt.Errorf("ResourceClaim %s: %w", u.GetName(), err)
 		}
+		// The API server's defaults (count 1, ExactCount ...), as on objects read back from it.
+		resourcedefaults.SetObjectDefaults_ResourceClaim(claim)
 		in.claims = append(in.claims, claim)
 	case "Node":
 		node := &v1.Node{}

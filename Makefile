@@ -1,0 +1,43 @@
+# fgpu developer entry points. Prerequisites: Python 3.11, Go 1.26, openssl, make.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+NVML ?= mock:dgx-h100
+
+.PHONY: setup run test cluster cluster-up cluster-down bench lint protos
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd) from upstream
+# Go modules, cached in ~/.cache/fgpu/k8s-<version>/.
+cluster:
+	tests/cluster/build.sh
+
+# The main job: a local node with the fgpu plugin on mock GPUs (NVML=real for real ones), the
+# real control plane and a kubelet stand-in; runs an example pod, then serves until Ctrl-C.
+run: setup cluster
+	$(PYTHON) -m examples.local_node --nvml $(NVML)
+
+test: setup cluster
+	$(PYTHON) -m pytest -q tests
+
+cluster-up: setup cluster
+	$(PYTHON) -m tests.cluster.harness up
+
+cluster-down: setup
+	$(PYTHON) -m tests.cluster.harness down
+
+bench: setup cluster
+	$(PYTHON) -m bench.prepare_latency --api memory
+	$(PYTHON) -m bench.prepare_latency --api cluster
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+protos: setup
+	$(PYTHON) proto/generate.py
