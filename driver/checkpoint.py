@@ -1,7 +1,8 @@
 """The prepared-claims checkpoint file: versioned, checksummed, atomic, and locked.
 
-Every change runs under an exclusive file lock and re-reads the file first, so two plugin
-instances on one node (a rolling update) serialise on it instead of overwriting each other. A
+Every change runs under an exclusive file lock and re-reads the file first (a parse is cached
+while the file is unchanged), so two plugin instances on one node (a rolling update) serialise
+on it instead of overwriting each other. Concurrent changes are written together (group commit). A
 write goes to a temp file that is fsynced and renamed over the old one, then the directory is
 fsynced. A file that is corrupt or of an unknown version is moved aside with a clear log line
 and the plugin starts empty: it never crash-loops on its own state.
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,36 +48,90 @@ def _checksum(payload: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass
+class _Change:
+    """A queued mutation and its outcome (group commit)."""
+
+    mutate: Callable[[CheckpointData], None]
+    done: bool = False
+    error: BaseException | None = None
+
+
 class Checkpoint:
     def __init__(self, path: Path, boot_id: str | None = None) -> None:
         self.path = path
         self._lock_path = path.with_name(path.name + ".lock")
         self._boot_id = boot_id or current_boot_id()
-        self._thread_lock = threading.Lock()
+        self._writer = threading.Lock()  # one thread writes at a time, for all queued changes
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Change] = []
+        self._cache: tuple[tuple[int, int, int], CheckpointData] | None = None
         path.parent.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
-    def _locked(self, exclusive: bool) -> Iterator[None]:
-        with self._thread_lock, open(self._lock_path, "a") as lock_file:
+    def _file_lock(self, exclusive: bool) -> Iterator[None]:
+        with open(self._lock_path, "a") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
 
     def read(self) -> CheckpointData:
-        with self._locked(exclusive=False):
+        """The current data. Do not mutate it: use apply()."""
+        with self._file_lock(exclusive=False):
             return self._load()
 
-    @contextlib.contextmanager
-    def update(self) -> Iterator[CheckpointData]:
-        """Yield the current data under the lock; what the block leaves in it is written back."""
-        with self._locked(exclusive=True):
-            data = self._load()
-            before = json.dumps(data.claims, sort_keys=True)
-            yield data
-            if json.dumps(data.claims, sort_keys=True) != before or data.boot_id != self._boot_id:
-                data.boot_id = self._boot_id
-                self._store(data)
+    def apply(self, mutate: Callable[[CheckpointData], None]) -> None:
+        """Apply a change durably. Changes queued by concurrent callers while a write is in
+        flight are written together in the next write: one fsync for the whole group."""
+        change = _Change(mutate)
+        with self._queue_lock:
+            self._queue.append(change)
+        with self._writer:
+            if not change.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                self._write(batch)
+        if change.error is not None:
+            raise change.error
+
+    def _write(self, batch: list[_Change]) -> None:
+        try:
+            with self._file_lock(exclusive=True):
+                current = self._load()
+                data = CheckpointData(boot_id=current.boot_id, claims=dict(current.claims))
+                for change in batch:
+                    change.mutate(data)
+                if data.claims != current.claims or data.boot_id != self._boot_id:
+                    data.boot_id = self._boot_id
+                    self._store(data)
+        except BaseException as err:
+            for change in batch:
+                change.error = err
+            raise
+        finally:
+            for change in batch:
+                change.done = True
+
+    def _stat_key(self) -> tuple[int, int, int] | None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
     def _load(self) -> CheckpointData:
+        """Parse the file, or reuse the last parse while the file is unchanged (the hot path:
+        every prepare reads the checkpoint)."""
+        key = self._stat_key()
+        if key is None:
+            return CheckpointData(boot_id=self._boot_id)
+        cached = self._cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        data = self._parse()
+        self._cache = (key, data) if self._stat_key() == key else None
+        return data
+
+    def _parse(self) -> CheckpointData:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -103,7 +158,8 @@ class Checkpoint:
 
     def _reset(self, reason: str) -> CheckpointData:
         aside = self.path.with_name(f"{self.path.name}.bad-{int(time.time())}")
-        os.replace(self.path, aside)
+        with contextlib.suppress(FileNotFoundError):  # another instance moved it first
+            os.replace(self.path, aside)
         log.error("checkpoint %s is %s; moved it to %s and starting with no prepared claims", self.path, reason, aside)
         return CheckpointData(boot_id=self._boot_id)
 
@@ -121,3 +177,5 @@ class Checkpoint:
             os.fsync(directory)
         finally:
             os.close(directory)
+        key = self._stat_key()
+        self._cache = (key, data) if key is not None else None

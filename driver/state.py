@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from driver.checkpoint import Checkpoint
+from driver.checkpoint import Checkpoint, CheckpointData
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,12 @@ class PreparedClaims:
 
     def commit(self, prepared: Iterable[PreparedClaim] = (), removed: Iterable[str] = ()) -> None:
         """Record newly prepared claims and forget unprepared ones in one durable write."""
-        with self._checkpoint.update() as data:
-            for claim in prepared:
-                data.claims[claim.uid] = claim.to_json()
-            for uid in removed:
+        records = {claim.uid: claim.to_json() for claim in prepared}
+        gone = list(removed)
+
+        def change(data: CheckpointData) -> None:
+            data.claims.update(records)
+            for uid in gone:
                 data.claims.pop(uid, None)
+
+        self._checkpoint.apply(change)

@@ -48,6 +48,7 @@ class PluginUnderTest:
     nvml: str = "mock:dgx-h100"
     extra_env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+    _channel: grpc.Channel | None = field(default=None, repr=False)
 
     @property
     def registrar_dir(self) -> Path:
@@ -104,6 +105,9 @@ class PluginUnderTest:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         self.process.send_signal(sig)
@@ -122,18 +126,19 @@ class PluginUnderTest:
             stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
         return info
 
+    def _dra_stub(self, version: str) -> Any:
+        """One long-lived connection, as kubelet keeps; it reconnects after a plugin restart."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(f"unix://{self.dra_socket}")
+        return VERSIONS[version][1].DRAPluginStub(self._channel)
+
     def prepare(self, claims: list[dict[str, str]], version: str = "v1") -> dict[str, Any]:
-        messages, stubs = VERSIONS[version]
-        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
-            response = stubs.DRAPluginStub(channel).NodePrepareResources(
-                messages.NodePrepareResourcesRequest(claims=[messages.Claim(**c) for c in claims]), timeout=45
-            )
-        return dict(response.claims)
+        messages = VERSIONS[version][0]
+        request = messages.NodePrepareResourcesRequest(claims=[messages.Claim(**c) for c in claims])
+        return dict(self._dra_stub(version).NodePrepareResources(request, timeout=45, wait_for_ready=True).claims)
 
     def unprepare(self, claims: list[dict[str, str]], version: str = "v1") -> dict[str, str]:
-        messages, stubs = VERSIONS[version]
-        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
-            response = stubs.DRAPluginStub(channel).NodeUnprepareResources(
-                messages.NodeUnprepareResourcesRequest(claims=[messages.Claim(**c) for c in claims]), timeout=45
-            )
+        messages = VERSIONS[version][0]
+        request = messages.NodeUnprepareResourcesRequest(claims=[messages.Claim(**c) for c in claims])
+        response = self._dra_stub(version).NodeUnprepareResources(request, timeout=45, wait_for_ready=True)
         return {uid: result.error for uid, result in response.claims.items()}
