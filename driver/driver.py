@@ -124,6 +124,9 @@ class Driver:
                 self._claims.commit(removed=done)
             except OSError as err:
                 errors.update({uid: f"claim {uid}: {err}" for uid in done})
+        with self._claim_locks_guard:
+            for uid in done:
+                self._claim_locks.pop(uid, None)
         return errors
 
     def _unprepare_one(self, ref: ClaimRef) -> PrepareResult:

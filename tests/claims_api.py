@@ -10,6 +10,14 @@ import kubernetes
 DRIVER = "gpu.fgpu.dev"
 
 
+def gpu_request(name: str = "gpu", selector: str | None = None, count: int = 1) -> dict[str, Any]:
+    """A device request for `count` devices of class gpu.fgpu.dev, narrowed by a CEL selector."""
+    exactly: dict[str, Any] = {"deviceClassName": "gpu.fgpu.dev", "count": count}
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    return {"name": name, "exactly": exactly}
+
+
 def create_claim(
     api: kubernetes.client.ResourceV1Api,
     name: str | None = None,

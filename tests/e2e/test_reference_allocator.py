@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.claims_api import gpu_request
 from tests.cluster.harness import build_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,20 +21,7 @@ def claim(name: str, expression: str, count: int = 1) -> dict:
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": "gpu.fgpu.dev",
-                            "count": count,
-                            "selectors": [{"cel": {"expression": expression}}],
-                        },
-                    }
-                ]
-            }
-        },
+        "spec": {"devices": {"requests": [gpu_request(selector=expression, count=count)]}},
     }
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.claims_api import gpu_request
 from tests.cluster.kubelet_standin import KubeletStandIn
 from tests.integration.test_plugin_process import node_slices, wait_for
 from tests.plugin_process import PluginUnderTest
@@ -30,21 +31,7 @@ def template(name: str, selector: str) -> dict:
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
         "metadata": {"name": name},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": "gpu.fgpu.dev",
-                                "selectors": [{"cel": {"expression": selector}}],
-                            },
-                        }
-                    ]
-                }
-            }
-        },
+        "spec": {"spec": {"devices": {"requests": [gpu_request(selector=selector)]}}},
     }
 
 

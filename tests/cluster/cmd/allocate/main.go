@@ -142,41 +142,32 @@ func (in *inputs) add(obj map[string]any) error {
 		}
 		return nil
 	}
-	u := &unstructured.Unstructured{Object: obj}
-	convert := func(target any) error {
-		return runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(u.Object, target, true)
-	}
+	name := (&unstructured.Unstructured{Object: obj}).GetName()
 	switch kind {
 	case "DeviceClass":
-		class := &resourceapi.DeviceClass{}
-		if err := convert(class); err != nil {
-			return fmt.Errorf("DeviceClass %s: %w", u.GetName(), err)
-		}
-		in.classes = append(in.classes, class)
+		return decodeInto(obj, kind, name, &in.classes, nil)
 	case "ResourceSlice":
-		slice := &resourceapi.ResourceSlice{}
-		if err := convert(slice); err != nil {
-			return fmt.Errorf("ResourceSlice %s: %w", u.GetName(), err)
-		}
-		resourcedefaults.SetObjectDefaults_ResourceSlice(slice)
-		in.slices = append(in.slices, slice)
+		return decodeInto(obj, kind, name, &in.slices, resourcedefaults.SetObjectDefaults_ResourceSlice)
 	case "ResourceClaim":
-		claim := &resourceapi.ResourceClaim{}
-		if err := convert(claim); err != nil {
-			return fmt.Errorf("ResourceClaim %s: %w", u.GetName(), err)
-		}
 		// The API server's defaults (count 1, ExactCount ...), as on objects read back from it.
-		resourcedefaults.SetObjectDefaults_ResourceClaim(claim)
-		in.claims = append(in.claims, claim)
+		return decodeInto(obj, kind, name, &in.claims, resourcedefaults.SetObjectDefaults_ResourceClaim)
 	case "Node":
-		node := &v1.Node{}
-		if err := convert(node); err != nil {
-			return fmt.Errorf("Node %s: %w", u.GetName(), err)
-		}
-		in.nodes = append(in.nodes, node)
+		return decodeInto(obj, kind, name, &in.nodes, nil)
 	default:
 		return fmt.Errorf("unsupported kind %q", kind)
 	}
+}
+
+// decodeInto converts obj to a T, applies defaults if given, and appends it to list.
+func decodeInto[T any](obj map[string]any, kind, name string, list *[]*T, defaults func(*T)) error {
+	typed := new(T)
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(obj, typed, true); err != nil {
+		return fmt.Errorf("%s %s: %w", kind, name, err)
+	}
+	if defaults != nil {
+		defaults(typed)
+	}
+	*list = append(*list, typed)
 	return nil
 }
 
