@@ -21,6 +21,11 @@ class ClaimRef:
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name} (uid {self.uid})"
 
+    def validate(self) -> None:
+        missing = [field for field in ("namespace", "name", "uid") if not getattr(self, field)]
+        if missing:
+            raise ClaimError(f"malformed request: the claim has no {', '.join(missing)}")
+
 
 @dataclass(frozen=True)
 class AllocatedDevice:

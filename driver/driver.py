@@ -16,7 +16,7 @@ from driver.cdi import CdiDevice, CdiWriter
 from driver.claims import ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
 from driver.devices import whole_gpu_name
 from driver.discovery import GpuInfo
-from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
+from driver.kube import KubeApi, KubeError, NotFoundError
 from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Driver:
         return results
 
     def _prepare_one(self, ref: ClaimRef, fresh: list[PreparedClaim]) -> PrepareResult:
+        ref.validate()
         existing = self._claims.get(ref.uid)
         if existing is not None:
             # Idempotent: the same answer; the spec is rewritten if it went missing (e.g. a reboot).
@@ -130,20 +131,26 @@ class Driver:
         return errors
 
     def _unprepare_one(self, ref: ClaimRef) -> PrepareResult:
+        if not ref.uid:
+            raise ClaimError("malformed request: the claim has no uid")
         self._cdi.remove(ref.uid)
         return PrepareResult()
 
     # --- helpers --------------------------------------------------------------------------------
 
     def _per_claim(self, ref: ClaimRef, action: Callable[[], PrepareResult]) -> PrepareResult:
+        """Run one claim's work; whatever goes wrong becomes that claim's error, never the batch's."""
         try:
             return action()
         except ClaimError as err:
             message = f"claim {ref}: {err}"
-        except KubeUnavailableError as err:
+        except KubeError as err:
             message = f"claim {ref}: cannot read the claim from the API server: {err}"
         except OSError as err:
             message = f"claim {ref}: {err}"
+        except Exception as err:
+            log.exception("unexpected error for claim %s", ref)
+            message = f"claim {ref}: internal error: {err!r}"
         log.warning("%s", message)
         return PrepareResult(error=message)
 

@@ -19,11 +19,15 @@ from kubernetes.client.exceptions import ApiException
 JsonObject = dict[str, Any]
 
 
-class NotFoundError(LookupError):
+class KubeError(Exception):
+    """A request to the API server failed; the message says how."""
+
+
+class NotFoundError(KubeError, LookupError):
     """The object does not exist."""
 
 
-class KubeUnavailableError(ConnectionError):
+class KubeUnavailableError(KubeError, ConnectionError):
     """The API server could not be reached or answered with a server error."""
 
 
@@ -49,7 +53,7 @@ def translated_errors() -> Iterator[None]:
             raise NotFoundError(err.reason) from err
         if err.status >= 500 or err.status == 429:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
-        raise
+        raise KubeError(f"API server refused the request: {err.status} {err.reason}") from err
     except (OSError, urllib3.exceptions.HTTPError) as err:
         raise KubeUnavailableError(f"API server unreachable: {err}") from err
 

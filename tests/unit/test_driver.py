@@ -8,6 +8,7 @@ from driver.checkpoint import Checkpoint
 from driver.claims import ClaimRef
 from driver.discovery import discover_gpus
 from driver.driver import Driver
+from driver.kube import KubeError
 from driver.nvml.session import NvmlSession
 from driver.state import PreparedClaims
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
@@ -114,3 +115,20 @@ def test_driver_libraries_are_mounted_from_the_driver_root(tmp_path: Path):
     mounts = spec["containerEdits"]["mounts"]
     assert mounts[0]["hostPath"] == str(root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
     assert mounts[0]["containerPath"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05"
+
+
+def test_malformed_references_and_refused_reads_are_per_claim_errors(env):
+    api, driver, _, claims = env
+    good = add_claim(api, "good", "uid-good", [result("gpu-0")])
+
+    def forbidden(namespace: str, name: str):
+        if name == "secret":
+            raise KubeError("API server refused the request: 403 Forbidden")
+        return InMemoryKubeApi.get_claim(api, namespace, name)
+
+    api.get_claim = forbidden
+    results = driver.prepare([ClaimRef("default", "", "uid-noname"), ClaimRef("default", "secret", "uid-s"), good])
+    assert "malformed request: the claim has no name" in results["uid-noname"].error
+    assert "403 Forbidden" in results["uid-s"].error
+    assert results["uid-good"].error == ""
+    assert set(claims.all()) == {"uid-good"}
