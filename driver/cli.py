@@ -9,25 +9,33 @@ import sys
 
 import yaml
 
-from driver.devices import node_devices
+from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
-from driver.settings import SettingsError, add_common_flags, add_plugin_flags, plugin_settings, validate_names
+from driver.settings import (
+    SettingsError,
+    add_common_flags,
+    add_plugin_flags,
+    plugin_settings,
+    sharing_config,
+    validate_names,
+)
 from driver.slices import build_slices
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
     validate_names(args)
+    sharing = sharing_config(args)
     session = NvmlSession.open(args.nvml)
     try:
-        devices = node_devices(discover_gpus(session))
+        inventory = node_inventory(discover_gpus(session), sharing)
     finally:
         session.close()
     document = {
         "apiVersion": "v1",
         "kind": "List",
-        "items": build_slices(args.driver_name, args.node_name, devices, generation=1, owner=None),
+        "items": build_slices(args.driver_name, args.node_name, inventory, generation=1, owner=None),
     }
     if args.output == "json":
         print(json.dumps(document, indent=2, sort_keys=True))

@@ -1,14 +1,32 @@
-"""GPU records -> DRA devices (pure). The domain objects published in ResourceSlices."""
+"""GPU records -> DRA devices and counter sets (pure). The domain objects published in slices.
+
+Per GPU `gpu-<i>` (index i), as the node's sharing configuration offers:
+- `gpu-<i>`: the whole GPU;
+- `gpu-<i>-mig-<profile>-<start>`: one device per MIG profile and placement;
+- `gpu-<i>-mps`: MPS shares (allowMultipleAllocations; capacity memory, compute, clients);
+- `gpu-<i>-ts`: time-sliced shares (allowMultipleAllocations; capacity memory, for accounting).
+A counter set `gpu-<i>-counters` per GPU makes them exclusive where the hardware needs it: the
+whole GPU, every share device and the 7g profile consume all of it, a MIG device its memory
+slices (and the media-extensions counter for +me profiles).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from driver.discovery import GpuInfo
+from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
+from driver.nvml.machine import MigProfileSpec
+from driver.sharing import SharingConfig, SharingKind
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+MiB = 2**20
+GiB = 2**30
+MPS_MAX_CLIENTS = 48  # MPS server limit on Volta and newer
+SHARE_MEMORY_STEP = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -18,16 +36,89 @@ class Attribute:
 
 
 @dataclass(frozen=True)
+class RequestPolicy:
+    """How a consumable capacity may be requested: a default and a range rounded up to `step`."""
+
+    default: int
+    minimum: int
+    step: int
+    maximum: int | None = None
+
+
+@dataclass(frozen=True)
+class CounterSet:
+    name: str
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True)
 class Device:
     """One allocatable device. Attribute and capacity names without a domain belong to the driver's."""
 
     name: str
     attributes: dict[str, Attribute] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)
+    request_policies: dict[str, RequestPolicy] = field(default_factory=dict)
+    consumes: dict[str, dict[str, int]] = field(default_factory=dict)  # counter set -> counters
+    allow_multiple_allocations: bool = False
+
+
+@dataclass(frozen=True)
+class Inventory:
+    devices: list[Device]
+    counter_sets: list[CounterSet]
+
+
+@dataclass(frozen=True)
+class MigPlacement:
+    """What a MIG device stands for: a profile at a placement on a parent GPU."""
+
+    gpu_index: int
+    profile: MigProfileSpec
+    start: int
+    size: int
 
 
 def whole_gpu_name(gpu: GpuInfo) -> str:
     return f"gpu-{gpu.index}"
+
+
+def counter_set_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.index}-counters"
+
+
+def mig_device_name(gpu_index: int, profile_name: str, start: int) -> str:
+    return f"gpu-{gpu_index}-mig-{re.sub(r'[^a-z0-9]', '', profile_name.lower())}-{start}"
+
+
+def mps_device_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.index}-mps"
+
+
+def timeslice_device_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.index}-ts"
+
+
+def gpu_counters(gpu: GpuInfo) -> dict[str, int]:
+    if gpu.mig_capable and gpu.mig_profiles:
+        return {**{f"memory-slice-{k}": 1 for k in range(MEMORY_SLICES)}, "media-extensions": 1}
+    return {"gpu": 1}
+
+
+def _product_attributes(gpu: GpuInfo) -> dict[str, Attribute]:
+    return {
+        "productName": Attribute("string", gpu.product_name),
+        "architecture": Attribute("string", gpu.architecture),
+        "cudaComputeCapability": Attribute("version", gpu.cuda_compute_capability),
+        "driverVersion": Attribute("version", gpu.driver_version),
+        "cudaDriverVersion": Attribute("version", gpu.cuda_driver_version),
+        "index": Attribute("int", gpu.index),
+        PCI_BUS_ID_ATTRIBUTE: Attribute("string", gpu.pci_bus_id),
+    }
+
+
+def _consumes_all(gpu: GpuInfo) -> dict[str, dict[str, int]]:
+    return {counter_set_name(gpu): gpu_counters(gpu)}
 
 
 def whole_gpu_device(gpu: GpuInfo) -> Device:
@@ -36,19 +127,110 @@ def whole_gpu_device(gpu: GpuInfo) -> Device:
         attributes={
             "type": Attribute("string", "gpu"),
             "uuid": Attribute("string", gpu.uuid),
-            "productName": Attribute("string", gpu.product_name),
-            "architecture": Attribute("string", gpu.architecture),
-            "cudaComputeCapability": Attribute("version", gpu.cuda_compute_capability),
-            "driverVersion": Attribute("version", gpu.driver_version),
-            "cudaDriverVersion": Attribute("version", gpu.cuda_driver_version),
-            "index": Attribute("int", gpu.index),
             "migCapable": Attribute("bool", gpu.mig_capable),
-            PCI_BUS_ID_ATTRIBUTE: Attribute("string", gpu.pci_bus_id),
+            **_product_attributes(gpu),
         },
         capacity={"memory": gpu.memory_bytes, "multiprocessors": gpu.multiprocessors},
+        consumes=_consumes_all(gpu),
     )
 
 
-def node_devices(gpus: list[GpuInfo]) -> list[Device]:
-    """Every device the node offers, in a stable order."""
-    return [whole_gpu_device(gpu) for gpu in sorted(gpus, key=lambda g: g.index)]
+def mig_placements(gpu: GpuInfo) -> list[MigPlacement]:
+    return [
+        MigPlacement(gpu.index, profile, start, GEOMETRY_BY_ID[profile.profile_id].memory_slices)
+        for profile in gpu.mig_profiles
+        for start in GEOMETRY_BY_ID[profile.profile_id].starts
+    ]
+
+
+def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
+    profile = placement.profile
+    geometry = GEOMETRY_BY_ID[profile.profile_id]
+    counters = {f"memory-slice-{k}": 1 for k in sorted(memory_slots(placement.start, placement.size))}
+    if geometry.media_extensions or geometry.memory_slices == MEMORY_SLICES:
+        counters["media-extensions"] = 1
+    return Device(
+        name=mig_device_name(gpu.index, profile.name, placement.start),
+        attributes={
+            "type": Attribute("string", "mig"),
+            "profile": Attribute("string", profile.name),
+            "parentUUID": Attribute("string", gpu.uuid),
+            "placementStart": Attribute("int", placement.start),
+            "placementSize": Attribute("int", placement.size),
+            **_product_attributes(gpu),
+        },
+        capacity={
+            "memory": profile.memory_mib * MiB,
+            "multiprocessors": profile.multiprocessors,
+            "copyEngines": profile.copy_engines,
+            "decoders": profile.decoders,
+            "encoders": profile.encoders,
+            "jpegEngines": profile.jpeg_engines,
+            "ofaEngines": profile.ofa_engines,
+        },
+        consumes={counter_set_name(gpu): counters},
+    )
+
+
+def share_memory(gpu: GpuInfo) -> int:
+    """The GPU's memory as a share capacity: the API wants the capacity (and max) to be min plus a
+    whole number of steps, so it is rounded down to a multiple of the 256Mi step."""
+    return gpu.memory_bytes - gpu.memory_bytes % SHARE_MEMORY_STEP
+
+
+def mps_device(gpu: GpuInfo) -> Device:
+    """MPS shares. memory: pinned device memory limit, default 1Gi, in 256Mi steps; compute:
+    active thread percentage, default 10, in steps of 5; clients: one per share, at most 48."""
+    return Device(
+        name=mps_device_name(gpu),
+        attributes={
+            "type": Attribute("string", "mps"),
+            "uuid": Attribute("string", gpu.uuid),
+            **_product_attributes(gpu),
+        },
+        capacity={"memory": share_memory(gpu), "compute": 100, "clients": MPS_MAX_CLIENTS},
+        request_policies={
+            "memory": RequestPolicy(GiB, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu)),
+            "compute": RequestPolicy(default=10, minimum=5, step=5, maximum=100),
+            "clients": RequestPolicy(default=1, minimum=1, step=1, maximum=1),
+        },
+        consumes=_consumes_all(gpu),
+        allow_multiple_allocations=True,
+    )
+
+
+def timeslice_device(gpu: GpuInfo) -> Device:
+    """Time-sliced shares: memory is accounting only (no isolation), default 1Gi in 256Mi steps."""
+    return Device(
+        name=timeslice_device_name(gpu),
+        attributes={
+            "type": Attribute("string", "timeslice"),
+            "uuid": Attribute("string", gpu.uuid),
+            **_product_attributes(gpu),
+        },
+        capacity={"memory": share_memory(gpu)},
+        request_policies={"memory": RequestPolicy(GiB, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu))},
+        consumes=_consumes_all(gpu),
+        allow_multiple_allocations=True,
+    )
+
+
+def gpu_devices(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[Device]:
+    devices = []
+    if "whole" in offered:
+        devices.append(whole_gpu_device(gpu))
+    if "mig" in offered and gpu.mig_capable:
+        devices.extend(mig_device(gpu, placement) for placement in mig_placements(gpu))
+    if "mps" in offered:
+        devices.append(mps_device(gpu))
+    if "timeslice" in offered:
+        devices.append(timeslice_device(gpu))
+    return devices
+
+
+def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
+    """Every device and counter set the node offers, in a stable order."""
+    ordered = sorted(gpus, key=lambda g: g.index)
+    devices = [d for gpu in ordered for d in gpu_devices(gpu, sharing.offered(gpu.index))]
+    counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in ordered]
+    return Inventory(devices=devices, counter_sets=counter_sets)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from driver.nvml.session import NvmlSession
+from driver.nvml.geometry import MIG_GEOMETRY
+from driver.nvml.machine import MigProfileSpec, known_mig_profiles
+from driver.nvml.session import NvmlSession, RawGpu
 
 ARCHITECTURE_NAMES = {7: "Ampere", 8: "Ada Lovelace", 9: "Hopper", 10: "Blackwell"}
 
@@ -24,6 +26,7 @@ class GpuInfo:
     multiprocessors: int
     mig_capable: bool
     mig_enabled: bool
+    mig_profiles: tuple[MigProfileSpec, ...] = ()
 
 
 def semver(version: str) -> str:
@@ -41,6 +44,16 @@ def pci_bus_id(nvml_bus_id: str) -> str:
     """NVML's "00000000:18:00.0" to the sysfs form Kubernetes uses, "0000:18:00.0"."""
     domain, rest = nvml_bus_id.split(":", 1)
     return f"{int(domain, 16):04x}:{rest.lower()}"
+
+
+def _mig_profiles(session: NvmlSession, raw: RawGpu) -> tuple[MigProfileSpec, ...]:
+    if not raw.mig_capable:
+        return ()
+    profiles = session.mig_profiles(raw.index)
+    if profiles is None:  # MIG mode off: NVML cannot list them; the product's known table can
+        profiles = list(known_mig_profiles(raw.product_name).values())
+    order = {g.profile_id: i for i, g in enumerate(MIG_GEOMETRY)}
+    return tuple(sorted(profiles, key=lambda p: order.get(p.profile_id, len(order))))
 
 
 def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
@@ -64,6 +77,7 @@ def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
                 multiprocessors=raw.multiprocessors,
                 mig_capable=raw.mig_capable,
                 mig_enabled=raw.mig_enabled,
+                mig_profiles=_mig_profiles(session, raw),
             )
         )
     return gpus

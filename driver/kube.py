@@ -32,6 +32,7 @@ class KubeUnavailableError(KubeError, ConnectionError):
 
 
 class KubeApi(Protocol):
+    def close(self) -> None: ...
     def get_claim(self, namespace: str, name: str) -> JsonObject: ...
     def get_node(self, name: str) -> JsonObject: ...
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
@@ -82,6 +83,10 @@ class ClientKubeApi:
             response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
         data = response.data
         return json.loads(data) if data else None
+
+    def close(self) -> None:
+        """Close the connections; a watch blocked on one returns at once."""
+        self._client.close()
 
     def get_claim(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._resource.read_namespaced_resource_claim, name, namespace)

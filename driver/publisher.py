@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from driver.devices import Device
+from driver.devices import Inventory
 from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 
@@ -20,35 +20,35 @@ log = logging.getLogger(__name__)
 
 
 class SlicePublisher:
-    def __init__(self, api: KubeApi, driver: str, node: str, devices: list[Device], resync_s: int = 60) -> None:
+    def __init__(self, api: KubeApi, driver: str, node: str, inventory: Inventory, resync_s: int = 60) -> None:
         self._api = api
         self._driver = driver
         self._node = node
-        self._devices = devices
+        self._inventory = inventory
         self._resync_s = resync_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._owner: dict[str, Any] | None = None
-        self.published = threading.Event()
 
-    def set_devices(self, devices: list[Device]) -> None:
+    def set_inventory(self, inventory: Inventory) -> None:
         with self._lock:
-            self._devices = devices
+            self._inventory = inventory
         self.reconcile()
 
-    def reconcile(self) -> str:
-        """Make the API server hold exactly our slices; returns the list's resourceVersion."""
+    def reconcile(self) -> str | None:
+        """Make the API server hold exactly our slices. Returns the resourceVersion of a list that
+        showed them up to date, or None after writing (the caller lists again before watching, so
+        that a change made meanwhile is not missed)."""
         with self._lock:
             if self._owner is None:
                 self._owner = node_owner(self._api.get_node(self._node))
             existing, resource_version = self._api.list_slices(self._driver, self._node)
-            desired = build_slices(self._driver, self._node, self._devices, 0, self._owner)
+            desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
             if self._up_to_date(existing, desired):
-                self.published.set()
                 return resource_version
             generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0) + 1
-            desired = build_slices(self._driver, self._node, self._devices, generation, self._owner)
+            desired = build_slices(self._driver, self._node, self._inventory, generation, self._owner)
             by_name = {s["metadata"]["name"]: s for s in existing}
             for body in desired:
                 name = body["metadata"]["name"]
@@ -60,8 +60,7 @@ class SlicePublisher:
             for name in by_name:
                 self._api.delete_slice(name)
             log.info("published pool %s generation %d: %d slice(s)", self._node, generation, len(desired))
-            self.published.set()
-            return ""
+            return None
 
     @staticmethod
     def _up_to_date(existing: list[dict[str, Any]], desired: list[dict[str, Any]]) -> bool:
@@ -78,8 +77,11 @@ class SlicePublisher:
         self._thread = threading.Thread(target=self._run, name="slice-publisher", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop and wait for the publishing thread, so it does not outlive the process's shutdown."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         backoff = 1.0
@@ -87,7 +89,8 @@ class SlicePublisher:
             try:
                 resource_version = self.reconcile()
                 backoff = 1.0
-                self._watch_until_change(resource_version)
+                if resource_version is not None:
+                    self._watch_until_change(resource_version)
             except (KubeUnavailableError, NotFoundError) as err:
                 log.warning("publishing ResourceSlices failed, retrying in %.0fs: %s", backoff, err)
                 self._stop.wait(backoff)
@@ -100,7 +103,7 @@ class SlicePublisher:
     def _watch_until_change(self, resource_version: str) -> None:
         """Return as soon as our slices may differ from what we want, or after the resync period."""
         with self._lock:
-            desired = build_slices(self._driver, self._node, self._devices, 0, self._owner)
+            desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
         wanted = {s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION] for s in desired}
         for event_type, obj in self._api.watch_slices(self._driver, self._node, resource_version, self._resync_s):
             if self._stop.is_set():

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
+
 DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -28,6 +30,7 @@ class PluginSettings:
     kubeconfig: str | None
     driver_root: Path
     healthcheck_port: int
+    sharing: SharingConfig
 
     @property
     def registration_socket(self) -> Path:
@@ -51,6 +54,16 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--driver-name", default=_env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"), help="DRA driver name [DRIVER_NAME]"
     )
     parser.add_argument("--node-name", default=_env_default(None, "NODE_NAME"), help="this node's name [NODE_NAME]")
+    parser.add_argument(
+        "--offer",
+        default=_env_default("whole,mig,mps,timeslice", "OFFER"),
+        help="device kinds every GPU offers: whole,mig,mps,timeslice [OFFER]",
+    )
+    parser.add_argument(
+        "--sharing-config",
+        default=_env_default(None, "SHARING_CONFIG"),
+        help="YAML file overriding --offer per GPU: gpus: [{index: 0, offer: [mig]}] [SHARING_CONFIG]",
+    )
     parser.add_argument(
         "--nvml",
         default=_env_default("real", "NVML"),
@@ -99,6 +112,13 @@ def validate_names(args: argparse.Namespace) -> None:
         raise SettingsError("--node-name (or NODE_NAME) is required")
 
 
+def sharing_config(args: argparse.Namespace) -> SharingConfig:
+    try:
+        return load_sharing_config(args.offer, Path(args.sharing_config) if args.sharing_config else None)
+    except SharingConfigError as err:
+        raise SettingsError(str(err)) from err
+
+
 def plugin_settings(args: argparse.Namespace) -> PluginSettings:
     validate_names(args)
     plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
@@ -113,4 +133,5 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         kubeconfig=args.kubeconfig,
         driver_root=Path(args.driver_root),
         healthcheck_port=args.healthcheck_port,
+        sharing=sharing_config(args),
     )

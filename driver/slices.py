@@ -6,9 +6,11 @@ import hashlib
 import json
 from typing import Any
 
-from driver.devices import Device
+from driver.devices import CounterSet, Device, Inventory
 
 MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_WITH_COUNTERS = 64  # a slice where any device consumes counters
+MAX_COUNTER_SETS_PER_SLICE = 8
 SPEC_HASH_ANNOTATION = "gpu.fgpu.dev/spec-hash"
 BINARY_SUFFIXES = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
 
@@ -26,8 +28,34 @@ def device_json(device: Device) -> dict[str, Any]:
     if device.attributes:
         body["attributes"] = {name: {attr.kind: attr.value} for name, attr in sorted(device.attributes.items())}
     if device.capacity:
-        body["capacity"] = {name: {"value": format_quantity(v)} for name, v in sorted(device.capacity.items())}
+        body["capacity"] = {name: _capacity_json(device, name) for name in sorted(device.capacity)}
+    if device.consumes:
+        body["consumesCounters"] = [
+            {"counterSet": counter_set, "counters": _counters_json(counters)}
+            for counter_set, counters in sorted(device.consumes.items())
+        ]
+    if device.allow_multiple_allocations:
+        body["allowMultipleAllocations"] = True
     return body
+
+
+def _capacity_json(device: Device, name: str) -> dict[str, Any]:
+    capacity: dict[str, Any] = {"value": format_quantity(device.capacity[name])}
+    policy = device.request_policies.get(name)
+    if policy is not None:
+        valid_range = {"min": format_quantity(policy.minimum), "step": format_quantity(policy.step)}
+        if policy.maximum is not None:
+            valid_range["max"] = format_quantity(policy.maximum)
+        capacity["requestPolicy"] = {"default": format_quantity(policy.default), "validRange": valid_range}
+    return capacity
+
+
+def _counters_json(counters: dict[str, int]) -> dict[str, Any]:
+    return {name: {"value": format_quantity(value)} for name, value in sorted(counters.items())}
+
+
+def counter_set_json(counter_set: CounterSet) -> dict[str, Any]:
+    return {"name": counter_set.name, "counters": _counters_json(counter_set.counters)}
 
 
 def chunk_devices(devices: list[Device], limit: int = MAX_DEVICES_PER_SLICE) -> list[list[Device]]:
@@ -45,17 +73,26 @@ def spec_hash(spec: dict[str, Any]) -> str:
 
 
 def build_slices(
-    driver: str, node: str, devices: list[Device], generation: int, owner: dict[str, Any] | None
+    driver: str, node: str, inventory: Inventory, generation: int, owner: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
-    """The node's pool (named after the node) as ResourceSlices, each owned by the Node if given."""
-    chunks = chunk_devices(devices)
+    """The node's pool (named after the node) as ResourceSlices, each owned by the Node if given:
+    counter sets in slices of their own, then devices, each slice within the API's limits."""
+    limit = MAX_DEVICES_WITH_COUNTERS if any(d.consumes for d in inventory.devices) else MAX_DEVICES_PER_SLICE
+    counter_chunks = [
+        inventory.counter_sets[i : i + MAX_COUNTER_SETS_PER_SLICE]
+        for i in range(0, len(inventory.counter_sets), MAX_COUNTER_SETS_PER_SLICE)
+    ]
+    device_chunks = chunk_devices(inventory.devices, limit) if inventory.devices or not counter_chunks else []
+    contents: list[tuple[str, list[dict[str, Any]]]] = [
+        ("sharedCounters", [counter_set_json(c) for c in chunk]) for chunk in counter_chunks
+    ] + [("devices", [device_json(d) for d in chunk]) for chunk in device_chunks]
     slices = []
-    for index, chunk in enumerate(chunks):
+    for index, (key, items) in enumerate(contents):
         spec = {
             "driver": driver,
             "nodeName": node,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)},
-            "devices": [device_json(device) for device in chunk],
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": len(contents)},
+            key: items,
         }
         metadata: dict[str, Any] = {
             "name": slice_name(node, driver, index),

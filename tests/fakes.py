@@ -39,6 +39,10 @@ class InMemoryKubeApi:
             watcher.put((event, copy.deepcopy(obj)))
 
     # KubeApi
+    def close(self) -> None:
+        for watcher in list(self._watchers):
+            watcher.put(("CLOSED", {"spec": {}}))
+
     def get_claim(self, namespace: str, name: str) -> JsonObject:
         self._check()
         self.claim_gets += 1
@@ -105,6 +109,8 @@ class InMemoryKubeApi:
                     event, obj = events.get(timeout=timeout_s)
                 except queue.Empty:
                     return
+                if event == "CLOSED":
+                    raise KubeUnavailableError("connection closed")
                 if obj["spec"]["driver"] == driver and obj["spec"].get("nodeName") == node:
                     yield event, obj
         finally:

@@ -119,3 +119,13 @@ def _parse_mig_profile(profile_id: int, spec: dict[str, Any]) -> MigProfileSpec:
         jpeg_engines=int(spec.get("jpegEngines", 0)),
         ofa_engines=int(spec.get("ofaEngines", 0)),
     )
+
+
+def known_mig_profiles(product_name: str) -> dict[int, MigProfileSpec]:
+    """The MIG profiles of a product, from the bundled machine profiles (used while MIG mode is
+    off and NVML cannot list them)."""
+    for name in bundled_machines():
+        machine = load_machine(name)
+        if machine.gpu.product_name == product_name:
+            return machine.gpu.mig_profiles
+    return {}

@@ -12,7 +12,8 @@ from typing import Any
 
 import pynvml
 
-from driver.nvml.machine import load_machine
+from driver.nvml.geometry import MIG_GEOMETRY
+from driver.nvml.machine import MigProfileSpec, load_machine
 from driver.nvml.mock import MockNvml
 
 MOCK_PREFIX = "mock:"
@@ -100,6 +101,36 @@ class NvmlSession:
             mig_capable=mig_capable,
             mig_enabled=mig_enabled,
         )
+
+    def mig_profiles(self, index: int) -> list[MigProfileSpec] | None:
+        """The GPU instance profiles NVML reports, or None while MIG mode is off (NVML answers
+        profile queries only with MIG enabled)."""
+        handle = self.handle(index)
+        if not self._mig_mode(handle)[1]:
+            return None
+        profiles = []
+        for geometry in MIG_GEOMETRY:
+            try:
+                info = self.nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, geometry.profile_index)
+            except pynvml.NVMLError as err:
+                if err.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    continue  # this profile does not exist on this GPU
+                raise
+            name = info.name.decode() if isinstance(info.name, bytes) else info.name
+            profiles.append(
+                MigProfileSpec(
+                    profile_id=info.id,
+                    name=name.removeprefix("MIG "),
+                    multiprocessors=info.multiprocessorCount,
+                    memory_mib=info.memorySizeMB,
+                    copy_engines=info.copyEngineCount,
+                    decoders=info.decoderCount,
+                    encoders=info.encoderCount,
+                    jpeg_engines=info.jpegCount,
+                    ofa_engines=info.ofaCount,
+                )
+            )
+        return profiles
 
     def _mig_mode(self, handle: Any) -> tuple[bool, bool]:
         try:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from driver.cdi import CdiWriter, DriverFiles
 from driver.checkpoint import Checkpoint
-from driver.devices import node_devices
+from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.driver import Driver
 from driver.kube import ClientKubeApi, KubeApi
@@ -65,7 +65,9 @@ class PluginProcess:
         self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
         self.cdi = CdiWriter(settings.cdi_dir, settings.driver_name, DriverFiles.discover(settings.driver_root))
         self.driver = Driver(settings.driver_name, settings.node_name, self.gpus, self.api, self.claims, self.cdi)
-        self.publisher = SlicePublisher(self.api, settings.driver_name, settings.node_name, node_devices(self.gpus))
+        self.publisher = SlicePublisher(
+            self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
+        )
         self.health = health.HealthServicer()
         self._servers: list[grpc.Server] = []
         self._stopped = threading.Event()
@@ -100,6 +102,7 @@ class PluginProcess:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
+        self.api.close()  # unblocks the publisher's watch
         self.publisher.stop()
         for server in self._servers:
             server.stop(grace=5).wait()

@@ -10,7 +10,7 @@ import pytest
 
 from tests.claims_api import gpu_request
 from tests.cluster.kubelet_standin import KubeletStandIn
-from tests.integration.test_plugin_process import node_slices, wait_for
+from tests.integration.test_plugin_process import complete_pool, wait_for
 from tests.plugin_process import PluginUnderTest
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ def pod(name: str, template_name: str) -> dict:
 
 def test_pod_gets_a_gpu_by_cel_selector(node_a, resource_api, core_api):
     plugin, kubelet = node_a
-    wait_for(lambda: node_slices(resource_api, "node-a"))  # kubelet deleted them at start; back again
+    wait_for(lambda: complete_pool(resource_api, "node-a"))  # kubelet deleted them at start; back again
     suffix = uuid.uuid4().hex[:6]
     selector = (
         'device.attributes["gpu.fgpu.dev"].productName == "NVIDIA H100 80GB HBM3" && '
@@ -91,7 +91,7 @@ def test_pod_gets_a_gpu_by_cel_selector(node_a, resource_api, core_api):
 
 def test_unsatisfiable_claim_stays_pending_with_the_schedulers_reason(node_a, resource_api, core_api):
     plugin, kubelet = node_a
-    wait_for(lambda: node_slices(resource_api, "node-a"))
+    wait_for(lambda: complete_pool(resource_api, "node-a"))
     suffix = uuid.uuid4().hex[:6]
     selector = 'device.capacity["gpu.fgpu.dev"].memory.compareTo(quantity("1Ti")) >= 0'
     resource_api.create_namespaced_resource_claim_template("default", template(f"huge-{suffix}", selector))

@@ -17,7 +17,7 @@ from tests.plugin_process import PluginUnderTest
 pytestmark = pytest.mark.e2e
 
 
-def wait_for(condition, timeout: float = 15.0, interval: float = 0.1):
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
@@ -29,6 +29,16 @@ def wait_for(condition, timeout: float = 15.0, interval: float = 0.1):
 
 def node_slices(resource_api, node: str) -> list:
     return resource_api.list_resource_slice(field_selector=f"spec.nodeName={node},spec.driver=gpu.fgpu.dev").items
+
+
+def complete_pool(resource_api, node: str) -> list:
+    """The node's slices once all of the pool's newest generation are there, else []."""
+    slices = node_slices(resource_api, node)
+    if not slices:
+        return []
+    newest = max(s.spec.pool.generation for s in slices)
+    current = [s for s in slices if s.spec.pool.generation == newest]
+    return current if len(current) == current[0].spec.pool.resource_slice_count else []
 
 
 def test_registration_handshake_and_health(start_plugin):
@@ -45,14 +55,20 @@ def test_registration_handshake_and_health(start_plugin):
 
 def test_slices_are_accepted_by_the_apiserver_and_come_back(start_plugin, resource_api):
     start_plugin(node="node-b")
-    slices = wait_for(lambda: node_slices(resource_api, "node-b"))
-    (published,) = slices
-    assert [d.name for d in published.spec.devices] == [f"gpu-{i}" for i in range(8)]
-    assert published.metadata.owner_references[0].kind == "Node"
-    assert published.spec.devices[0].attributes["productName"].string == "NVIDIA H100 80GB HBM3"
+    slices = wait_for(lambda: complete_pool(resource_api, "node-b"))
+    assert len(slices) == 5
+    counters = [s for s in slices if s.spec.shared_counters]
+    assert len(counters) == 1 and len(counters[0].spec.shared_counters) == 8
+    devices = {d.name: d for s in slices for d in s.spec.devices or []}
+    assert len(devices) == 8 * 28
+    assert devices["gpu-0"].attributes["productName"].string == "NVIDIA H100 80GB HBM3"
+    assert devices["gpu-3-mig-2g20gb-4"].consumes_counters[0].counter_set == "gpu-3-counters"
+    assert devices["gpu-3-mps"].allow_multiple_allocations
+    assert all(s.metadata.owner_references[0].kind == "Node" for s in slices)
+    generation = slices[0].spec.pool.generation
     resource_api.delete_collection_resource_slice(field_selector="spec.nodeName=node-b")  # as kubelet does
-    restored = wait_for(lambda: node_slices(resource_api, "node-b"), timeout=10)
-    assert restored[0].spec.pool.generation >= published.spec.pool.generation
+    restored = wait_for(lambda: complete_pool(resource_api, "node-b"))
+    assert restored[0].spec.pool.generation >= generation
 
 
 def test_prepare_unprepare_restart_repeat(start_plugin, resource_api):

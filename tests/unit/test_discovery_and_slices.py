@@ -4,10 +4,11 @@ import sys
 
 import pytest
 
-from driver.devices import Attribute, Device, node_devices
+from driver.devices import Attribute, Device, Inventory, node_inventory
 from driver.discovery import cuda_version, discover_gpus, pci_bus_id, semver
 from driver.nvml.machine import bundled_machines
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from driver.sharing import SharingConfig
 from driver.slices import MAX_DEVICES_PER_SLICE, build_slices, format_quantity, node_owner
 
 
@@ -15,7 +16,7 @@ from driver.slices import MAX_DEVICES_PER_SLICE, build_slices, format_quantity, 
 def test_every_bundled_machine_discovers_complete_devices(machine):
     session = NvmlSession.open(f"mock:{machine}")
     gpus = discover_gpus(session)
-    devices = node_devices(gpus)
+    devices = node_inventory(gpus, SharingConfig(default=frozenset({"whole"}))).devices
     assert [d.name for d in devices] == [f"gpu-{i}" for i in range(len(gpus))]
     for device, gpu in zip(devices, gpus, strict=True):
         assert device.attributes["uuid"] == Attribute("string", gpu.uuid)
@@ -59,7 +60,7 @@ def test_quantities_are_canonical():
 def test_slices_split_within_the_device_limit_and_share_a_generation():
     devices = [Device(name=f"d-{i}", capacity={"memory": 1}) for i in range(2 * MAX_DEVICES_PER_SLICE + 5)]
     owner = node_owner({"metadata": {"name": "n1", "uid": "u1"}})
-    slices = build_slices("gpu.fgpu.dev", "n1", devices, generation=4, owner=owner)
+    slices = build_slices("gpu.fgpu.dev", "n1", Inventory(devices, []), generation=4, owner=owner)
     assert [len(s["spec"]["devices"]) for s in slices] == [128, 128, 5]
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {3}
     assert {s["spec"]["pool"]["generation"] for s in slices} == {4}
@@ -76,7 +77,8 @@ def test_discover_cli_is_deterministic():
     assert first == second
     document = json.loads(first)
     assert document["items"][0]["spec"]["nodeName"] == "n1"
-    assert len(document["items"][0]["spec"]["devices"]) == 8
+    assert [len(s["spec"].get("devices", [])) for s in document["items"]] == [0, 64, 64, 64, 32]
+    assert len(document["items"][0]["spec"]["sharedCounters"]) == 8
     yaml_out = subprocess.run([*command, "yaml"], capture_output=True, text=True, check=True).stdout
     assert "kind: ResourceSlice" in yaml_out
 

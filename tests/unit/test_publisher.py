@@ -1,14 +1,16 @@
 import time
 
-from driver.devices import Device
+from driver.devices import Device, Inventory
 from driver.publisher import SlicePublisher
 from tests.fakes import InMemoryKubeApi, node_object
 
 DRIVER = "gpu.fgpu.dev"
 
 
-def devices(count: int) -> list[Device]:
-    return [Device(name=f"gpu-{i}", capacity={"memory": 2**30}) for i in range(count)]
+def devices(count: int) -> Inventory:
+    return Inventory(
+        devices=[Device(name=f"gpu-{i}", capacity={"memory": 2**30}) for i in range(count)], counter_sets=[]
+    )
 
 
 def wait_for(condition, timeout: float = 5.0) -> None:
@@ -31,10 +33,10 @@ def test_publish_is_stable_and_changes_bump_the_generation():
     version = only["metadata"]["resourceVersion"]
     publisher.reconcile()
     assert next(iter(api.slices.values()))["metadata"]["resourceVersion"] == version  # nothing rewritten
-    publisher.set_devices(devices(300))
+    publisher.set_inventory(devices(300))
     assert sorted(len(s["spec"]["devices"]) for s in api.slices.values()) == [44, 128, 128]
     assert {s["spec"]["pool"]["generation"] for s in api.slices.values()} == {2}
-    publisher.set_devices(devices(3))
+    publisher.set_inventory(devices(3))
     assert len(api.slices) == 1
     assert next(iter(api.slices.values()))["spec"]["pool"]["generation"] == 3
 
