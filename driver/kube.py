@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 JsonObject = dict[str, Any]
 
@@ -77,6 +78,7 @@ class ClientKubeApi:
         self._resource = kubernetes.client.ResourceV1Api(self._client)
         self._core = kubernetes.client.CoreV1Api(self._client)
         self._timeout = timeout_s
+        self._watches: set[urllib3.BaseHTTPResponse] = set()
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         with translated_errors():
@@ -86,6 +88,8 @@ class ClientKubeApi:
 
     def close(self) -> None:
         """Close the connections; a watch blocked on one returns at once."""
+        for response in list(self._watches):
+            response.shutdown()
         self._client.close()
 
     def get_claim(self, namespace: str, name: str) -> JsonObject:
@@ -111,14 +115,21 @@ class ClientKubeApi:
     def watch_slices(
         self, driver: str, node: str, resource_version: str, timeout_s: int
     ) -> Iterator[tuple[str, JsonObject]]:
-        watch = kubernetes.watch.Watch()
         with translated_errors():
-            for event in watch.stream(
-                self._resource.list_resource_slice,
+            response = self._resource.list_resource_slice(
                 field_selector=slice_field_selector(driver, node),
                 resource_version=resource_version,
                 timeout_seconds=timeout_s,
-                deserialize=False,
-            ):
-                yield event["type"], event["object"]
-        watch.stop()
+                watch=True,
+                _preload_content=False,
+            )
+        self._watches.add(response)
+        try:
+            with translated_errors():
+                for line in iter_resp_lines(response):
+                    if line.strip():
+                        event = json.loads(line)
+                        yield event["type"], event["object"]
+        finally:
+            self._watches.discard(response)
+            response.release_conn()
