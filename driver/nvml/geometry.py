@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 MEMORY_SLICES = 8
 COMPUTE_SLICES = 7
+# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE constants -> compute slices
+COMPUTE_INSTANCE_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7}
+COMPUTE_INSTANCE_PROFILE_BY_SLICES = {v: k for k, v in COMPUTE_INSTANCE_PROFILE_SLICES.items()}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ def bundled_machines() -> list[str]:
     return sorted(p.stem for p in MACHINES_DIR.glob("*.yaml"))
 
 
+@functools.lru_cache(maxsize=64)
 def load_machine(name_or_path: str) -> MachineProfile:
     """Load a bundled profile by name, or a YAML file by path."""
     path = Path(name_or_path)

@@ -26,11 +26,16 @@ from typing import Any, TypeVar
 import pynvml
 from pynvml import NVMLError
 
-from driver.nvml.geometry import COMPUTE_SLICES, GEOMETRY_BY_ID, GEOMETRY_BY_INDEX, memory_slots
+from driver.nvml.geometry import (
+    COMPUTE_INSTANCE_PROFILE_SLICES,
+    COMPUTE_SLICES,
+    GEOMETRY_BY_ID,
+    GEOMETRY_BY_INDEX,
+    memory_slots,
+)
 from driver.nvml.machine import ARCHITECTURES, MachineProfile
 
 UUID_NAMESPACE = uuid.UUID("6f1c7a8e-2f43-4d1e-9a51-0b7c1d2e3f40")
-CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7}  # NVML_COMPUTE_INSTANCE_PROFILE_*_SLICE -> slices
 FULL_GI_ID = 0  # the 7g instance always gets id 0, as on real GPUs
 T = TypeVar("T")
 
@@ -451,7 +456,7 @@ class MockNvml:
     ) -> pynvml.c_nvmlComputeInstanceProfileInfo_v2_t:
         with self._machine() as machine:
             instance = self._gpu_instance(machine, device)
-        slices = CI_PROFILE_SLICES.get(profile)
+        slices = COMPUTE_INSTANCE_PROFILE_SLICES.get(profile)
         gi_slices = GEOMETRY_BY_ID[instance.profile_id].compute_slices
         if slices is None or slices > gi_slices or engProfile != 0:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -470,13 +475,13 @@ class MockNvml:
         return info
 
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: object, profileId: int) -> MockComputeInstance:
-        slices = CI_PROFILE_SLICES.get(profileId)
+        slices = COMPUTE_INSTANCE_PROFILE_SLICES.get(profileId)
         with self._machine(write=True) as machine:
             instance = self._gpu_instance(machine, gpuInstance)
             gi_slices = GEOMETRY_BY_ID[instance.profile_id].compute_slices
             if slices is None or slices > gi_slices:
                 raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
-            used = sum(CI_PROFILE_SLICES[ci.profile_id] for ci in instance.compute_instances.values())
+            used = sum(COMPUTE_INSTANCE_PROFILE_SLICES[ci.profile_id] for ci in instance.compute_instances.values())
             if used + slices > gi_slices:
                 raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
             ci_id = self._free_id(instance.compute_instances, 0)

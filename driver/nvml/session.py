@@ -12,16 +12,33 @@ from typing import Any
 
 import pynvml
 
-from driver.nvml.geometry import MIG_GEOMETRY
+from driver.nvml.geometry import (
+    COMPUTE_INSTANCE_PROFILE_BY_SLICES,
+    COMPUTE_SLICES,
+    GEOMETRY_BY_ID,
+    MIG_GEOMETRY,
+)
 from driver.nvml.machine import MigProfileSpec, load_machine
 from driver.nvml.mock import MockNvml
 
 MOCK_PREFIX = "mock:"
 MOCK_STATE_ENV = "FGPU_NVML_MOCK_STATE"
+MAX_GPU_INSTANCE_ID = 14  # GPU instance ids NVML hands out are below 15
 
 
 class NvmlUnavailableError(RuntimeError):
     """NVML could not be loaded or initialised; the message says why."""
+
+
+@dataclass(frozen=True)
+class GpuInstanceRecord:
+    """A GPU instance as NVML reports it, with its compute instances as (id, MIG UUID)."""
+
+    gi_id: int
+    profile_id: int
+    start: int
+    size: int
+    compute_instances: tuple[tuple[int, str], ...]
 
 
 @dataclass(frozen=True)
@@ -140,3 +157,91 @@ class NvmlSession:
                 return False, False
             raise
         return True, current == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    # --- MIG instances and compute mode (called by partitioner/, serialised per GPU there) ---
+
+    def set_mig_mode(self, index: int, enabled: bool) -> bool:
+        """Switch MIG mode; False when the change stays pending until a GPU reset (A100)."""
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        status = self.nvml.nvmlDeviceSetMigMode(self.handle(index), mode)
+        if status != pynvml.NVML_SUCCESS:
+            # Leave nothing pending: the GPU would change mode at its next reset, unasked.
+            current = pynvml.NVML_DEVICE_MIG_DISABLE if enabled else pynvml.NVML_DEVICE_MIG_ENABLE
+            self.nvml.nvmlDeviceSetMigMode(self.handle(index), current)
+            return False
+        return True
+
+    def mig_enabled(self, index: int) -> bool:
+        return self._mig_mode(self.handle(index))[1]
+
+    def gpu_instances(self, index: int) -> list[GpuInstanceRecord]:
+        """The GPU instances that exist on a GPU, with their compute instances and MIG UUIDs."""
+        handle = self.handle(index)
+        if not self.mig_enabled(index):
+            return []
+        uuids: dict[tuple[int, int], str] = {}
+        for i in range(self.nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = self.nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except pynvml.NVMLError as err:
+                if err.value == pynvml.NVML_ERROR_NOT_FOUND:
+                    continue
+                raise
+            key = (self.nvml.nvmlDeviceGetGpuInstanceId(mig), self.nvml.nvmlDeviceGetComputeInstanceId(mig))
+            uuids[key] = self.nvml.nvmlDeviceGetUUID(mig)
+        records = []
+        for gi_id in range(MAX_GPU_INSTANCE_ID + 1):
+            try:
+                instance = self.nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+            except pynvml.NVMLError as err:
+                if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    continue
+                raise
+            info = self.nvml.nvmlGpuInstanceGetInfo(instance)
+            cis = tuple(sorted((ci, uuid) for (gi, ci), uuid in uuids.items() if gi == gi_id))
+            records.append(GpuInstanceRecord(gi_id, info.profileId, info.placement.start, info.placement.size, cis))
+        return records
+
+    def create_mig_instance(self, index: int, profile_id: int, start: int, size: int) -> GpuInstanceRecord:
+        """Create a GPU instance at the placement and one compute instance spanning it."""
+        handle = self.handle(index)
+        placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, size
+        instance = self.nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, profile_id, placement)
+        gi_id = self.nvml.nvmlGpuInstanceGetInfo(instance).id
+        slices = GEOMETRY_BY_ID[profile_id].compute_slices
+        ci_profile = COMPUTE_INSTANCE_PROFILE_BY_SLICES[slices]
+        try:
+            self.nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                instance, ci_profile, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+            )
+            self.nvml.nvmlGpuInstanceCreateComputeInstance(instance, ci_profile)
+        except pynvml.NVMLError:
+            self.nvml.nvmlGpuInstanceDestroy(instance)  # no half-made instance left behind
+            raise
+        return next(r for r in self.gpu_instances(index) if r.gi_id == gi_id)
+
+    def destroy_mig_instance(self, index: int, gi_id: int) -> None:
+        """Destroy the compute instances, then the GPU instance. Gone already is fine."""
+        handle = self.handle(index)
+        try:
+            instance = self.nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_ERROR_NOT_FOUND:
+                return
+            raise
+        for ci_id in range(COMPUTE_SLICES):
+            try:
+                compute = self.nvml.nvmlGpuInstanceGetComputeInstanceById(instance, ci_id)
+            except pynvml.NVMLError as err:
+                if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    continue
+                raise
+            self.nvml.nvmlComputeInstanceDestroy(compute)
+        self.nvml.nvmlGpuInstanceDestroy(instance)
+
+    def set_compute_mode(self, index: int, mode: int) -> None:
+        self.nvml.nvmlDeviceSetComputeMode(self.handle(index), mode)
+
+    def compute_mode(self, index: int) -> int:
+        return self.nvml.nvmlDeviceGetComputeMode(self.handle(index))

@@ -56,6 +56,7 @@ def test_deleted_and_edited_slices_come_back():
         api.replace_slice(name, edited)
         wait_for(lambda: api.slices[name]["metadata"]["annotations"] != {})
     finally:
+        api.close()
         publisher.stop()
 
 
@@ -71,4 +72,5 @@ def test_unreachable_api_server_is_retried():
         api.unavailable = False
         wait_for(lambda: len(api.slices) == 1, timeout=5)
     finally:
+        api.close()
         publisher.stop()
