@@ -20,6 +20,7 @@ from driver.discovery import GpuInfo
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
 from driver.nvml.machine import MigProfileSpec
 from driver.sharing import SharingConfig, SharingKind
+from driver.state import DeviceKind
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
@@ -215,22 +216,50 @@ def timeslice_device(gpu: GpuInfo) -> Device:
     )
 
 
-def gpu_devices(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[Device]:
-    devices = []
+@dataclass(frozen=True)
+class DeviceTarget:
+    """What a published device stands for on this node."""
+
+    name: str
+    kind: DeviceKind
+    gpu: GpuInfo
+    placement: MigPlacement | None = None
+
+
+def gpu_targets(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[DeviceTarget]:
+    targets = []
     if "whole" in offered:
-        devices.append(whole_gpu_device(gpu))
+        targets.append(DeviceTarget(whole_gpu_name(gpu), "whole", gpu))
     if "mig" in offered and gpu.mig_capable:
-        devices.extend(mig_device(gpu, placement) for placement in mig_placements(gpu))
+        targets.extend(
+            DeviceTarget(mig_device_name(gpu.index, p.profile.name, p.start), "mig", gpu, p)
+            for p in mig_placements(gpu)
+        )
     if "mps" in offered:
-        devices.append(mps_device(gpu))
+        targets.append(DeviceTarget(mps_device_name(gpu), "mps", gpu))
     if "timeslice" in offered:
-        devices.append(timeslice_device(gpu))
-    return devices
+        targets.append(DeviceTarget(timeslice_device_name(gpu), "timeslice", gpu))
+    return targets
+
+
+def node_targets(gpus: list[GpuInfo], sharing: SharingConfig) -> list[DeviceTarget]:
+    """Every device the node offers, in a stable order."""
+    return [t for gpu in sorted(gpus, key=lambda g: g.index) for t in gpu_targets(gpu, sharing.offered(gpu.index))]
+
+
+def device_for(target: DeviceTarget) -> Device:
+    if target.kind == "whole":
+        return whole_gpu_device(target.gpu)
+    if target.kind == "mig":
+        assert target.placement is not None
+        return mig_device(target.gpu, target.placement)
+    if target.kind == "mps":
+        return mps_device(target.gpu)
+    return timeslice_device(target.gpu)
 
 
 def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
     """Every device and counter set the node offers, in a stable order."""
-    ordered = sorted(gpus, key=lambda g: g.index)
-    devices = [d for gpu in ordered for d in gpu_devices(gpu, sharing.offered(gpu.index))]
-    counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in ordered]
+    devices = [device_for(target) for target in node_targets(gpus, sharing)]
+    counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in sorted(gpus, key=lambda g: g.index)]
     return Inventory(devices=devices, counter_sets=counter_sets)

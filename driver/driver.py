@@ -3,23 +3,40 @@
 Independent of gRPC: the plugin services translate messages to and from these calls. Every claim
 of a batch gets its own result; an error names the claim and the reason and leaves the state of
 every other claim alone.
+
+Each step is journaled before its side effect (state.py): the claim's record (PrepareStarted)
+before any MIG instance, MPS daemon or timeslice change; PrepareCompleted after the CDI spec is
+written; UnprepareStarted before anything is undone. `recover()` at start-up rolls back what a
+crash left half-prepared, finishes half-done unprepares, and sweeps what no claim owns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from driver.cdi import CdiDevice, CdiWriter
-from driver.claims import ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
-from driver.devices import whole_gpu_name
-from driver.discovery import GpuInfo
+from kubernetes.utils import parse_quantity
+
+from driver.cdi import CdiWriter
+from driver.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
+from driver.config import config_for_request
+from driver.devices import DeviceTarget, GiB
+from driver.faults import crash_point
 from driver.kube import KubeApi, KubeError, NotFoundError
+from driver.ownership import InstanceLock
 from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
+from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
+from partitioner.mps import MpsLimits, MpsPartitioner
+from partitioner.runner import ToolError
+from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
+DEFAULT_SHARE_MEMORY = GiB
+DEFAULT_THREAD_PERCENTAGE = 10
 
 
 @dataclass(frozen=True)
@@ -28,113 +45,278 @@ class PrepareResult:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Partitioners:
+    mig: MigPartitioner
+    mps: MpsPartitioner
+    timeslice: TimeSlicer
+
+
 class Driver:
     def __init__(
         self,
         driver_name: str,
         node_name: str,
-        gpus: list[GpuInfo],
+        targets: list[DeviceTarget],
         api: KubeApi,
         claims: PreparedClaims,
         cdi: CdiWriter,
+        partitioners: Partitioners,
+        instance: InstanceLock,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         self.driver_name = driver_name
         self.pool = node_name
-        self._gpus = {whole_gpu_name(gpu): gpu for gpu in gpus}
+        self._targets = {target.name: target for target in targets}
         self._api = api
         self._claims = claims
         self._cdi = cdi
-        # Serialises check-then-act on one claim UID when kubelet retries while a call runs.
-        self._claim_locks: dict[str, threading.Lock] = {}
-        self._claim_locks_guard = threading.Lock()
+        self._parts = partitioners
+        self._instance = instance
+        self._proc_root = proc_root
+        # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     # --- prepare --------------------------------------------------------------------------------
 
     def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
-        fresh: list[PreparedClaim] = []
         for ref in refs:
-            with self._claim_lock(ref.uid):
-                results[ref.uid] = self._per_claim(ref, lambda r=ref: self._prepare_one(r, fresh))
-        if fresh:
-            try:
-                self._claims.commit(prepared=fresh)
-            except OSError as err:
-                for claim in fresh:
-                    self._cdi.remove(claim.uid)
-                    results[claim.uid] = PrepareResult(error=f"claim {claim.namespace}/{claim.name}: {err}")
+            with self._lock(f"claim/{ref.uid}"):
+                results[ref.uid] = self._per_claim(ref, lambda r=ref: self._prepare_one(r))
         return results
 
-    def _prepare_one(self, ref: ClaimRef, fresh: list[PreparedClaim]) -> PrepareResult:
+    def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         ref.validate()
         existing = self._claims.get(ref.uid)
-        if existing is not None:
+        if existing is not None and existing.state == "PrepareCompleted":
             # Idempotent: the same answer; the spec is rewritten if it went missing (e.g. a reboot).
             if not self._cdi.spec_path(ref.uid).exists():
-                self._cdi.write(ref.uid, self._cdi_devices(existing.device_nodes))
+                self._cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
             return PrepareResult(devices=existing.devices)
+        if existing is not None:
+            self._undo(existing)  # a half-done attempt: roll it back and start afresh
         try:
             claim = self._api.get_claim(ref.namespace, ref.name)
         except NotFoundError as err:
             raise ClaimError("the claim does not exist in the API server") from err
-        allocation = allocation_for_node(claim, ref, self.driver_name, self.pool)
-        prepared = self._prepared_claim(allocation)
-        self._cdi.write(ref.uid, self._cdi_devices(prepared.device_nodes))
-        fresh.append(prepared)
-        return PrepareResult(devices=prepared.devices)
+        planned = self._plan(allocation_for_node(claim, ref, self.driver_name, self.pool))
+        self._claims.commit(prepared=[planned])
+        crash_point("prepare:journaled")
+        try:
+            with self._gpu_locks(planned.devices):
+                devices = tuple(self._make_real(ref, device) for device in planned.devices)
+            self._cdi.write(ref.uid, [d.cdi_device() for d in devices])
+            crash_point("prepare:cdi-written")
+            self._claims.commit(prepared=[replace(planned, devices=devices, state="PrepareCompleted")])
+        except BaseException:
+            self._undo(self._claims.get(ref.uid) or planned)
+            raise
+        crash_point("prepare:completed")
+        return PrepareResult(devices=devices)
 
-    def _prepared_claim(self, allocation: ClaimAllocation) -> PreparedClaim:
+    def _plan(self, allocation: ClaimAllocation) -> PreparedClaim:
+        """Check every allocated device and config, and describe the work, before any side effect."""
         ref = allocation.claim
-        requests_by_device: dict[str, list[str]] = {}
+        by_device: dict[str, list[AllocatedDevice]] = {}
         for allocated in allocation.devices:
-            if allocated.device not in self._gpus:
+            if allocated.device not in self._targets:
                 raise ClaimError(f"device {allocated.device!r} is not a device of this node's pool {self.pool}")
-            requests_by_device.setdefault(allocated.device, [])
-            if allocated.request not in requests_by_device[allocated.device]:
-                requests_by_device[allocated.device].append(allocated.request)
-        devices = tuple(
-            PreparedDevice(
-                request_names=tuple(requests),
+            by_device.setdefault(allocated.device, []).append(allocated)
+        devices = []
+        for name, results in by_device.items():
+            target = self._targets[name]
+            requests = tuple(dict.fromkeys(r.request for r in results))
+            device = PreparedDevice(
+                request_names=requests,
                 pool=self.pool,
                 device=name,
                 cdi_ids=(self._cdi.qualified_id(ref.uid, name),),
+                share_id=results[0].share_id,
+                kind=target.kind,
+                gpu_index=target.gpu.index,
+                gpu_uuid=target.gpu.uuid,
             )
-            for name, requests in requests_by_device.items()
+            devices.append(self._configure(device, target, results, allocation))
+        return PreparedClaim(
+            ref.uid, ref.namespace, ref.name, tuple(devices), state="PrepareStarted", owner=self._instance.id
         )
-        nodes = {name: (f"/dev/nvidia{self._gpus[name].minor}",) for name in requests_by_device}
-        return PreparedClaim(ref.uid, ref.namespace, ref.name, devices, nodes)
 
-    @staticmethod
-    def _cdi_devices(device_nodes: dict[str, tuple[str, ...]]) -> list[CdiDevice]:
-        return [CdiDevice(name=name, device_nodes=nodes) for name, nodes in device_nodes.items()]
+    def _configure(
+        self, device: PreparedDevice, target: DeviceTarget, results: list[AllocatedDevice], allocation: ClaimAllocation
+    ) -> PreparedDevice:
+        config = config_for_request(allocation.configs, device.request_names[0])
+        if target.kind == "mig":
+            assert target.placement is not None
+            return replace(
+                device,
+                mig_profile_id=target.placement.profile.profile_id,
+                mig_start=target.placement.start,
+                mig_size=target.placement.size,
+            )
+        if target.kind == "mps":
+            if config.strategy not in (None, "MPS"):
+                raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")
+            memory = sum(_quantity(r.consumed_capacity.get("memory"), DEFAULT_SHARE_MEMORY) for r in results)
+            threads = sum(_quantity(r.consumed_capacity.get("compute"), DEFAULT_THREAD_PERCENTAGE) for r in results)
+            if config.pinned_memory_bytes is not None:
+                if config.pinned_memory_bytes > memory:
+                    raise ClaimError(
+                        f"opaque config: sharing.mps.pinnedMemoryLimit {config.pinned_memory_bytes} exceeds "
+                        f"the allocated memory {memory}"
+                    )
+                memory = config.pinned_memory_bytes
+            if config.thread_percentage is not None:
+                if config.thread_percentage > threads:
+                    raise ClaimError(
+                        f"opaque config: sharing.mps.activeThreadPercentage {config.thread_percentage} exceeds "
+                        f"the allocated compute {threads}"
+                    )
+                threads = config.thread_percentage
+            return replace(device, mps_memory_bytes=memory, mps_thread_percentage=min(threads, 100))
+        if target.kind == "timeslice":
+            if config.strategy not in (None, "TimeSlicing"):
+                raise ClaimError(
+                    f"device {device.device} is a time-sliced share; its config asks for {config.strategy}"
+                )
+            return replace(device, timeslice_interval=config.interval or "Default")
+        return device
+
+    def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> PreparedDevice:
+        """Create what the device needs on the GPU; returns it with its CDI edits."""
+        gpu_node = f"/dev/nvidia{self._targets[device.device].gpu.minor}"
+        try:
+            if device.kind == "mig":
+                assert device.mig_profile_id is not None and device.mig_start is not None
+                assert device.mig_size is not None
+                instance = self._parts.mig.create(
+                    device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size
+                )
+                nodes = mig_device_nodes(self._targets[device.device].gpu.minor, instance, self._proc_root)
+                device = replace(device, mig_uuid=instance.uuid, device_nodes=nodes)
+            elif device.kind == "mps":
+                assert device.mps_memory_bytes is not None and device.mps_thread_percentage is not None
+                self._parts.mps.start(device.gpu_index, device.gpu_uuid)
+                limits = MpsLimits(device.mps_memory_bytes, device.mps_thread_percentage)
+                device = replace(
+                    device, device_nodes=(gpu_node,), env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid)
+                )
+            elif device.kind == "timeslice":
+                self._parts.timeslice.set_interval(device.gpu_uuid, device.timeslice_interval or "Default")
+                device = replace(device, device_nodes=(gpu_node,))
+            else:
+                if self._targets[device.device].gpu.mig_capable:
+                    self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+                device = replace(device, device_nodes=(gpu_node,))
+        except (MigError, ToolError) as err:
+            raise ClaimError(str(err)) from err
+        crash_point("prepare:device-ready")
+        return device
 
     # --- unprepare ------------------------------------------------------------------------------
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
         errors: dict[str, str] = {}
-        done: list[str] = []
         for ref in refs:
-            with self._claim_lock(ref.uid):
-                result = self._per_claim(ref, lambda r=ref: self._unprepare_one(r))
-            errors[ref.uid] = result.error
-            if not result.error:
-                done.append(ref.uid)
-        if done:
-            try:
-                self._claims.commit(removed=done)
-            except OSError as err:
-                errors.update({uid: f"claim {uid}: {err}" for uid in done})
-        with self._claim_locks_guard:
-            for uid in done:
-                self._claim_locks.pop(uid, None)
+            with self._lock(f"claim/{ref.uid}"):
+                errors[ref.uid] = self._per_claim(ref, lambda r=ref: self._unprepare_one(r)).error
+        with self._locks_guard:
+            for ref in refs:
+                if not errors[ref.uid]:
+                    self._locks.pop(f"claim/{ref.uid}", None)
         return errors
 
     def _unprepare_one(self, ref: ClaimRef) -> PrepareResult:
         if not ref.uid:
             raise ClaimError("malformed request: the claim has no uid")
-        self._cdi.remove(ref.uid)
+        existing = self._claims.get(ref.uid)
+        if existing is None:
+            self._cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
+            return PrepareResult()
+        self._undo(existing)
         return PrepareResult()
+
+    def _undo(self, claim: PreparedClaim) -> None:
+        """Release everything the claim may hold, then forget it. Safe to repeat at any point."""
+        marked = replace(claim, state="UnprepareStarted", owner=self._instance.id)
+        self._claims.commit(prepared=[marked])
+        crash_point("unprepare:journaled")
+        others = [c for uid, c in self._claims.all().items() if uid != claim.uid]
+        try:
+            with self._gpu_locks(claim.devices):
+                for device in claim.devices:
+                    self._release(device, others)
+        except (MigError, ToolError) as err:
+            raise ClaimError(f"releasing its devices failed: {err}") from err
+        crash_point("unprepare:devices-released")
+        self._cdi.remove(claim.uid)
+        crash_point("unprepare:cdi-removed")
+        self._claims.commit(removed=[claim.uid])
+
+    def _release(self, device: PreparedDevice, others: list[PreparedClaim]) -> None:
+        still_used = any(d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices)
+        if device.kind == "mig":
+            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+            if record is not None:
+                self._parts.mig.destroy(device.gpu_index, record.gi_id)
+        elif device.kind == "mps" and not still_used:
+            self._parts.mps.stop(device.gpu_index, device.gpu_uuid)
+        elif device.kind == "timeslice" and not still_used:
+            self._parts.timeslice.reset(device.gpu_uuid)
+
+    # --- start-up recovery ----------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Roll back half-prepared claims, finish half-unprepared ones (of instances that no longer
+        run), and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns."""
+        for claim in self._claims.all().values():
+            if claim.state != "PrepareCompleted" and not self._instance.owner_alive(claim.owner):
+                log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
+                self._per_claim(ClaimRef(claim.namespace, claim.name, claim.uid), lambda c=claim: self._undo_result(c))
+        prepared = self._claims.all()
+        self._sweep_mig(prepared)
+        self._sweep_mps(prepared)
+        self._sweep_cdi(prepared)
+
+    def _undo_result(self, claim: PreparedClaim) -> PrepareResult:
+        self._undo(claim)
+        return PrepareResult()
+
+    def _sweep_mig(self, prepared: dict[str, PreparedClaim]) -> None:
+        owned = {
+            (d.gpu_index, d.mig_profile_id, d.mig_start)
+            for c in prepared.values()
+            for d in c.devices
+            if d.kind == "mig"
+        }
+        for index in sorted({t.gpu.index for t in self._targets.values() if t.kind == "mig"}):
+            with self._lock(f"gpu/{index}"):
+                for record in self._parts.mig.instances(index):
+                    if (index, record.profile_id, record.start) not in owned:
+                        log.warning("destroying orphaned MIG instance %d on GPU %d", record.gi_id, index)
+                        self._parts.mig.destroy(index, record.gi_id)
+
+    def _sweep_mps(self, prepared: dict[str, PreparedClaim]) -> None:
+        shares = {(d.gpu_index, d.gpu_uuid) for c in prepared.values() for d in c.devices if d.kind == "mps"}
+        for index, uuid in sorted(shares):
+            with self._lock(f"gpu/{index}"):
+                self._parts.mps.start(index, uuid)  # after a reboot the daemon is gone
+        wanted = {uuid for _, uuid in shares}
+        gpus = {t.gpu.uuid: t.gpu.index for t in self._targets.values()}
+        for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
+            if uuid in gpus:
+                log.warning("stopping the MPS daemon of GPU %s: no MPS share is prepared there", uuid)
+                with self._lock(f"gpu/{gpus[uuid]}"):
+                    self._parts.mps.stop(gpus[uuid], uuid)
+
+    def _sweep_cdi(self, prepared: dict[str, PreparedClaim]) -> None:
+        on_disk = self._cdi.claim_uids_on_disk()  # listed before the records are read again
+        known = set(self._claims.all()) | set(prepared)
+        for uid in sorted(on_disk - known):
+            self._cdi.remove(uid)
+            log.info("removed orphaned CDI spec of claim %s (not prepared)", uid)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -154,6 +336,28 @@ class Driver:
         log.warning("%s", message)
         return PrepareResult(error=message)
 
-    def _claim_lock(self, uid: str) -> threading.Lock:
-        with self._claim_locks_guard:
-            return self._claim_locks.setdefault(uid, threading.Lock())
+    def _lock(self, key: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    @contextlib.contextmanager
+    def _gpu_locks(self, devices: tuple[PreparedDevice, ...]) -> Iterator[None]:
+        """Changes on one GPU are serialised; claims on different GPUs run in parallel. Locks are
+        taken in GPU order, so two claims spanning the same GPUs cannot deadlock."""
+        with contextlib.ExitStack() as stack:
+            for index in sorted({d.gpu_index for d in devices}):
+                stack.enter_context(self._lock(f"gpu/{index}"))
+            yield
+
+
+def _quantity(value: str | None, default: int) -> int:
+    if value is None:
+        return default
+
+    return int(parse_quantity(value))
+
+
+def _path(value: str):
+    from pathlib import Path
+
+    return Path(value)

@@ -1,12 +1,23 @@
-"""Prepared claims: the domain objects, and their store on top of the checkpoint file."""
+"""Prepared claims: the domain objects, and their journal on top of the checkpoint file.
+
+A claim's record is written before each side effect of prepare or unprepare (state
+PrepareStarted / UnprepareStarted) and marked PrepareCompleted at the end, so a plugin that dies
+at any step finds on restart what to roll back or finish. Each record names the plugin instance
+that owns it; an instance that still runs (rolling update) keeps its in-flight records.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
+from driver.cdi import CdiDevice
 from driver.checkpoint import Checkpoint, CheckpointData
+
+ClaimState = Literal["PrepareStarted", "PrepareCompleted", "UnprepareStarted"]
+DeviceKind = Literal["whole", "mig", "mps", "timeslice"]
 
 
 @dataclass(frozen=True)
@@ -16,6 +27,24 @@ class PreparedDevice:
     device: str
     cdi_ids: tuple[str, ...]
     share_id: str | None = None
+    kind: DeviceKind = "whole"
+    gpu_index: int = 0
+    gpu_uuid: str = ""
+    mig_profile_id: int | None = None
+    mig_start: int | None = None
+    mig_size: int | None = None
+    mig_uuid: str | None = None
+    mps_memory_bytes: int | None = None
+    mps_thread_percentage: int | None = None
+    timeslice_interval: str | None = None
+    # What the CDI spec needs to be rewritten without the API server (after a reboot, or when the
+    # file went missing).
+    device_nodes: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    mounts: tuple[tuple[str, str], ...] = ()
+
+    def cdi_device(self) -> CdiDevice:
+        return CdiDevice(name=self.device, device_nodes=self.device_nodes, env=self.env, mounts=self.mounts)
 
 
 @dataclass(frozen=True)
@@ -24,35 +53,32 @@ class PreparedClaim:
     namespace: str
     name: str
     devices: tuple[PreparedDevice, ...]
-    # What the CDI spec needs to be rewritten without the API server (after a reboot, or when
-    # the file went missing): device name -> its CDI device nodes.
-    device_nodes: dict[str, tuple[str, ...]]
+    state: ClaimState = "PrepareCompleted"
+    owner: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> PreparedClaim:
-        return cls(
-            uid=raw["uid"],
-            namespace=raw["namespace"],
-            name=raw["name"],
-            devices=tuple(
-                PreparedDevice(
-                    request_names=tuple(d["request_names"]),
-                    pool=d["pool"],
-                    device=d["device"],
-                    cdi_ids=tuple(d["cdi_ids"]),
-                    share_id=d.get("share_id"),
-                )
-                for d in raw["devices"]
-            ),
-            device_nodes={name: tuple(nodes) for name, nodes in raw["device_nodes"].items()},
-        )
+        devices = tuple(PreparedDevice(**_tuples(PreparedDevice, d)) for d in raw["devices"])
+        return cls(**{**raw, "devices": devices})
+
+
+def _tuples(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back to the tuples the dataclass holds (mounts are pairs)."""
+    known = {f.name for f in dataclasses.fields(kind)}
+    out = {k: v for k, v in raw.items() if k in known}
+    for key in ("request_names", "cdi_ids", "device_nodes", "env"):
+        if key in out:
+            out[key] = tuple(out[key])
+    if "mounts" in out:
+        out["mounts"] = tuple(tuple(m) for m in out["mounts"])
+    return out
 
 
 class PreparedClaims:
-    """The claims this node has prepared, as the checkpoint records them."""
+    """The claims this node has prepared or is preparing, as the checkpoint records them."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self._checkpoint = checkpoint
@@ -65,7 +91,7 @@ class PreparedClaims:
         return PreparedClaim.from_json(raw) if raw else None
 
     def commit(self, prepared: Iterable[PreparedClaim] = (), removed: Iterable[str] = ()) -> None:
-        """Record newly prepared claims and forget unprepared ones in one durable write."""
+        """Record claims (new or changed) and forget others in one durable write."""
         records = {claim.uid: claim.to_json() for claim in prepared}
         gone = list(removed)
 

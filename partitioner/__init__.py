@@ -1,4 +1,2 @@
-"""Backends that make fractional allocations real on the node: MIG, MPS, time-slicing.
-
-Whole GPUs need no partitioning; the MIG, MPS and time-slicing backends arrive with the
-fractional-GPU work (see the issues)."""
+"""Backends that make fractional allocations real on the node: MIG partitions (mig.py), MPS
+shares (mps.py) and time-slicing (timeslice.py). System tools run through runner.py."""

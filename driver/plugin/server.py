@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -15,44 +14,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from driver.cdi import CdiWriter, DriverFiles
 from driver.checkpoint import Checkpoint
-from driver.devices import node_inventory
+from driver.devices import node_inventory, node_targets
 from driver.discovery import discover_gpus
-from driver.driver import Driver
+from driver.driver import Driver, Partitioners
 from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.nvml.session import NvmlSession
+from driver.ownership import InstanceLock
 from driver.plugin.dra_service import add_dra_services
 from driver.plugin.registration import RegistrationService
 from driver.plugin.sockets import prepare_socket_path, remove_socket
 from driver.publisher import SlicePublisher
 from driver.settings import PluginSettings
 from driver.state import PreparedClaims
+from partitioner.mig import MigPartitioner
+from partitioner.mps import MpsPartitioner
+from partitioner.runner import ToolRunner
+from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
-
-ORPHAN_SPEC_MIN_AGE_S = 120  # older than any prepare in flight (kubelet's timeout is 45 s)
-
-
-def sweep_orphan_cdi_specs(
-    cdi: CdiWriter, claims: PreparedClaims, min_age_s: float = ORPHAN_SPEC_MIN_AGE_S
-) -> list[str]:
-    """Remove spec files of claims the checkpoint does not know: left by a crash between writing
-    the spec and recording the claim. Young files may belong to another instance's prepare in
-    flight (rolling update), so they stay."""
-    known = claims.all()
-    now = time.time()
-    removed = []
-    for uid in sorted(cdi.claim_uids_on_disk() - set(known)):
-        path = cdi.spec_path(uid)
-        try:
-            if now - path.stat().st_mtime < min_age_s:
-                continue
-        except FileNotFoundError:
-            continue
-        cdi.remove(uid)
-        removed.append(uid)
-        log.info("removed orphaned CDI spec %s (claim %s is not prepared)", path, uid)
-    return removed
 
 
 class PluginProcess:
@@ -64,7 +44,23 @@ class PluginProcess:
         self.api = api or ClientKubeApi(settings.kubeconfig)
         self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
         self.cdi = CdiWriter(settings.cdi_dir, settings.driver_name, DriverFiles.discover(settings.driver_root))
-        self.driver = Driver(settings.driver_name, settings.node_name, self.gpus, self.api, self.claims, self.cdi)
+        self.instance = InstanceLock(settings.state_dir)
+        runner = ToolRunner(settings.driver_root)
+        partitioners = Partitioners(
+            mig=MigPartitioner(self._nvml),
+            mps=MpsPartitioner(self._nvml, runner, settings.state_dir),
+            timeslice=TimeSlicer(runner),
+        )
+        self.driver = Driver(
+            settings.driver_name,
+            settings.node_name,
+            node_targets(self.gpus, settings.sharing),
+            self.api,
+            self.claims,
+            self.cdi,
+            partitioners,
+            self.instance,
+        )
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
@@ -74,7 +70,7 @@ class PluginProcess:
 
     def start(self) -> None:
         settings = self.settings
-        sweep_orphan_cdi_specs(self.cdi, self.claims)
+        self.driver.recover()
         self.publisher.start()
 
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
@@ -109,6 +105,7 @@ class PluginProcess:
         for path in (self.settings.registration_socket, self.settings.dra_socket):
             remove_socket(path)
         self._nvml.close()
+        self.instance.release()
         log.info("stopped; sockets removed, state kept in %s", self.settings.state_dir)
 
     def serve_until_signal(self) -> None:

@@ -7,8 +7,10 @@ from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
 
 
 def claim(uid: str) -> PreparedClaim:
-    device = PreparedDevice(("gpu",), "n1", "gpu-0", (f"k8s.gpu.fgpu.dev/claim={uid}-gpu-0",))
-    return PreparedClaim(uid, "default", f"c-{uid}", (device,), {"gpu-0": ("/dev/nvidia0",)})
+    device = PreparedDevice(
+        ("gpu",), "n1", "gpu-0", (f"k8s.gpu.fgpu.dev/claim={uid}-gpu-0",), device_nodes=("/dev/nvidia0",)
+    )
+    return PreparedClaim(uid, "default", f"c-{uid}", (device,))
 
 
 def test_roundtrip_and_checksum(tmp_path: Path):

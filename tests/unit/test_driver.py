@@ -4,25 +4,22 @@ from pathlib import Path
 import pytest
 
 from driver.cdi import CdiWriter, DriverFiles
-from driver.checkpoint import Checkpoint
 from driver.claims import ClaimRef
-from driver.discovery import discover_gpus
-from driver.driver import Driver
 from driver.kube import KubeError
-from driver.nvml.session import NvmlSession
-from driver.state import PreparedClaims
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
+from tests.node_env import build_node, fake_tools_env, stop_fake_daemons
 
 NODE = "node-a"
 
 
 @pytest.fixture
-def env(tmp_path: Path):
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for key, value in fake_tools_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
     api = InMemoryKubeApi()
-    gpus = discover_gpus(NvmlSession.open("mock:dgx-h100"))
-    claims = PreparedClaims(Checkpoint(tmp_path / "state" / "checkpoint.json", boot_id="b"))
-    cdi = CdiWriter(tmp_path / "cdi", "gpu.fgpu.dev", DriverFiles(root=Path("/")))
-    return api, Driver("gpu.fgpu.dev", NODE, gpus, api, claims, cdi), cdi, claims
+    node = build_node(tmp_path, api)
+    yield api, node.driver, node.cdi, node.claims
+    stop_fake_daemons(tmp_path)
 
 
 def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "default") -> ClaimRef:
