@@ -1,0 +1,197 @@
+"""MIG, MPS and time-sliced shares prepared by the driver over mock NVML and the fake tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from driver.claims import ClaimRef
+from tests.fakes import InMemoryKubeApi, allocated_claim, result
+from tests.node_env import build_node, fake_tools_env, stop_fake_daemons
+
+CONFIG = "gpu.fgpu.dev/v1alpha1"
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for key, value in fake_tools_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    api = InMemoryKubeApi()
+    env = build_node(tmp_path, api)
+    yield api, env
+    stop_fake_daemons(tmp_path)
+
+
+def claim(api: InMemoryKubeApi, name: str, results, config=None) -> ClaimRef:
+    api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", results, config)
+    return ClaimRef("default", name, f"uid-{name}")
+
+
+def share(device: str, memory: str | None = None, compute: str | None = None, request: str = "gpu") -> dict:
+    entry = result(device, request=request)
+    entry["shareID"] = f"share-{device}-{memory}-{compute}"
+    entry["consumedCapacity"] = {k: v for k, v in (("memory", memory), ("compute", compute)) if v}
+    return entry
+
+
+def opaque(parameters: dict, requests=None, source: str = "FromClaim") -> dict:
+    return {
+        "source": source,
+        "requests": requests or [],
+        "opaque": {"driver": "gpu.fgpu.dev", "parameters": parameters},
+    }
+
+
+def spec(env, uid: str) -> dict:
+    return json.loads(env.cdi.spec_path(uid).read_text())
+
+
+def test_mig_placements_are_created_and_destroyed(node):
+    api, env = node
+    ref = claim(api, "mig", [result("gpu-2-mig-3g40gb-4", request="a"), result("gpu-2-mig-1g10gb-1", request="b")])
+    outcome = env.driver.prepare([ref])[ref.uid]
+    assert outcome.error == ""
+    instances = {(r.profile_id, r.start): r for r in env.session.gpu_instances(2)}
+    assert set(instances) == {(9, 4), (19, 1)}
+    prepared = {d.device: d for d in outcome.devices}
+    assert prepared["gpu-2-mig-3g40gb-4"].mig_uuid == instances[(9, 4)].compute_instances[0][1]
+    nodes = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec(env, ref.uid)["devices"]}
+    big = nodes["uid-mig-gpu-2-mig-3g40gb-4"]
+    assert big[0] == "/dev/nvidia2" and all(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in big[1:])
+    assert len(set(big[1:]) | set(nodes["uid-mig-gpu-2-mig-1g10gb-1"][1:])) == 4  # distinct capabilities
+    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.session.gpu_instances(2) == []
+
+
+def test_mig_on_an_a100_with_mig_off_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for key, value in fake_tools_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    api = InMemoryKubeApi()
+    env = build_node(tmp_path, api, machine="dgx-a100-40gb")
+    ref = claim(api, "mig", [result("gpu-0-mig-1g5gb-0")])
+    error = env.driver.prepare([ref])[ref.uid].error
+    assert "needs a GPU reset" in error and "uid-mig" in error
+    assert env.session.nvml.nvmlDeviceGetMigMode(env.session.handle(0)) == [0, 0]  # nothing left pending
+    assert env.claims.all() == {}
+
+
+def test_mps_shares_share_one_daemon_with_their_own_limits(node):
+    api, env = node
+    first = claim(api, "a", [share("gpu-1-mps", memory="10Gi", compute="25")])
+    second = claim(
+        api,
+        "b",
+        [share("gpu-1-mps", memory="20Gi", compute="50")],
+        config=[
+            opaque(
+                {
+                    "apiVersion": CONFIG,
+                    "kind": "ShareConfig",
+                    "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 40}},
+                }
+            )
+        ],
+    )
+    assert env.driver.prepare([first, second]) == {
+        first.uid: env.driver.prepare([first])[first.uid],
+        second.uid: env.driver.prepare([second])[second.uid],
+    }
+    uuid = env.gpus[1].uuid
+    assert env.mps.running(uuid)
+    assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    env_a = spec(env, first.uid)["devices"][0]["containerEdits"]["env"]
+    env_b = spec(env, second.uid)["devices"][0]["containerEdits"]["env"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in env_a and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env_a
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40" in env_b and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env_b
+    mounts = spec(env, first.uid)["devices"][0]["containerEdits"]["mounts"]
+    assert mounts[0]["hostPath"] == str(env.mps.pipe_dir(uuid))
+    env.driver.unprepare([first])
+    assert env.mps.running(uuid)  # the other share still uses it
+    env.driver.unprepare([second])
+    assert not env.mps.running(uuid)
+    assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_DEFAULT
+    assert not env.mps.pipe_dir(uuid).exists()
+
+
+def test_time_slicing_interval_follows_the_shares(node, tmp_path: Path):
+    api, env = node
+    config = [
+        opaque(
+            {
+                "apiVersion": CONFIG,
+                "kind": "ShareConfig",
+                "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+            }
+        )
+    ]
+    ref = claim(api, "ts", [share("gpu-3-ts", memory="4Gi")], config=config)
+    assert env.driver.prepare([ref])[ref.uid].error == ""
+    state = json.loads((tmp_path / "fake-smi.json").read_text())
+    assert state[env.gpus[3].uuid]["timeslice"] == 3
+    env.driver.unprepare([ref])
+    assert json.loads((tmp_path / "fake-smi.json").read_text())[env.gpus[3].uuid]["timeslice"] == 0
+
+
+@pytest.mark.parametrize(
+    ("parameters", "reason"),
+    [
+        (
+            {"apiVersion": CONFIG, "kind": "ShareConfig", "sharing": {"strategy": "MPS", "mps": {"threads": 5}}},
+            "unknown field sharing.mps.threads",
+        ),
+        (
+            {
+                "apiVersion": CONFIG,
+                "kind": "ShareConfig",
+                "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 150}},
+            },
+            "activeThreadPercentage must be 1..100",
+        ),
+        (
+            {
+                "apiVersion": CONFIG,
+                "kind": "ShareConfig",
+                "sharing": {"strategy": "MPS", "mps": {"pinnedMemoryLimit": "64Gi"}},
+            },
+            "exceeds the allocated memory",
+        ),
+        ({"apiVersion": "gpu.fgpu.dev/v9", "kind": "ShareConfig"}, "apiVersion must be"),
+        ({"apiVersion": CONFIG, "kind": "ShareConfig", "sharing": {"strategy": "TimeSlicing"}}, "asks for TimeSlicing"),
+    ],
+)
+def test_bad_config_is_a_per_claim_error_naming_the_field(node, parameters, reason):
+    api, env = node
+    ref = claim(api, "bad", [share("gpu-4-mps", memory="8Gi", compute="20")], config=[opaque(parameters)])
+    error = env.driver.prepare([ref])[ref.uid].error
+    assert reason in error and "uid-bad" in error
+    assert env.claims.all() == {}
+    assert not env.mps.running(env.gpus[4].uuid)
+
+
+def test_class_config_comes_before_claim_config(node):
+    api, env = node
+    base = {"apiVersion": CONFIG, "kind": "ShareConfig", "sharing": {"strategy": "MPS"}}
+    from_class = opaque(
+        {**base, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 10}}}, source="FromClass"
+    )
+    from_claim = opaque({**base, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 30}}})
+    ref = claim(api, "cfg", [share("gpu-5-mps", memory="8Gi", compute="50")], config=[from_claim, from_class])
+    env.driver.prepare([ref])
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in spec(env, ref.uid)["devices"][0]["containerEdits"]["env"]
+
+
+def test_restart_sweeps_orphans_and_keeps_what_claims_own(node):
+    api, env = node
+    kept = claim(api, "kept", [result("gpu-6-mig-2g20gb-0"), share("gpu-7-mps", memory="4Gi", compute="10")])
+    assert env.driver.prepare([kept])[kept.uid].error == ""
+    env.session.create_mig_instance(6, 9, 4, 4)  # made behind fgpu's back: no claim owns it
+    env.cdi.write("uid-ghost", [])
+    restarted = env.restart(api)
+    restarted.driver.recover()
+    assert [(r.profile_id, r.start) for r in env.session.gpu_instances(6)] == [(14, 0)]
+    assert env.cdi.claim_uids_on_disk() == {kept.uid}
+    assert restarted.mps.running(env.gpus[7].uuid)
+    assert restarted.driver.prepare([kept])[kept.uid].error == ""
