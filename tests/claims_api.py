@@ -18,6 +18,29 @@ def gpu_request(name: str = "gpu", selector: str | None = None, count: int = 1) 
     return {"name": name, "exactly": exactly}
 
 
+def create_allocated_claim(
+    api: kubernetes.client.ResourceV1Api, results: list[dict[str, Any]], namespace: str = "default"
+) -> dict[str, str]:
+    """A claim allocated with the given results (request, device, optional consumedCapacity);
+    results on shared devices get a fresh shareID as the scheduler gives them."""
+    name = f"claim-{uuid.uuid4().hex[:8]}"
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"devices": {"requests": [gpu_request(r) for r in sorted({r["request"] for r in results})]}},
+    }
+    created = api.create_namespaced_resource_claim(namespace, body)
+    full = [
+        {"driver": DRIVER, "pool": "node-a", **({"shareID": str(uuid.uuid4())} if "consumedCapacity" in r else {}), **r}
+        for r in results
+    ]
+    api.patch_namespaced_resource_claim_status(
+        name, namespace, {"status": {"allocation": {"devices": {"results": full}}}}
+    )
+    return {"namespace": namespace, "name": name, "uid": created.metadata.uid}
+
+
 def create_claim(
     api: kubernetes.client.ResourceV1Api,
     name: str | None = None,
