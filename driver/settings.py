@@ -31,6 +31,8 @@ class PluginSettings:
     driver_root: Path
     healthcheck_port: int
     sharing: SharingConfig
+    unprepare_grace_s: float = 300.0
+    reconcile_interval_s: float = 60.0
 
     @property
     def registration_socket(self) -> Path:
@@ -98,6 +100,18 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         help="where the NVIDIA driver files are [DRIVER_ROOT]",
     )
     parser.add_argument(
+        "--unprepare-grace",
+        type=float,
+        default=float(_env_default("300", "UNPREPARE_GRACE") or 300),
+        help="seconds a prepared claim may be gone from the API server before it is unprepared [UNPREPARE_GRACE]",
+    )
+    parser.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=float(_env_default("60", "RECONCILE_INTERVAL") or 60),
+        help="seconds between checks of prepared claims against the API server [RECONCILE_INTERVAL]",
+    )
+    parser.add_argument(
         "--healthcheck-port",
         type=int,
         default=int(_env_default("-1", "HEALTHCHECK_PORT") or -1),
@@ -134,4 +148,6 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         driver_root=Path(args.driver_root),
         healthcheck_port=args.healthcheck_port,
         sharing=sharing_config(args),
+        unprepare_grace_s=args.unprepare_grace,
+        reconcile_interval_s=args.reconcile_interval,
     )

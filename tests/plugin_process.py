@@ -47,6 +47,7 @@ class PluginUnderTest:
     root: Path = field(default_factory=short_tempdir)
     nvml: str = "mock:dgx-h100"
     extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = field(default=None, repr=False)
 
@@ -79,6 +80,7 @@ class PluginUnderTest:
             sys.executable, "-m", "driver.cli", "kubelet-plugin",
             f"--node-name={self.node}", f"--nvml={self.nvml}", f"--kubeconfig={self.kubeconfig}",
             f"--registrar-dir={self.registrar_dir}", f"--plugin-dir={self.plugin_dir}", f"--cdi-dir={self.cdi_dir}",
+            *self.extra_args,
         ]  # fmt: skip
         env = {**os.environ, **self.extra_env}
         env.pop("KUBECONFIG", None)

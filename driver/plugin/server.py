@@ -25,6 +25,7 @@ from driver.plugin.dra_service import add_dra_services
 from driver.plugin.registration import RegistrationService
 from driver.plugin.sockets import prepare_socket_path, remove_socket
 from driver.publisher import SlicePublisher
+from driver.reconcile import ClaimReconciler
 from driver.settings import PluginSettings
 from driver.state import PreparedClaims
 from partitioner.mig import MigPartitioner
@@ -61,6 +62,9 @@ class PluginProcess:
             partitioners,
             self.instance,
         )
+        self.reconciler = ClaimReconciler(
+            self.api, self.driver, self.claims, settings.unprepare_grace_s, settings.reconcile_interval_s
+        )
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
@@ -72,6 +76,7 @@ class PluginProcess:
         settings = self.settings
         self.driver.recover()
         self.publisher.start()
+        self.reconciler.start()
 
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
         add_dra_services(dra_server, self.driver)
@@ -100,6 +105,7 @@ class PluginProcess:
         self.health.enter_graceful_shutdown()
         self.api.close()  # unblocks the publisher's watch
         self.publisher.stop()
+        self.reconciler.stop()
         for server in self._servers:
             server.stop(grace=5).wait()
         for path in (self.settings.registration_socket, self.settings.dra_socket):

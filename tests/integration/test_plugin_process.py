@@ -170,3 +170,16 @@ def test_stale_sockets_are_replaced_and_sigterm_keeps_state(start_plugin, resour
     plugin.start()
     plugin.register()
     assert plugin.prepare([claim])[claim["uid"]].error == ""
+
+
+def test_missed_unprepare_is_reconciled(start_plugin, resource_api):
+    plugin = start_plugin(extra_args=["--unprepare-grace=1", "--reconcile-interval=0.3"])
+    claim = create_claim(resource_api, devices=[("gpu", "gpu-5")])
+    kept = create_claim(resource_api, devices=[("gpu", "gpu-6")])
+    plugin.prepare([claim, kept])
+    resource_api.delete_namespaced_resource_claim(claim["name"], "default")  # and kubelet never calls
+    spec = plugin.cdi_dir / f"k8s.gpu.fgpu.dev-claim_{claim['uid']}.json"
+    wait_for(lambda: not spec.exists(), timeout=15)
+    checkpoint = json.loads((plugin.plugin_dir / "checkpoint.json").read_text())
+    assert set(checkpoint["claims"]) == {kept["uid"]}
+    assert "is gone from the API server" in plugin.logs()

@@ -1,0 +1,90 @@
+"""Missed unprepares: kubelet may never call NodeUnprepareResources for a claim (node restarts,
+pods force-deleted while the plugin was down). A prepared claim that no longer exists in the API
+server, or was re-created with another UID, is unprepared once it has been missing for a grace
+period. An API server that cannot be reached proves nothing, so nothing is unprepared then."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from driver.claims import ClaimRef
+from driver.driver import Driver
+from driver.kube import KubeApi, KubeError, NotFoundError
+from driver.state import PreparedClaims
+
+log = logging.getLogger(__name__)
+
+
+class ClaimReconciler:
+    def __init__(
+        self,
+        api: KubeApi,
+        driver: Driver,
+        claims: PreparedClaims,
+        grace_s: float = 300.0,
+        interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._api = api
+        self._driver = driver
+        self._claims = claims
+        self._grace_s = grace_s
+        self._interval_s = interval_s
+        self._clock = clock
+        self._missing_since: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def reconcile_once(self) -> list[str]:
+        """One pass; returns the UIDs it unprepared."""
+        now = self._clock()
+        prepared = {uid: c for uid, c in self._claims.all().items() if c.state == "PrepareCompleted"}
+        for uid in set(self._missing_since) - set(prepared):
+            del self._missing_since[uid]
+        unprepared = []
+        for uid, claim in prepared.items():
+            try:
+                current = self._api.get_claim(claim.namespace, claim.name)
+                gone = (current.get("metadata") or {}).get("uid") != uid
+            except NotFoundError:
+                gone = True
+            except KubeError as err:
+                log.warning("cannot check claim %s/%s: %s; trying again later", claim.namespace, claim.name, err)
+                continue
+            if not gone:
+                self._missing_since.pop(uid, None)
+                continue
+            since = self._missing_since.setdefault(uid, now)
+            if now - since < self._grace_s:
+                continue
+            log.warning(
+                "claim %s/%s (uid %s) is gone from the API server since %.0fs; unpreparing it",
+                claim.namespace,
+                claim.name,
+                uid,
+                now - since,
+            )
+            error = self._driver.unprepare([ClaimRef(claim.namespace, claim.name, uid)])[uid]
+            if not error:
+                unprepared.append(uid)
+                del self._missing_since[uid]
+        return unprepared
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="claim-reconciler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.reconcile_once()
+            except Exception:
+                log.exception("reconciling prepared claims failed")
