@@ -1,4 +1,4 @@
-"""Benchmark: prepare+unprepare of whole-GPU claims over the plugin's real DRA socket.
+"""Benchmark: prepare+unprepare of claims over the plugin's real DRA socket, per kind of device.
 
 Two set-ups, both with the durable checkpoint (fsync per batch) and mock dgx-h100 GPUs:
 - `--api memory`: the plugin process reads claims from an in-memory API, so the figures exclude
@@ -8,7 +8,12 @@ Two set-ups, both with the durable checkpoint (fsync per batch) and mock dgx-h10
 Callers are separate processes (no shared GIL with the plugin or each other), each looping
 prepare(claim) -> unprepare(claim) over its own claims.
 
+With `--kind mig|mps|timeslice` (in-memory API) each caller cycles one MIG placement or share on
+its own GPU; for shares a resident share per GPU keeps the MPS daemon (or the timeslice setting)
+up, so the figures are the steady-state cost of one more share.
+
   python -m bench.prepare_latency --api memory --callers 1 8 32 --seconds 10
+  python -m bench.prepare_latency --api memory --kind mps --callers 1 8 --seconds 10
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -23,13 +29,34 @@ import time
 import uuid
 from pathlib import Path
 
+from driver.nvml.session import MOCK_STATE_ENV
+from tests.node_env import fake_tools_env, stop_fake_daemons
 from tests.plugin_process import PluginUnderTest
 
 NODE = "node-a"
 
 
+KIND_DEVICE = {
+    "whole": lambda caller: f"gpu-{caller % 8}",
+    "mig": lambda caller: f"gpu-{caller % 8}-mig-1g10gb-{caller // 8 % 7}",
+    "mps": lambda caller: f"gpu-{caller % 8}-mps",
+    "timeslice": lambda caller: f"gpu-{caller % 8}-ts",
+}
+SHARED_KINDS = ("mps", "timeslice")
+
+
 def claim_refs(count: int) -> list[dict[str, str]]:
-    return [{"namespace": "bench", "name": f"claim-{i}", "uid": str(uuid.uuid4())} for i in range(count)]
+    return [
+        {"namespace": "bench", "name": f"claim-{uuid.uuid4().hex[:12]}", "uid": str(uuid.uuid4())} for _ in range(count)
+    ]
+
+
+def device_result(kind: str, caller: int) -> dict:
+    result = {"request": "gpu", "driver": "gpu.fgpu.dev", "pool": NODE, "device": KIND_DEVICE[kind](caller)}
+    if kind in SHARED_KINDS:
+        result["shareID"] = str(uuid.uuid4())
+        result["consumedCapacity"] = {"memory": "4Gi", "compute": "10"} if kind == "mps" else {"memory": "4Gi"}
+    return result
 
 
 def serve_in_memory(root: str, claims_json: str) -> None:
@@ -37,13 +64,13 @@ def serve_in_memory(root: str, claims_json: str) -> None:
     from driver.plugin.server import PluginProcess
     from driver.settings import PluginSettings
     from driver.sharing import SharingConfig
-    from tests.fakes import InMemoryKubeApi, allocated_claim, node_object, result
+    from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
 
     api = InMemoryKubeApi()
     api.nodes[NODE] = node_object(NODE)
-    for i, ref in enumerate(json.loads(claims_json)):
+    for ref in json.loads(claims_json):
         api.claims[(ref["namespace"], ref["name"])] = allocated_claim(
-            ref["namespace"], ref["name"], ref["uid"], [result(f"gpu-{i % 8}", pool=NODE)]
+            ref["namespace"], ref["name"], ref["uid"], [ref["result"]]
         )
     base = Path(root)
     settings = PluginSettings(
@@ -80,14 +107,10 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
 
 
-def run(callers: int, seconds: float, socket_root: str, claims: list[dict[str, str]]) -> dict[str, float]:
+def run(callers: int, seconds: float, socket_root: str, claims: list[list[dict[str, str]]]) -> dict[str, float]:
     context = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = context.Queue()
-    share = len(claims) // callers
-    workers = [
-        context.Process(target=caller, args=(socket_root, claims[i * share : (i + 1) * share], seconds, out))
-        for i in range(callers)
-    ]
+    workers = [context.Process(target=caller, args=(socket_root, claims[i], seconds, out)) for i in range(callers)]
     for worker in workers:
         worker.start()
     reports = [out.get(timeout=seconds + 120) for _ in workers]
@@ -97,56 +120,86 @@ def run(callers: int, seconds: float, socket_root: str, claims: list[dict[str, s
     unprepare = [v for r in reports for v in r["unprepare"]]
     return {
         "callers": callers,
-        "claims_per_s": sum(r["pairs"] for r in reports) / seconds,
-        "prepare_p50_ms": statistics.median(prepare),
-        "prepare_p99_ms": percentile(prepare, 99),
-        "unprepare_p50_ms": statistics.median(unprepare),
-        "unprepare_p99_ms": percentile(unprepare, 99),
+        "claims_per_s": round(sum(r["pairs"] for r in reports) / seconds, 1),
+        "prepare_p50_ms": round(statistics.median(prepare), 2),
+        "prepare_p99_ms": round(percentile(prepare, 99), 2),
+        "unprepare_p50_ms": round(statistics.median(unprepare), 2),
+        "unprepare_p99_ms": round(percentile(unprepare, 99), 2),
     }
+
+
+def serve_memory_api(root: str, kind: str, callers: int, per_caller: int) -> tuple[list[list[dict]], object]:
+    """Start the plugin with an in-memory API holding every caller's claims (and a resident
+    share per GPU for share kinds); returns the callers' claims and the server process."""
+    os.environ.update(fake_tools_env(Path(root)))
+    os.environ[MOCK_STATE_ENV] = str(Path(root) / "gpus.json")
+    per_caller_claims = [
+        [{**ref, "result": device_result(kind, c)} for ref in claim_refs(per_caller)] for c in range(callers)
+    ]
+    resident = [{**ref, "result": device_result(kind, c)} for c, ref in enumerate(claim_refs(8))]
+    everything = [r for claims in per_caller_claims for r in claims] + resident
+    server = multiprocessing.get_context("spawn").Process(target=serve_in_memory, args=(root, json.dumps(everything)))
+    server.start()
+    plugin = PluginUnderTest(node=NODE, kubeconfig="", root=Path(root))
+    deadline = time.monotonic() + 30
+    while not plugin.dra_socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if kind in SHARED_KINDS:
+        strip = [{k: v for k, v in r.items() if k != "result"} for r in resident]
+        errors = [r.error for r in plugin.prepare(strip).values() if r.error]
+        if errors:
+            raise RuntimeError(errors)
+    plugin.stop()
+    return [[{k: v for k, v in r.items() if k != "result"} for r in claims] for claims in per_caller_claims], server
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=["memory", "cluster"], default="memory")
+    parser.add_argument("--kind", choices=sorted(KIND_DEVICE), default="whole")
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--claims-per-caller", type=int, default=16)
     args = parser.parse_args()
-    total = max(args.callers) * args.claims_per_caller
+    callers = max(args.callers)
 
     root = tempfile.mkdtemp(prefix="fgpu-bench-", dir="/tmp")
     cluster = None
-    if args.api == "memory":
-        claims = claim_refs(total)
-        server = multiprocessing.get_context("spawn").Process(target=serve_in_memory, args=(root, json.dumps(claims)))
-        server.start()
-        plugin = PluginUnderTest(node=NODE, kubeconfig="", root=Path(root))
-        plugin.process = None
-        deadline = time.monotonic() + 20
-        while not plugin.dra_socket.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    else:
-        import kubernetes
-
-        from tests.claims_api import create_claim
-        from tests.cluster.harness import Cluster
-
-        cluster = Cluster(Path(root) / "cluster").start()
-        cluster.add_node(NODE)
-        resource = kubernetes.client.ResourceV1Api(cluster.api_client())
-        kubernetes.client.CoreV1Api(cluster.api_client()).create_namespace({"metadata": {"name": "bench"}})
-        claims = [create_claim(resource, devices=[("gpu", f"gpu-{i % 8}")], namespace="bench") for i in range(total)]
-        plugin = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=Path(root)).start()
     try:
-        for callers in args.callers:
-            print(json.dumps({"api": args.api, **run(callers, args.seconds, root, claims)}), flush=True)
-    finally:
         if args.api == "memory":
+            claims, server = serve_memory_api(root, args.kind, callers, args.claims_per_caller)
+        else:
+            import kubernetes
+
+            from tests.claims_api import create_claim
+            from tests.cluster.harness import Cluster
+
+            if args.kind != "whole":
+                raise SystemExit("--api cluster measures whole GPUs")
+            cluster = Cluster(Path(root) / "cluster").start()
+            cluster.add_node(NODE)
+            resource = kubernetes.client.ResourceV1Api(cluster.api_client())
+            kubernetes.client.CoreV1Api(cluster.api_client()).create_namespace({"metadata": {"name": "bench"}})
+            claims = [
+                [
+                    create_claim(resource, devices=[("gpu", f"gpu-{c % 8}")], namespace="bench")
+                    for _ in range(args.claims_per_caller)
+                ]
+                for c in range(callers)
+            ]
+            server = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=Path(root)).start()
+        for count in args.callers:
+            print(
+                json.dumps({"api": args.api, "kind": args.kind, **run(count, args.seconds, root, claims)}), flush=True
+            )
+    finally:
+        if cluster is not None:
+            server.stop()
+            cluster.stop()
+        else:
             server.terminate()
             server.join()
-        else:
-            plugin.stop()
-            cluster.stop()
+        stop_fake_daemons(Path(root))
 
 
 if __name__ == "__main__":

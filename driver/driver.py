@@ -102,7 +102,8 @@ class Driver:
         except NotFoundError as err:
             raise ClaimError("the claim does not exist in the API server") from err
         planned = self._plan(allocation_for_node(claim, ref, self.driver_name, self.pool))
-        self._claims.commit(prepared=[planned])
+        if _needs_journal(planned):
+            self._claims.commit(prepared=[planned])
         crash_point("prepare:journaled")
         try:
             with self._gpu_locks(planned.devices):
@@ -203,7 +204,9 @@ class Driver:
                     device, device_nodes=(gpu_node,), env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid)
                 )
             elif device.kind == "timeslice":
-                self._parts.timeslice.set_interval(device.gpu_uuid, device.timeslice_interval or "Default")
+                interval = device.timeslice_interval or "Default"
+                if not self._gpu_has_share(ref.uid, device, lambda d: d.timeslice_interval == interval):
+                    self._parts.timeslice.set_interval(device.gpu_uuid, interval)
                 device = replace(device, device_nodes=(gpu_node,))
             else:
                 if self._targets[device.device].gpu.mig_capable:
@@ -213,6 +216,15 @@ class Driver:
             raise ClaimError(str(err)) from err
         crash_point("prepare:device-ready")
         return device
+
+    def _gpu_has_share(self, uid: str, device: PreparedDevice, matches: Callable[[PreparedDevice], bool]) -> bool:
+        """Whether another prepared claim holds a share of the same kind on the device's GPU."""
+        return any(
+            d.kind == device.kind and d.gpu_index == device.gpu_index and matches(d)
+            for other_uid, c in self._claims.all().items()
+            if other_uid != uid and c.state == "PrepareCompleted"
+            for d in c.devices
+        )
 
     # --- unprepare ------------------------------------------------------------------------------
 
@@ -240,12 +252,16 @@ class Driver:
 
     def _undo(self, claim: PreparedClaim) -> None:
         """Release everything the claim may hold, then forget it. Safe to repeat at any point."""
-        marked = replace(claim, state="UnprepareStarted", owner=self._instance.id)
-        self._claims.commit(prepared=[marked])
+        if _needs_journal(claim):
+            self._claims.commit(prepared=[replace(claim, state="UnprepareStarted", owner=self._instance.id)])
         crash_point("unprepare:journaled")
-        others = [c for uid, c in self._claims.all().items() if uid != claim.uid]
         try:
             with self._gpu_locks(claim.devices):
+                # Read under the GPU locks: a claim being unprepared no longer holds its GPU, one being
+                # prepared already may (its daemon may be up before it is marked completed).
+                others = [
+                    c for uid, c in self._claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"
+                ]
                 for device in claim.devices:
                     self._release(device, others)
         except (MigError, ToolError) as err:
@@ -348,6 +364,12 @@ class Driver:
             for index in sorted({d.gpu_index for d in devices}):
                 stack.enter_context(self._lock(f"gpu/{index}"))
             yield
+
+
+def _needs_journal(claim: PreparedClaim) -> bool:
+    """Whole GPUs change nothing on the node but the CDI spec, which the start-up sweep covers; MIG
+    instances, MPS daemons and timeslice settings must be journaled before they are made."""
+    return any(device.kind != "whole" for device in claim.devices)
 
 
 def _quantity(value: str | None, default: int) -> int:

@@ -11,6 +11,7 @@ CUDA context escapes them. Memory and fault isolation are not what MPS gives; MI
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,11 @@ from pathlib import Path
 import pynvml
 
 from driver.nvml.session import NvmlSession
-from partitioner.runner import ToolError, ToolRunner
+from partitioner.runner import ToolRunner
 
 log = logging.getLogger(__name__)
 MPS_CONTROL = "nvidia-cuda-mps-control"
+PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's default CUDA_MPS_PIPE_DIRECTORY
 MiB = 2**20
 
@@ -59,11 +61,11 @@ class MpsPartitioner:
         }
 
     def running(self, gpu_uuid: str) -> bool:
-        if not self.pipe_dir(gpu_uuid).exists():
-            return False
+        """The control daemon writes its pid to the pipe directory; alive pid, running daemon."""
         try:
-            self._runner.run(MPS_CONTROL, stdin="get_server_list\n", env=self._env(gpu_uuid))
-        except ToolError:
+            pid = int((self.pipe_dir(gpu_uuid) / PID_FILE).read_text())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
             return False
         return True
 
