@@ -78,6 +78,13 @@ def test_mig_mps_and_timeslice_pods(node, resource_api, core_api):
         "mps2": claim_template(f"mps2-{suffix}", "mps.gpu.fgpu.dev", capacity={"memory": "30Gi", "compute": "50"}),
         "ts": claim_template(f"ts-{suffix}", "timeslice.gpu.fgpu.dev", capacity={"memory": "4Gi"}),
     }
+    pair = claim_template(
+        f"pair-{suffix}", "mig.gpu.fgpu.dev", 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'
+    )
+    request = pair["spec"]["spec"]["devices"]["requests"][0]
+    pair["spec"]["spec"]["devices"]["requests"] = [request, {**request, "name": "second"}]
+    pair["spec"]["spec"]["devices"]["constraints"] = [{"matchAttribute": "gpu.fgpu.dev/parentUUID"}]
+    templates["pair"] = pair
     uids = {}
     for kind, template in templates.items():
         resource_api.create_namespaced_resource_claim_template("default", template)
@@ -97,9 +104,15 @@ def test_mig_mps_and_timeslice_pods(node, resource_api, core_api):
     mig_claim, mig = allocation("mig")
     assert "-mig-3g40gb-" in mig.device
     gpu_index = int(mig.device.split("-")[1])
-    assert [(r.profile_id, r.start) for r in session.gpu_instances(gpu_index)] == [
-        (9, int(mig.device.rsplit("-", 1)[1]))
-    ]
+    pair_claim, _ = allocation("pair")
+    pair_devices = [r.device for r in pair_claim.status.allocation.devices.results]
+    assert len({d.split("-mig-")[0] for d in pair_devices}) == 1  # matchAttribute parentUUID: one GPU
+    profile_ids = {"3g40gb": 9, "1g10gb": 19}
+    expected = sorted(
+        (int(d.split("-")[1]), profile_ids[d.split("-")[3]], int(d.rsplit("-", 1)[1]))
+        for d in [mig.device, *pair_devices]
+    )
+    assert sorted((i, r.profile_id, r.start) for i in range(8) for r in session.gpu_instances(i)) == expected
 
     mps_claim, mps = allocation("mps")
     mps2_claim, mps2 = allocation("mps2")
@@ -114,7 +127,7 @@ def test_mig_mps_and_timeslice_pods(node, resource_api, core_api):
     smi = json.loads((plugin.root / "fake-smi.json").read_text())
     assert list(smi.values()) == [{"timeslice": 0}]  # the class asks for the Default interval
     prepared = check_consistent(plugin, session)
-    assert set(prepared) == {c.metadata.uid for c in (mig_claim, mps_claim, mps2_claim, ts_claim)}
+    assert set(prepared) == {c.metadata.uid for c in (mig_claim, pair_claim, mps_claim, mps2_claim, ts_claim)}
 
     for kind in uids:
         core_api.delete_namespaced_pod(f"{kind}-{suffix}", "default")
