@@ -161,20 +161,8 @@ class Driver:
                 raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")
             memory = sum(_quantity(r.consumed_capacity.get("memory"), DEFAULT_SHARE_MEMORY) for r in results)
             threads = sum(_quantity(r.consumed_capacity.get("compute"), DEFAULT_THREAD_PERCENTAGE) for r in results)
-            if config.pinned_memory_bytes is not None:
-                if config.pinned_memory_bytes > memory:
-                    raise ClaimError(
-                        f"opaque config: sharing.mps.pinnedMemoryLimit {config.pinned_memory_bytes} exceeds "
-                        f"the allocated memory {memory}"
-                    )
-                memory = config.pinned_memory_bytes
-            if config.thread_percentage is not None:
-                if config.thread_percentage > threads:
-                    raise ClaimError(
-                        f"opaque config: sharing.mps.activeThreadPercentage {config.thread_percentage} exceeds "
-                        f"the allocated compute {threads}"
-                    )
-                threads = config.thread_percentage
+            memory = _within(config.pinned_memory_bytes, memory, "sharing.mps.pinnedMemoryLimit", "memory")
+            threads = _within(config.thread_percentage, threads, "sharing.mps.activeThreadPercentage", "compute")
             return replace(device, mps_memory_bytes=memory, mps_thread_percentage=min(threads, 100))
         if target.kind == "timeslice":
             if config.strategy not in (None, "TimeSlicing"):
@@ -364,6 +352,15 @@ class Driver:
             for index in sorted({d.gpu_index for d in devices}):
                 stack.enter_context(self._lock(f"gpu/{index}"))
             yield
+
+
+def _within(limit: int | None, allocated: int, field: str, capacity: str) -> int:
+    """A config limit may lower what the claim was allocated, never raise it."""
+    if limit is None:
+        return allocated
+    if limit > allocated:
+        raise ClaimError(f"opaque config: {field} {limit} exceeds the allocated {capacity} {allocated}")
+    return limit
 
 
 def _needs_journal(claim: PreparedClaim) -> bool:

@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import Any
 
+from driver.background import BackgroundWorker
 from driver.devices import Inventory
 from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
@@ -19,16 +20,17 @@ from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 log = logging.getLogger(__name__)
 
 
-class SlicePublisher:
+class SlicePublisher(BackgroundWorker):
+    thread_name = "slice-publisher"
+
     def __init__(self, api: KubeApi, driver: str, node: str, inventory: Inventory, resync_s: int = 60) -> None:
         self._api = api
         self._driver = driver
         self._node = node
         self._inventory = inventory
         self._resync_s = resync_s
+        super().__init__()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._owner: dict[str, Any] | None = None
 
     def set_inventory(self, inventory: Inventory) -> None:
@@ -72,16 +74,6 @@ class SlicePublisher:
             want.get(s["metadata"]["name"]) == (s["metadata"].get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
             for s in existing
         )
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="slice-publisher", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop and wait for the publishing thread, so it does not outlive the process's shutdown."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         backoff = 1.0

@@ -6,10 +6,10 @@ period. An API server that cannot be reached proves nothing, so nothing is unpre
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
+from driver.background import BackgroundWorker
 from driver.claims import ClaimRef
 from driver.driver import Driver
 from driver.kube import KubeApi, KubeError, NotFoundError
@@ -18,7 +18,9 @@ from driver.state import PreparedClaims
 log = logging.getLogger(__name__)
 
 
-class ClaimReconciler:
+class ClaimReconciler(BackgroundWorker):
+    thread_name = "claim-reconciler"
+
     def __init__(
         self,
         api: KubeApi,
@@ -35,8 +37,7 @@ class ClaimReconciler:
         self._interval_s = interval_s
         self._clock = clock
         self._missing_since: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def reconcile_once(self) -> list[str]:
         """One pass; returns the UIDs it unprepared."""
@@ -72,15 +73,6 @@ class ClaimReconciler:
                 unprepared.append(uid)
                 del self._missing_since[uid]
         return unprepared
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="claim-reconciler", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

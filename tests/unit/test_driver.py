@@ -7,19 +7,14 @@ from driver.cdi import CdiWriter, DriverFiles
 from driver.claims import ClaimRef
 from driver.kube import KubeError
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
-from tests.node_env import build_node, fake_tools_env, stop_fake_daemons
 
 NODE = "node-a"
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for key, value in fake_tools_env(tmp_path).items():
-        monkeypatch.setenv(key, value)
-    api = InMemoryKubeApi()
-    node = build_node(tmp_path, api)
-    yield api, node.driver, node.cdi, node.claims
-    stop_fake_daemons(tmp_path)
+def env(node):
+    api, env = node
+    return api, env.driver, env.cdi, env.claims
 
 
 def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "default") -> ClaimRef:

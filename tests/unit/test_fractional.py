@@ -10,19 +10,9 @@ import pytest
 
 from driver.claims import ClaimRef
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
-from tests.node_env import build_node, fake_tools_env, stop_fake_daemons
+from tests.node_env import build_node, fake_tools_env
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"
-
-
-@pytest.fixture
-def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for key, value in fake_tools_env(tmp_path).items():
-        monkeypatch.setenv(key, value)
-    api = InMemoryKubeApi()
-    env = build_node(tmp_path, api)
-    yield api, env
-    stop_fake_daemons(tmp_path)
 
 
 def claim(api: InMemoryKubeApi, name: str, results, config=None) -> ClaimRef:

@@ -1,11 +1,6 @@
-from pathlib import Path
-
-import pytest
-
 from driver.claims import ClaimRef
 from driver.reconcile import ClaimReconciler
-from tests.fakes import InMemoryKubeApi, allocated_claim, result
-from tests.node_env import build_node, fake_tools_env, stop_fake_daemons
+from tests.fakes import allocated_claim, result
 
 
 class Clock:
@@ -14,15 +9,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    for key, value in fake_tools_env(tmp_path).items():
-        monkeypatch.setenv(key, value)
-    api = InMemoryKubeApi()
-    yield api, build_node(tmp_path, api)
-    stop_fake_daemons(tmp_path)
 
 
 def test_claims_gone_from_the_api_server_are_unprepared_after_the_grace_period(node):
