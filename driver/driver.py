@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -77,15 +78,12 @@ class Driver:
         # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="claims")
 
     # --- prepare --------------------------------------------------------------------------------
 
     def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
-        results: dict[str, PrepareResult] = {}
-        for ref in refs:
-            with self._lock(f"claim/{ref.uid}"):
-                results[ref.uid] = self._per_claim(ref, lambda r=ref: self._prepare_one(r))
-        return results
+        return self._each(refs, self._prepare_one)
 
     def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         ref.validate()
@@ -218,10 +216,7 @@ class Driver:
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
-        errors: dict[str, str] = {}
-        for ref in refs:
-            with self._lock(f"claim/{ref.uid}"):
-                errors[ref.uid] = self._per_claim(ref, lambda r=ref: self._unprepare_one(r)).error
+        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one).items()}
         with self._locks_guard:
             for ref in refs:
                 if not errors[ref.uid]:
@@ -323,6 +318,17 @@ class Driver:
             log.info("removed orphaned CDI spec of claim %s (not prepared)", uid)
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _each(self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult]) -> dict[str, PrepareResult]:
+        """Run each claim of a batch under its own lock; claims on different GPUs run in parallel."""
+
+        def one(ref: ClaimRef) -> PrepareResult:
+            with self._lock(f"claim/{ref.uid}"):
+                return self._per_claim(ref, lambda: action(ref))
+
+        if len(refs) == 1:
+            return {refs[0].uid: one(refs[0])}
+        return dict(zip((r.uid for r in refs), self._pool.map(one, refs), strict=True))
 
     def _per_claim(self, ref: ClaimRef, action: Callable[[], PrepareResult]) -> PrepareResult:
         """Run one claim's work; whatever goes wrong becomes that claim's error, never the batch's."""
