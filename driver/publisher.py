@@ -14,10 +14,12 @@ from typing import Any
 
 from driver.background import BackgroundWorker
 from driver.devices import Inventory
-from driver.kube import KubeApi, KubeUnavailableError, NotFoundError
+from driver.kube import KubeApi, KubeError, KubeUnavailableError, NotFoundError
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 
 log = logging.getLogger(__name__)
+RACE_RETRY_S = 0.2
+MAX_BACKOFF_S = 30.0
 
 
 class SlicePublisher(BackgroundWorker):
@@ -44,7 +46,10 @@ class SlicePublisher(BackgroundWorker):
         that a change made meanwhile is not missed)."""
         with self._lock:
             if self._owner is None:
-                self._owner = node_owner(self._api.get_node(self._node))
+                try:
+                    self._owner = node_owner(self._api.get_node(self._node))
+                except NotFoundError as err:  # kubelet registers the Node; wait for it, with backoff
+                    raise KubeUnavailableError(f"Node {self._node} does not exist (yet)") from err
             existing, resource_version = self._api.list_slices(self._driver, self._node)
             desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
             if self._up_to_date(existing, desired):
@@ -83,14 +88,18 @@ class SlicePublisher(BackgroundWorker):
                 backoff = 1.0
                 if resource_version is not None:
                     self._watch_until_change(resource_version)
-            except (KubeUnavailableError, NotFoundError) as err:
+                continue
+            except KubeUnavailableError as err:
                 log.warning("publishing ResourceSlices failed, retrying in %.0fs: %s", backoff, err)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+            except KubeError as err:
+                # A slice deleted or changed under us (kubelet deleting them all, say): a race, not
+                # an outage, so retry soon.
+                log.info("publishing ResourceSlices raced with another writer (%s); retrying", err)
+                backoff = min(backoff, RACE_RETRY_S)
             except Exception:
                 log.exception("unexpected error publishing ResourceSlices; retrying in %.0fs", backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _watch_until_change(self, resource_version: str) -> None:
         """Return as soon as our slices may differ from what we want, or after the resync period."""
