@@ -1,7 +1,9 @@
 """CDI spec files: one per claim, written atomically, removed on unprepare.
 
-Driver libraries and tools are bind-mounted from the driver root (`--driver-root`, "/" on a node
-whose driver is installed on the host, e.g. /run/nvidia/driver with the GPU operator). We do not
+Driver libraries and tools are bind-mounted from the driver root: found under `--driver-root` as
+the plugin sees it (e.g. /driver-root in its container), mounted from `--host-driver-root` as the
+container runtime on the host sees it ("/" on a node whose driver is installed on the host,
+/run/nvidia/driver with the GPU operator). We do not
 depend on the NVIDIA Container Toolkit's generated CDI specs: a node without the toolkit works,
 and the spec says exactly what the container gets.
 """
@@ -46,17 +48,19 @@ class CdiDevice:
 class DriverFiles:
     """Host files every GPU container needs, found once at start-up under the driver root."""
 
-    root: Path
+    root: Path  # on the host
     libraries: tuple[str, ...] = field(default_factory=tuple)  # paths relative to the root
 
     @classmethod
-    def discover(cls, root: Path) -> DriverFiles:
+    def discover(cls, root: Path, host_root: Path | None = None) -> DriverFiles:
+        """Find the files under `root` (as this process sees the driver root); the specs name them
+        under `host_root` (as the host sees it; the same by default)."""
         found: list[str] = []
         for directory in LIBRARY_DIRS:
             for pattern in LIBRARY_PATTERNS:
                 found.extend(str(p.relative_to(root)) for p in sorted((root / directory).glob(pattern)))
         found.extend(tool for tool in TOOLS if (root / tool).exists())
-        return cls(root=root, libraries=tuple(found))
+        return cls(root=host_root or root, libraries=tuple(found))
 
 
 def cdi_kind(driver: str) -> str:

@@ -31,6 +31,7 @@ class PluginSettings:
     driver_root: Path
     healthcheck_port: int
     sharing: SharingConfig
+    host_driver_root: Path | None = None
     unprepare_grace_s: float = 300.0
     reconcile_interval_s: float = 60.0
 
@@ -100,6 +101,11 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         help="where the NVIDIA driver files are [DRIVER_ROOT]",
     )
     parser.add_argument(
+        "--host-driver-root",
+        default=_env_default(None, "HOST_DRIVER_ROOT"),
+        help="the driver root as the host sees it, when the plugin runs in a container [HOST_DRIVER_ROOT]",
+    )
+    parser.add_argument(
         "--unprepare-grace",
         type=float,
         default=float(_env_default("300", "UNPREPARE_GRACE") or 300),
@@ -148,6 +154,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         driver_root=Path(args.driver_root),
         healthcheck_port=args.healthcheck_port,
         sharing=sharing_config(args),
+        host_driver_root=Path(args.host_driver_root) if args.host_driver_root else None,
         unprepare_grace_s=args.unprepare_grace,
         reconcile_interval_s=args.reconcile_interval,
     )

@@ -44,7 +44,11 @@ class PluginProcess:
         log.info("discovered %d GPU(s): %s", len(self.gpus), ", ".join(g.product_name for g in self.gpus))
         self.api = api or ClientKubeApi(settings.kubeconfig)
         self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
-        self.cdi = CdiWriter(settings.cdi_dir, settings.driver_name, DriverFiles.discover(settings.driver_root))
+        self.cdi = CdiWriter(
+            settings.cdi_dir,
+            settings.driver_name,
+            DriverFiles.discover(settings.driver_root, settings.host_driver_root),
+        )
         self.instance = InstanceLock(settings.state_dir)
         runner = ToolRunner(settings.driver_root)
         partitioners = Partitioners(

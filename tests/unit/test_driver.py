@@ -103,6 +103,8 @@ def test_driver_libraries_are_mounted_from_the_driver_root(tmp_path: Path):
     (root / "usr/bin/nvidia-smi").write_text("")
     files = DriverFiles.discover(root)
     assert files.libraries == ("usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05", "usr/bin/nvidia-smi")
+    as_host_sees_it = DriverFiles.discover(root, host_root=Path("/run/nvidia/driver"))
+    assert as_host_sees_it.root == Path("/run/nvidia/driver") and as_host_sees_it.libraries == files.libraries
     spec = CdiWriter(tmp_path / "cdi", "gpu.fgpu.dev", files).spec("u", [])
     mounts = spec["containerEdits"]["mounts"]
     assert mounts[0]["hostPath"] == str(root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
