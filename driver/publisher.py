@@ -34,6 +34,7 @@ class SlicePublisher(BackgroundWorker):
         super().__init__()
         self._lock = threading.Lock()
         self._owner: dict[str, Any] | None = None
+        self._generation = 0  # the highest pool generation this publisher wrote
 
     def set_inventory(self, inventory: Inventory) -> None:
         with self._lock:
@@ -51,10 +52,13 @@ class SlicePublisher(BackgroundWorker):
                 except NotFoundError as err:  # kubelet registers the Node; wait for it, with backoff
                     raise KubeUnavailableError(f"Node {self._node} does not exist (yet)") from err
             existing, resource_version = self._api.list_slices(self._driver, self._node)
+            self._generation = max([self._generation, *(s["spec"]["pool"]["generation"] for s in existing)])
             desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
             if self._up_to_date(existing, desired):
                 return resource_version
-            generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0) + 1
+            # Never go back, even when every slice was deleted: a consumer may still hold old ones.
+            self._generation += 1
+            generation = self._generation
             desired = build_slices(self._driver, self._node, self._inventory, generation, self._owner)
             by_name = {s["metadata"]["name"]: s for s in existing}
             for body in desired:

@@ -39,6 +39,9 @@ def test_publish_is_stable_and_changes_bump_the_generation():
     publisher.set_inventory(devices(3))
     assert len(api.slices) == 1
     assert next(iter(api.slices.values()))["spec"]["pool"]["generation"] == 3
+    api.delete_slice(next(iter(api.slices)))
+    publisher.reconcile()
+    assert next(iter(api.slices.values()))["spec"]["pool"]["generation"] == 4  # never back to 1
 
 
 def test_deleted_and_edited_slices_come_back():
