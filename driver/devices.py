@@ -28,6 +28,8 @@ MiB = 2**20
 GiB = 2**30
 MPS_MAX_CLIENTS = 48  # MPS server limit on Volta and newer
 SHARE_MEMORY_STEP = 256 * MiB
+SHARE_DEFAULT_MEMORY = GiB  # a share's memory when the request names none
+MPS_DEFAULT_COMPUTE = 10  # an MPS share's compute percentage when the request names none
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,8 @@ def mps_device(gpu: GpuInfo) -> Device:
         },
         capacity={"memory": share_memory(gpu), "compute": 100, "clients": MPS_MAX_CLIENTS},
         request_policies={
-            "memory": RequestPolicy(GiB, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu)),
-            "compute": RequestPolicy(default=10, minimum=5, step=5, maximum=100),
+            "memory": RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu)),
+            "compute": RequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
             "clients": RequestPolicy(default=1, minimum=1, step=1, maximum=1),
         },
         consumes=_consumes_all(gpu),
@@ -210,7 +212,9 @@ def timeslice_device(gpu: GpuInfo) -> Device:
             **_product_attributes(gpu),
         },
         capacity={"memory": share_memory(gpu)},
-        request_policies={"memory": RequestPolicy(GiB, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu))},
+        request_policies={
+            "memory": RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu))
+        },
         consumes=_consumes_all(gpu),
         allow_multiple_allocations=True,
     )

@@ -25,7 +25,7 @@ from kubernetes.utils import parse_quantity
 from driver.cdi import CdiWriter
 from driver.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
 from driver.config import config_for_request
-from driver.devices import DeviceTarget, GiB
+from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
 from driver.faults import crash_point
 from driver.kube import KubeApi, KubeError, NotFoundError
 from driver.ownership import InstanceLock
@@ -36,8 +36,6 @@ from partitioner.runner import ToolError
 from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
-DEFAULT_SHARE_MEMORY = GiB
-DEFAULT_THREAD_PERCENTAGE = 10
 
 
 @dataclass(frozen=True)
@@ -157,8 +155,8 @@ class Driver:
         if target.kind == "mps":
             if config.strategy not in (None, "MPS"):
                 raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")
-            memory = sum(_quantity(r.consumed_capacity.get("memory"), DEFAULT_SHARE_MEMORY) for r in results)
-            threads = sum(_quantity(r.consumed_capacity.get("compute"), DEFAULT_THREAD_PERCENTAGE) for r in results)
+            memory = sum(_quantity(r.consumed_capacity.get("memory"), SHARE_DEFAULT_MEMORY) for r in results)
+            threads = sum(_quantity(r.consumed_capacity.get("compute"), MPS_DEFAULT_COMPUTE) for r in results)
             memory = _within(config.pinned_memory_bytes, memory, "sharing.mps.pinnedMemoryLimit", "memory")
             threads = _within(config.thread_percentage, threads, "sharing.mps.activeThreadPercentage", "compute")
             return replace(device, mps_memory_bytes=memory, mps_thread_percentage=min(threads, 100))

@@ -17,8 +17,10 @@ from pathlib import Path
 import kubernetes
 import yaml
 
+from driver.nvml.session import MOCK_STATE_ENV
 from tests.cluster.harness import Cluster
 from tests.cluster.kubelet_standin import KubeletStandIn
+from tests.node_env import fake_tools_env, stop_fake_daemons
 from tests.plugin_process import PluginUnderTest, short_tempdir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +48,10 @@ def main() -> None:
         cluster.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})
         client = cluster.api_client()
         apply_file(client, ROOT / "daemonset" / "deviceclasses.yaml")
-        plugin = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=workdir, nvml=args.nvml).start()
+        plugin = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=workdir, nvml=args.nvml)
+        if args.nvml.startswith("mock:"):  # mock GPUs get the fake nvidia-smi and MPS control too
+            plugin.extra_env = {**fake_tools_env(workdir), MOCK_STATE_ENV: str(workdir / "gpus.json")}
+        plugin.start()
         kubelet = KubeletStandIn(NODE, str(cluster.kubeconfig), plugin.registrar_dir).start()
         apply_file(client, ROOT / "examples" / "pod-one-gpu.yaml")
         core = kubernetes.client.CoreV1Api(client)
@@ -72,6 +77,7 @@ def main() -> None:
         if plugin:
             plugin.stop()
         cluster.stop()
+        stop_fake_daemons(workdir)
 
 
 if __name__ == "__main__":
