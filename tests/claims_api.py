@@ -69,3 +69,20 @@ def create_claim(
         }
         api.patch_namespaced_resource_claim_status(name, namespace, {"status": {"allocation": allocation}})
     return {"namespace": namespace, "name": name, "uid": created.metadata.uid}
+
+
+def pod_with_claim(name: str, template: str, node: str) -> dict[str, Any]:
+    """A pod on `node` whose one container uses a claim made from the ResourceClaimTemplate."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [
+                {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+            "terminationGracePeriodSeconds": 1,
+        },
+    }

@@ -13,6 +13,7 @@ import pytest
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
+from tests.claims_api import pod_with_claim
 from tests.cluster.kubelet_standin import KubeletStandIn
 from tests.integration.test_crash_safety import check_consistent, mps_daemons
 from tests.integration.test_plugin_process import complete_pool, wait_for
@@ -52,21 +53,6 @@ def claim_template(name: str, device_class: str, selector: str | None = None, ca
     }
 
 
-def pod(name: str, template: str) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": "node-b"},
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
-            "containers": [
-                {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
-
-
 def test_mig_mps_and_timeslice_pods(node, resource_api, core_api):
     plugin, kubelet, session = node
     suffix = uuid.uuid4().hex[:6]
@@ -89,7 +75,7 @@ def test_mig_mps_and_timeslice_pods(node, resource_api, core_api):
     for kind, template in templates.items():
         resource_api.create_namespaced_resource_claim_template("default", template)
         uids[kind] = core_api.create_namespaced_pod(
-            "default", pod(f"{kind}-{suffix}", template["metadata"]["name"])
+            "default", pod_with_claim(f"{kind}-{suffix}", template["metadata"]["name"], "node-b")
         ).metadata.uid
     for pod_uid in uids.values():
         wait_for(lambda u=pod_uid: kubelet.prepared.get(u), timeout=60)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.claims_api import gpu_request
+from tests.claims_api import gpu_request, pod_with_claim
 from tests.cluster.kubelet_standin import KubeletStandIn
 from tests.integration.test_plugin_process import complete_pool, wait_for
 from tests.plugin_process import PluginUnderTest
@@ -35,22 +35,6 @@ def template(name: str, selector: str) -> dict:
     }
 
 
-def pod(name: str, template_name: str) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": "node-a"},
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template_name}],
-            "containers": [
-                {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-            "terminationGracePeriodSeconds": 1,
-        },
-    }
-
-
 def test_pod_gets_a_gpu_by_cel_selector(node_a, resource_api, core_api):
     plugin, kubelet = node_a
     wait_for(lambda: complete_pool(resource_api, "node-a"))  # kubelet deleted them at start; back again
@@ -60,7 +44,9 @@ def test_pod_gets_a_gpu_by_cel_selector(node_a, resource_api, core_api):
         'device.capacity["gpu.fgpu.dev"].memory.compareTo(quantity("40Gi")) >= 0'
     )
     resource_api.create_namespaced_resource_claim_template("default", template(f"one-h100-{suffix}", selector))
-    created = core_api.create_namespaced_pod("default", pod(f"trainer-{suffix}", f"one-h100-{suffix}"))
+    created = core_api.create_namespaced_pod(
+        "default", pod_with_claim(f"trainer-{suffix}", f"one-h100-{suffix}", "node-a")
+    )
     uid = created.metadata.uid
 
     prepared = wait_for(lambda: kubelet.prepared.get(uid), timeout=30)
@@ -95,7 +81,7 @@ def test_unsatisfiable_claim_stays_pending_with_the_schedulers_reason(node_a, re
     suffix = uuid.uuid4().hex[:6]
     selector = 'device.capacity["gpu.fgpu.dev"].memory.compareTo(quantity("1Ti")) >= 0'
     resource_api.create_namespaced_resource_claim_template("default", template(f"huge-{suffix}", selector))
-    core_api.create_namespaced_pod("default", pod(f"huge-{suffix}", f"huge-{suffix}"))
+    core_api.create_namespaced_pod("default", pod_with_claim(f"huge-{suffix}", f"huge-{suffix}", "node-a"))
 
     def unschedulable_message() -> str | None:
         status = core_api.read_namespaced_pod(f"huge-{suffix}", "default").status
