@@ -107,8 +107,11 @@ class Driver:
             self._cdi.write(ref.uid, [d.cdi_device() for d in devices])
             crash_point("prepare:cdi-written")
             self._claims.commit(prepared=[replace(planned, devices=devices, state="PrepareCompleted")])
-        except BaseException:
-            self._undo(self._claims.get(ref.uid) or planned)
+        except BaseException as err:
+            try:
+                self._undo(self._claims.get(ref.uid) or planned)
+            except Exception:  # the claim's error stays the original one; recovery retries the undo
+                log.exception("rolling back claim %s after %r failed", ref, err)
             raise
         crash_point("prepare:completed")
         return PrepareResult(devices=devices)
