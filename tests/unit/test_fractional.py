@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pynvml
@@ -185,3 +187,37 @@ def test_restart_sweeps_orphans_and_keeps_what_claims_own(node):
     assert env.cdi.claim_uids_on_disk() == {kept.uid}
     assert restarted.mps.running(env.gpus[7].uuid)
     assert restarted.driver.prepare([kept])[kept.uid].error == ""
+
+
+def test_claims_on_different_gpus_run_in_parallel_and_one_gpu_is_serialised(node, monkeypatch):
+    api, env = node
+    create = env.session.create_mig_instance
+    both_gpus_inside = threading.Barrier(2, timeout=10)
+    inside: dict[int, int] = {}
+    overlaps: list[int] = []
+    guard = threading.Lock()
+
+    def observed_create(index: int, *args):
+        with guard:
+            inside[index] = inside.get(index, 0) + 1
+            if inside[index] > 1:
+                overlaps.append(index)
+        try:
+            if index in (0, 1):
+                both_gpus_inside.wait()  # breaks (error) unless GPU 0 and GPU 1 are worked on at once
+            time.sleep(0.05)
+            return create(index, *args)
+        finally:
+            with guard:
+                inside[index] -= 1
+
+    monkeypatch.setattr(env.session, "create_mig_instance", observed_create)
+    refs = [
+        claim(api, "on-gpu-0", [result("gpu-0-mig-1g10gb-0")]),
+        claim(api, "on-gpu-1", [result("gpu-1-mig-1g10gb-0")]),
+        claim(api, "on-gpu-2-a", [result("gpu-2-mig-1g10gb-0")]),
+        claim(api, "on-gpu-2-b", [result("gpu-2-mig-1g10gb-1")]),
+    ]
+    results = env.driver.prepare(refs)
+    assert [r.error for r in results.values()] == [""] * 4
+    assert overlaps == []  # two claims on GPU 2 never changed it at the same time
