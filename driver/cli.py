@@ -11,6 +11,7 @@ import yaml
 
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
+from driver.kube import KubeConfigError
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
 from driver.settings import (
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (SettingsError, MachineProfileError, NvmlUnavailableError) as err:
+    except (SettingsError, MachineProfileError, NvmlUnavailableError, KubeConfigError) as err:
         print(f"fgpu: {err}", file=sys.stderr)
         return 2
 

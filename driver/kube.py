@@ -60,6 +60,10 @@ def translated_errors() -> Iterator[None]:
         raise KubeUnavailableError(f"API server unreachable: {err}") from err
 
 
+class KubeConfigError(ValueError):
+    """No usable client configuration: a setup error, reported once, not retried."""
+
+
 def slice_field_selector(driver: str, node: str) -> str:
     return f"spec.driver={driver},spec.nodeName={node}"
 
@@ -69,10 +73,14 @@ class ClientKubeApi:
 
     def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
         configuration = kubernetes.client.Configuration()
-        if kubeconfig:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        else:
-            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        try:
+            if kubeconfig:
+                kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+            else:
+                kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except (kubernetes.config.ConfigException, OSError) as err:
+            where = kubeconfig or "the in-cluster service account (no --kubeconfig given)"
+            raise KubeConfigError(f"cannot load the Kubernetes client configuration from {where}: {err}") from err
         configuration.retries = False
         self._client = kubernetes.client.ApiClient(configuration)
         self._resource = kubernetes.client.ResourceV1Api(self._client)
