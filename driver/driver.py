@@ -276,9 +276,11 @@ class Driver:
                 log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
                 self._per_claim(ClaimRef(claim.namespace, claim.name, claim.uid), lambda c=claim: self._undo_result(c))
         prepared = self._claims.all()
-        self._sweep_mig(prepared)
-        self._sweep_mps(prepared)
-        self._sweep_cdi(prepared)
+        for sweep in (self._sweep_mig, self._sweep_mps, self._sweep_cdi):
+            try:
+                sweep(prepared)
+            except Exception:  # serving kubelet matters more; the next start sweeps again
+                log.exception("start-up sweep %s failed", sweep.__name__)
 
     def _undo_result(self, claim: PreparedClaim) -> PrepareResult:
         self._undo(claim)
