@@ -192,7 +192,7 @@ class Driver:
                 )
             elif device.kind == "timeslice":
                 interval = device.timeslice_interval or "Default"
-                if not self._gpu_has_share(ref.uid, device, lambda d: d.timeslice_interval == interval):
+                if not self._timeslice_already_set(ref.uid, device.gpu_index, interval):
                     self._parts.timeslice.set_interval(device.gpu_uuid, interval)
                 device = replace(device, device_nodes=(gpu_node,))
             else:
@@ -204,10 +204,10 @@ class Driver:
         crash_point("prepare:device-ready")
         return device
 
-    def _gpu_has_share(self, uid: str, device: PreparedDevice, matches: Callable[[PreparedDevice], bool]) -> bool:
-        """Whether another prepared claim holds a share of the same kind on the device's GPU."""
+    def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
+        """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
         return any(
-            d.kind == device.kind and d.gpu_index == device.gpu_index and matches(d)
+            d.kind == "timeslice" and d.gpu_index == gpu_index and d.timeslice_interval == interval
             for other_uid, c in self._claims.all().items()
             if other_uid != uid and c.state == "PrepareCompleted"
             for d in c.devices
@@ -274,17 +274,14 @@ class Driver:
         for claim in self._claims.all().values():
             if claim.state != "PrepareCompleted" and not self._instance.owner_alive(claim.owner):
                 log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
-                self._per_claim(ClaimRef(claim.namespace, claim.name, claim.uid), lambda c=claim: self._undo_result(c))
+                ref = ClaimRef(claim.namespace, claim.name, claim.uid)
+                self._per_claim(ref, lambda r=ref: self._unprepare_one(r))
         prepared = self._claims.all()
         for sweep in (self._sweep_mig, self._sweep_mps, self._sweep_cdi):
             try:
                 sweep(prepared)
             except Exception:  # serving kubelet matters more; the next start sweeps again
                 log.exception("start-up sweep %s failed", sweep.__name__)
-
-    def _undo_result(self, claim: PreparedClaim) -> PrepareResult:
-        self._undo(claim)
-        return PrepareResult()
 
     def _sweep_mig(self, prepared: dict[str, PreparedClaim]) -> None:
         owned = {
@@ -379,13 +376,4 @@ def _needs_journal(claim: PreparedClaim) -> bool:
 
 
 def _quantity(value: str | None, default: int) -> int:
-    if value is None:
-        return default
-
-    return int(parse_quantity(value))
-
-
-def _path(value: str):
-    from pathlib import Path
-
-    return Path(value)
+    return default if value is None else int(parse_quantity(value))

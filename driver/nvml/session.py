@@ -58,6 +58,17 @@ class RawGpu:
     mig_enabled: bool
 
 
+def _unless_absent(call: Any, *args: Any) -> Any:
+    """The call's result, or None where NVML says no such instance (NOT_FOUND, or INVALID_ARGUMENT
+    for an id it does not hand out)."""
+    try:
+        return call(*args)
+    except pynvml.NVMLError as err:
+        if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+            return None
+        raise
+
+
 def open_backend(spec: str) -> Any:
     """`real` for the NVML library, `mock:<machine name or YAML path>` for the mock.
 
@@ -181,22 +192,16 @@ class NvmlSession:
             return []
         uuids: dict[tuple[int, int], str] = {}
         for i in range(self.nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = self.nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
-            except pynvml.NVMLError as err:
-                if err.value == pynvml.NVML_ERROR_NOT_FOUND:
-                    continue
-                raise
+            mig = _unless_absent(self.nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)
+            if mig is None:
+                continue
             key = (self.nvml.nvmlDeviceGetGpuInstanceId(mig), self.nvml.nvmlDeviceGetComputeInstanceId(mig))
             uuids[key] = self.nvml.nvmlDeviceGetUUID(mig)
         records = []
         for gi_id in range(MAX_GPU_INSTANCE_ID + 1):
-            try:
-                instance = self.nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
-            except pynvml.NVMLError as err:
-                if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise
+            instance = _unless_absent(self.nvml.nvmlDeviceGetGpuInstanceById, handle, gi_id)
+            if instance is None:
+                continue
             info = self.nvml.nvmlGpuInstanceGetInfo(instance)
             cis = tuple(sorted((ci, uuid) for (gi, ci), uuid in uuids.items() if gi == gi_id))
             records.append(GpuInstanceRecord(gi_id, info.profileId, info.placement.start, info.placement.size, cis))
@@ -224,20 +229,13 @@ class NvmlSession:
     def destroy_mig_instance(self, index: int, gi_id: int) -> None:
         """Destroy the compute instances, then the GPU instance. Gone already is fine."""
         handle = self.handle(index)
-        try:
-            instance = self.nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
-        except pynvml.NVMLError as err:
-            if err.value == pynvml.NVML_ERROR_NOT_FOUND:
-                return
-            raise
+        instance = _unless_absent(self.nvml.nvmlDeviceGetGpuInstanceById, handle, gi_id)
+        if instance is None:
+            return
         for ci_id in range(COMPUTE_SLICES):
-            try:
-                compute = self.nvml.nvmlGpuInstanceGetComputeInstanceById(instance, ci_id)
-            except pynvml.NVMLError as err:
-                if err.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise
-            self.nvml.nvmlComputeInstanceDestroy(compute)
+            compute = _unless_absent(self.nvml.nvmlGpuInstanceGetComputeInstanceById, instance, ci_id)
+            if compute is not None:
+                self.nvml.nvmlComputeInstanceDestroy(compute)
         self.nvml.nvmlGpuInstanceDestroy(instance)
 
     def set_compute_mode(self, index: int, mode: int) -> None:
