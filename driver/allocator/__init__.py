@@ -1,0 +1,1 @@
+"""The allocator: pure functions from slices, classes and claims to allocation results."""

@@ -1,0 +1,422 @@
+"""Allocation on one node: the upstream allocator's depth-first search over claims, requests,
+subrequests and devices, with the same checks in the same order, so it finds a solution exactly
+when upstream does. What differs is the order devices are tried in: a `DeviceOrder` (scoring.py)
+puts the best placements first, where upstream takes pool and slice order (first fit)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from driver.allocator.capacity import consumption, fits
+from driver.allocator.cel import SelectorError, compile_selector
+from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
+from driver.allocator.pools import Node, Pool, placement_matches
+from driver.allocator.quantity import ceil_int
+from driver.allocator.state import AllocatedState
+
+DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
+
+
+class AllocationError(Exception):
+    """The claim cannot be allocated for a reason no other node changes (as upstream's errors):
+    a missing class, a selector that does not compile or fails, a pool being updated."""
+
+
+@dataclass
+class Chosen:
+    request: Request
+    device: Device
+    share_id: str | None = None
+    consumed: dict[str, Fraction] | None = None
+
+
+@dataclass
+class _Candidates:
+    request: Request
+    devices: list[Device]
+    errors: dict[int, str] = field(default_factory=dict)  # id(device) -> selector error, raised if reached
+
+
+def _format(value: Fraction) -> str:
+    from driver.slices import format_quantity  # one canonical quantity form for everything we write
+
+    return format_quantity(ceil_int(value)) if value.denominator != 1 else format_quantity(value.numerator)
+
+
+class NodeAllocator:
+    def __init__(
+        self,
+        node: Node,
+        pools: list[Pool],
+        state: AllocatedState,
+        classes: dict[str, DeviceClass],
+        order: DeviceOrder | None = None,
+    ) -> None:
+        self.node, self.pools, self.state, self.classes, self.order = node, pools, state, classes, order
+        self._pool_of: dict[tuple[str, str], Pool] = {p.id: p for p in pools}
+        self._available: dict[tuple[str, str], dict[str, dict[str, Fraction]]] = {}
+        self._drawn: dict[tuple[str, str], dict[str, dict[str, Fraction]]] = {}
+        self._exclusive: dict[DeviceId, int] = {}  # devices taken in this attempt
+        self._sharing: dict[DeviceId, list[dict[str, Fraction]]] = {}  # shares taken in this attempt
+        self._constraint_state: list[list[Any]] = []
+
+    # --- request data (upstream: validateDeviceRequest) -------------------------------------------
+
+    def _selectors(self, request: Request, claim: Claim) -> list[tuple[str, Any]]:
+        cls = self.classes.get(request.class_name)
+        if cls is None:
+            raise AllocationError(
+                f"claim {claim.key}, request {request.full_name}: could not retrieve device class {request.class_name}"
+            )
+        compiled = []
+        for owner, expressions in ((f"class {cls.name}", cls.selectors), (f"claim {claim.key}", request.selectors)):
+            for index, expression in enumerate(expressions):
+                try:
+                    compiled.append((f"{owner}: selector #{index}", compile_selector(expression)))
+                except SelectorError as error:
+                    raise AllocationError(f"{owner}: selector #{index}: CEL compile error: {error}") from None
+        return compiled
+
+    def _selectable(self, device: Device, selectors: list[tuple[str, Any]]) -> bool:
+        for where, selector in selectors:
+            cached = device.selector_results.get(selector.expression)
+            if cached is None:
+                try:
+                    cached = selector.matches(device.cel)
+                except SelectorError as error:
+                    raise AllocationError(f"{where} on device {'/'.join(device.id)}: {error}") from None
+                device.selector_results[selector.expression] = cached
+            if not cached:
+                return False
+        return not device.per_device_placement or placement_matches(device.placement, self.node)
+
+    def _candidates(self, request: Request, claim: Claim) -> _Candidates:
+        selectors = self._selectors(request, claim)
+        candidates = _Candidates(request, [])
+        if request.mode == "All":
+            for pool in self.pools:
+                if pool.incomplete:
+                    raise AllocationError(
+                        f"claim {claim.key}, request {request.full_name}: asks for all devices, "
+                        f"but resource pool {pool.driver}/{pool.name} is currently being updated"
+                    )
+                if pool.invalid:
+                    raise AllocationError(
+                        f"claim {claim.key}, request {request.full_name}: asks for all devices, "
+                        f"but resource pool {pool.driver}/{pool.name} is currently invalid"
+                    )
+                for device in pool.devices:
+                    if self._selectable(device, selectors) and consumption(request.capacity, device.capacity) is not None:
+                        if fits(consumption(request.capacity, device.capacity) or {}, device.capacity):
+                            candidates.devices.append(device)
+            return candidates
+        if request.mode != "ExactCount":
+            raise AllocationError(f"claim {claim.key}, request {request.full_name}: unsupported count mode {request.mode}")
+        for pool in self.pools:
+            for device in pool.devices:
+                try:
+                    if self._selectable(device, selectors):
+                        candidates.devices.append(device)
+                except AllocationError as error:
+                    candidates.devices.append(device)  # fails the claim only if the search reaches it
+                    candidates.errors[id(device)] = str(error)
+        if self.order is not None:
+            candidates.devices = self.order(self, candidates.devices)
+        return candidates
+
+    # --- state of this attempt --------------------------------------------------------------------
+
+    def _in_use(self, device: Device) -> bool:
+        return device.id in self.state.exclusive or self._exclusive.get(device.id, 0) > 0
+
+    def _capacity_in_use(self, device: Device) -> bool:
+        return device.id in self.state.shared or bool(self._sharing.get(device.id))
+
+    def _capacity_ok(self, request: Request, device: Device) -> dict[str, Fraction] | None:
+        consumed = consumption(request.capacity, device.capacity)
+        if consumed is None:
+            return None
+        in_use = [self.state.shared.get(device.id, {}), *self._sharing.get(device.id, ())]
+        return consumed if fits(consumed, device.capacity, *in_use) else None
+
+    def pool_of(self, device: Device) -> Pool:
+        return self._pool_of[device.id[:2]]
+
+    def capacity_in_use(self, device: Device) -> bool:
+        return self._capacity_in_use(device)
+
+    def available_counters(self, pool: Pool) -> dict[str, dict[str, Fraction]]:
+        """The pool's counters less what allocated devices draw (before this attempt)."""
+        return self._available_counters(pool)
+
+    def _available_counters(self, pool: Pool) -> dict[str, dict[str, Fraction]]:
+        if pool.id not in self._available:
+            available = {name: dict(counters) for name, counters in pool.counter_sets.items()}
+            for device in pool.all_devices:
+                if self.state.is_allocated(device.id):
+                    for counter_set, counters in device.consumes:
+                        for name, value in counters.items():
+                            if name in available.get(counter_set, {}):
+                                available[counter_set][name] -= value
+            self._available[pool.id] = available
+        return self._available[pool.id]
+
+    def _draw_counters(self, device: Device, sign: int) -> None:
+        drawn = self._drawn.setdefault(device.id[:2], {})
+        for counter_set, counters in device.consumes:
+            target = drawn.setdefault(counter_set, {})
+            for name, value in counters.items():
+                target[name] = target.get(name, Fraction(0)) + sign * value
+
+    def _counters_fit(self, pool: Pool) -> bool:
+        drawn = self._drawn.get(pool.id, {})
+        return all(
+            value >= drawn.get(set_name, {}).get(name, 0)
+            for set_name, counters in self._available_counters(pool).items()
+            for name, value in counters.items()
+        )
+
+    # --- the search (upstream: allocateOne / allocateDevice) --------------------------------------
+
+    def allocate(self, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
+        """Allocation results for all `claims` on this node, or None when they do not fit.
+        Raises AllocationError where upstream returns an error."""
+        self._claims = list(claims)
+        self._requests: list[list[list[_Candidates]]] = [
+            [[self._candidates(r, claim) for r in alternatives] for alternatives in claim.requests]
+            for claim in self._claims
+        ]
+        self._chosen: list[list[Chosen]] = [[] for _ in self._claims]
+        self._constraint_state = [[None for _ in claim.constraints] for claim in self._claims]
+        self._selected: dict[tuple[int, int], int] = {}
+        if not self._claim(0):
+            return None
+        return [self._result(i) for i in range(len(self._claims))]
+
+    def _claim(self, claim_index: int) -> bool:
+        if claim_index >= len(self._claims):
+            return True
+        return self._request(claim_index, 0)
+
+    def _request(self, claim_index: int, request_index: int) -> bool:
+        if request_index >= len(self._requests[claim_index]):
+            return self._claim(claim_index + 1)
+        for sub_index, candidates in enumerate(self._requests[claim_index][request_index]):
+            if self._devices(claim_index, request_index, candidates, 0, 0):
+                self._selected[claim_index, request_index] = sub_index
+                return True
+        return False
+
+    def _devices(self, claim_index: int, request_index: int, candidates: _Candidates, placed: int, start: int) -> bool:
+        request = candidates.request
+        if request.mode == "All":
+            if not candidates.devices:
+                return False
+            needed = len(candidates.devices)
+        else:
+            needed = request.count
+        if placed >= needed:
+            return self._request(claim_index, request_index + 1)
+        if needed - placed > MAX_RESULTS_PER_CLAIM - len(self._chosen[claim_index]):
+            return False
+        if request.mode == "All":
+            device = candidates.devices[placed]
+            undo = self._take(claim_index, request, device)
+            if undo is None:
+                return False
+            if self._devices(claim_index, request_index, candidates, placed + 1, 0):
+                return True
+            undo()
+            return False
+        for position in range(start, len(candidates.devices)):
+            device = candidates.devices[position]
+            if not request.admin_access and self._in_use(device):
+                continue
+            if id(device) in candidates.errors:
+                raise AllocationError(candidates.errors[id(device)])
+            if self._capacity_ok(request, device) is None:
+                continue
+            undo = self._take(claim_index, request, device)
+            if undo is None:
+                continue
+            if self._devices(claim_index, request_index, candidates, placed + 1, position + 1):
+                return True
+            undo()
+        return False
+
+    def _take(self, claim_index: int, request: Request, device: Device) -> Callable[[], None] | None:
+        claim = self._claims[claim_index]
+        shared = device.allow_multiple_allocations
+        if self._in_use(device) and not request.admin_access:
+            return None
+        pool = self._pool_of[device.id[:2]]
+        draws = bool(device.consumes) and not (shared and self._capacity_in_use(device))
+        if draws:
+            self._draw_counters(device, +1)
+            if not self._counters_fit(pool):
+                self._draw_counters(device, -1)
+                return None
+        undo_steps: list[Callable[[], None]] = []
+        if draws:
+            undo_steps.append(lambda: self._draw_counters(device, -1))
+
+        def undo() -> None:
+            for step in reversed(undo_steps):
+                step()
+
+        if any(
+            taint.effect in ("NoSchedule", "NoExecute") and not any(t.tolerates(taint) for t in request.tolerations)
+            for taint in device.taints
+        ):
+            undo()
+            return None
+        for index, constraint in enumerate(claim.constraints):
+            if not self._add_constraint(claim_index, index, constraint, request, device):
+                undo()
+                if request.mode == "All":
+                    raise AllocationError(
+                        f"claim {claim.key}, request {request.full_name}: cannot add device "
+                        f"{'/'.join(device.id)} because a claim constraint would not be satisfied"
+                    )
+                return None
+            undo_steps.append(lambda i=index, c=constraint: self._remove_constraint(claim_index, i, c, request))
+        if not shared:
+            self._exclusive[device.id] = self._exclusive.get(device.id, 0) + 1
+            undo_steps.append(lambda: self._exclusive.__setitem__(device.id, self._exclusive[device.id] - 1))
+        consumed = self._capacity_ok(request, device)
+        if consumed is None:
+            undo()
+            return None
+        chosen = Chosen(request, device)
+        if shared:
+            chosen.share_id, chosen.consumed = str(uuid.uuid4()), consumed
+            shares = self._sharing.setdefault(device.id, [])
+            shares.append(consumed)
+            undo_steps.append(shares.pop)
+        self._chosen[claim_index].append(chosen)
+        undo_steps.append(self._chosen[claim_index].pop)
+        return undo
+
+    def _add_constraint(self, claim_index: int, index: int, constraint: Constraint, request: Request, device: Device) -> bool:
+        if not constraint.applies(request):
+            return True
+        name = constraint.match_attribute or constraint.distinct_attribute
+        value = device.attribute(name)
+        if value is None:
+            return False
+        state = self._constraint_state[claim_index]
+        if constraint.match_attribute:
+            current = state[index]  # (value, count) of the devices so far
+            if current is not None and current[1] > 0:
+                if current[0] != value:
+                    return False
+                state[index] = (current[0], current[1] + 1)
+            else:
+                state[index] = (value, 1)
+            return True
+        seen = state[index] if state[index] is not None else []
+        if value in seen:
+            return False
+        state[index] = [*seen, value]
+        return True
+
+    def _remove_constraint(self, claim_index: int, index: int, constraint: Constraint, request: Request) -> None:
+        if not constraint.applies(request):
+            return
+        state = self._constraint_state[claim_index]
+        if constraint.match_attribute:
+            value, count = state[index]
+            state[index] = (value, count - 1)
+        else:
+            state[index] = state[index][:-1]
+
+    # --- the result -------------------------------------------------------------------------------
+
+    def _result(self, claim_index: int) -> dict[str, Any]:
+        claim = self._claims[claim_index]
+        results = []
+        for chosen in self._chosen[claim_index]:
+            request = chosen.request
+            result: dict[str, Any] = {
+                "request": request.full_name,
+                "driver": chosen.device.id[0],
+                "pool": chosen.device.id[1],
+                "device": chosen.device.id[2],
+            }
+            if request.admin_access:
+                result["adminAccess"] = True
+            if request.raw_tolerations:
+                result["tolerations"] = list(request.raw_tolerations)
+            if chosen.share_id is not None:
+                result["shareID"] = chosen.share_id
+                if chosen.consumed:
+                    result["consumedCapacity"] = {k: _format(v) for k, v in sorted(chosen.consumed.items())}
+            results.append(result)
+        allocation: dict[str, Any] = {"devices": {"results": results}}
+        configs = self._configs(claim_index)
+        if configs:
+            allocation["devices"]["config"] = configs
+        selector = self._node_selector(claim_index)
+        if selector is not None:
+            allocation["nodeSelector"] = selector
+        return allocation
+
+    def _selected_requests(self, claim_index: int) -> list[Request]:
+        claim = self._claims[claim_index]
+        return [claim.requests[i][self._selected.get((claim_index, i), 0)] for i in range(len(claim.requests))]
+
+    def _configs(self, claim_index: int) -> list[dict[str, Any]]:
+        claim = self._claims[claim_index]
+        selected = self._selected_requests(claim_index)
+        configs: list[dict[str, Any]] = []
+        by_class: dict[str, list[dict[str, Any]]] = {}
+        for request in selected:
+            if request.class_name in by_class:
+                for entry in by_class[request.class_name]:
+                    entry["requests"].append(request.full_name)
+                continue
+            entries = [
+                {"source": "FromClass", "requests": [request.full_name], **config}
+                for config in self.classes[request.class_name].configs
+            ]
+            by_class[request.class_name] = entries
+            configs.extend(entries)
+        names = {r.base_name for r in selected} | {r.full_name for r in selected}
+        for config in claim.configs:
+            requests = config.get("requests") or []
+            if not requests or any(name in names for name in requests):
+                configs.append({"source": "FromClaim", **config, "requests": list(requests)})
+        for entry in configs:
+            covers_all = all(r.base_name in entry["requests"] or r.full_name in entry["requests"] for r in selected)
+            if not entry["requests"] or covers_all:
+                del entry["requests"]
+        return configs
+
+    def _node_selector(self, claim_index: int) -> dict[str, Any] | None:
+        fields: list[dict[str, Any]] = []
+        expressions: list[dict[str, Any]] = []
+        for chosen in self._chosen[claim_index]:
+            placement = chosen.device.placement
+            if placement.node_name or chosen.device.binds_to_node:
+                term = {"key": "metadata.name", "operator": "In", "values": [self.node.name]}
+                return {"nodeSelectorTerms": [{"matchFields": [term]}]}
+            terms = (placement.node_selector or {}).get("nodeSelectorTerms") or []
+            if len(terms) > 1:
+                raise AllocationError(f"unsupported ResourceSlice.NodeSelector with {len(terms)} terms")
+            for term in terms:
+                for source, target in ((term.get("matchFields"), fields), (term.get("matchExpressions"), expressions)):
+                    for requirement in source or ():
+                        if requirement not in target:
+                            target.append(requirement)
+        if not fields and not expressions:
+            return None
+        term: dict[str, Any] = {}
+        if expressions:
+            term["matchExpressions"] = expressions
+        if fields:
+            term["matchFields"] = fields
+        return {"nodeSelectorTerms": [term]}

@@ -1,0 +1,133 @@
+"""Allocation across nodes: which node a claim goes to (fullest first under binpack), and gangs of
+claims placed all or none. Pure: a snapshot of slices, classes and allocations in, results out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from driver.allocator.allocate import AllocationError, NodeAllocator
+from driver.allocator.model import Claim, DeviceClass, Slice
+from driver.allocator.pools import Node, Pool, gather_pools
+from driver.allocator.scoring import Policy, order_for
+from driver.allocator.state import AllocatedState
+
+
+@dataclass(frozen=True)
+class Placement:
+    claim: Claim
+    node: str
+    allocation: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Failure:
+    claim: Claim
+    reason: str
+
+
+@dataclass
+class Snapshot:
+    """Slices and nodes, gathered into each node's pools once; devices keep their selector results."""
+
+    slices: list[Slice]
+    nodes: list[Node]
+    pools: dict[str, list[Pool]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for node in self.nodes:
+            pools = gather_pools(self.slices, node)
+            if pools:
+                self.pools[node.name] = pools
+
+    @classmethod
+    def from_slices(cls, slices: list[Slice], nodes: Iterable[Node] = ()) -> Snapshot:
+        """Nodes given, plus a bare one for every node a slice names."""
+        known = {n.name: n for n in nodes}
+        for slice_ in slices:
+            for name in [slice_.placement.node_name, *(d.placement.node_name for d in slice_.devices)]:
+                if name and name not in known:
+                    known[name] = Node(name)
+        return cls(slices, [known[name] for name in sorted(known)])
+
+
+class ClusterAllocator:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        classes: dict[str, DeviceClass],
+        state: AllocatedState,
+        policy: Policy = "binpack",
+    ) -> None:
+        self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
+        self._order = order_for(policy)
+        self._nodes = {n.name: n for n in snapshot.nodes}
+        self._usage = {name: self._node_usage(name) for name in snapshot.pools}
+
+    def _node_usage(self, node: str) -> Fraction:
+        """How full a node is: the share of its counters drawn and of its uncounted devices taken."""
+        used = total = Fraction(0)
+        for pool in self.snapshot.pools.get(node, ()):
+            allocator = NodeAllocator(self._nodes[node], [pool], self.state, self.classes)
+            available = allocator.available_counters(pool)
+            for set_name, counters in pool.counter_sets.items():
+                for name, value in counters.items():
+                    total += value
+                    used += value - available[set_name][name]
+            for device in pool.devices:
+                if not device.consumes:
+                    total += 1
+                    used += self.state.is_allocated(device.id)
+        return used / total if total else Fraction(0)
+
+    def node_order(self) -> list[str]:
+        sign = -1 if self.policy == "binpack" else 1
+        return sorted(self._usage, key=lambda name: (sign * self._usage[name], name))
+
+    def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
+        allocator = NodeAllocator(self._nodes[node], self.snapshot.pools[node], self.state, self.classes, self._order)
+        return allocator.allocate(claims)
+
+    def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
+        """The best node's allocation for one claim (not yet committed), or why none fits."""
+        errors: list[str] = []
+        for node in nodes if nodes is not None else self.node_order():
+            try:
+                result = self.allocate_on(node, [claim])
+            except AllocationError as error:
+                errors.append(str(error))
+                continue
+            if result is not None:
+                return Placement(claim, node, result[0])
+        if errors:
+            return Failure(claim, errors[0])
+        return Failure(claim, "cannot allocate all claims on any node")
+
+    def commit(self, placement: Placement) -> None:
+        self.state.add_allocation(placement.allocation)
+        self._usage[placement.node] = self._node_usage(placement.node)
+
+    def release(self, node: str, allocation: dict[str, Any]) -> None:
+        self.state.remove_allocation(allocation)
+        if node in self._usage:
+            self._usage[node] = self._node_usage(node)
+
+    def allocate_gang(self, claims: Sequence[Claim]) -> list[Placement] | Failure:
+        """Every claim placed, or none: each claim in turn (largest first) on its best node, with
+        the ones before it counted; the first that fails undoes the rest."""
+        placed: list[Placement] = []
+        for claim in sorted(claims, key=_size, reverse=True):
+            outcome = self.allocate(claim)
+            if isinstance(outcome, Failure):
+                for placement in reversed(placed):
+                    self.release(placement.node, placement.allocation)
+                return Failure(claim, f"gang cannot be placed whole: {outcome.claim.key}: {outcome.reason}")
+            self.commit(outcome)
+            placed.append(outcome)
+        return placed
+
+
+def _size(claim: Claim) -> int:
+    return sum(alternatives[0].count or 1 for alternatives in claim.requests)

@@ -1,0 +1,34 @@
+"""Kubernetes resource quantities as exact fractions ("10Gi", "500m", "1e3")."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([numkMGTPE]?)|[eE]([+-]?\d+))$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+class QuantityError(ValueError):
+    pass
+
+
+def parse_quantity(text: str | int) -> Fraction:
+    """The exact value of a quantity string; raises QuantityError naming the bad text."""
+    if isinstance(text, int):
+        return Fraction(text)
+    match = _QUANTITY.match(str(text).strip())
+    if not match:
+        raise QuantityError(f"invalid quantity {text!r}")
+    number, binary, decimal, exponent = match.groups()
+    value = Fraction(number)
+    if binary:
+        return value * _BINARY[binary]
+    power = int(exponent) if exponent is not None else _DECIMAL[decimal or ""]
+    return value * Fraction(10) ** power
+
+
+def ceil_int(value: Fraction) -> int:
+    """Quantity.Value(): rounded up to a whole number, as Kubernetes does."""
+    return -((-value.numerator) // value.denominator)

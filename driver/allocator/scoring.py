@@ -1,0 +1,70 @@
+"""Placement scoring: which device, and which node, to try first. Feasibility never depends on it
+(the search is exhaustive); only which of the feasible placements is taken.
+
+binpack (default): shares go onto GPUs already shared, MIG instances where they block the fewest
+other still-possible placements (best fit), and nodes already in use fill up before empty ones, so
+whole GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Literal
+
+from driver.allocator.allocate import NodeAllocator
+from driver.allocator.model import Device
+from driver.allocator.pools import Pool
+
+Policy = Literal["binpack", "spread"]
+POLICIES: tuple[Policy, ...] = ("binpack", "spread")
+
+
+def _fits(device: Device, available: dict[str, dict[str, Fraction]], extra: Device | None = None) -> bool:
+    for counter_set, counters in device.consumes:
+        for name, value in counters.items():
+            taken = 0
+            if extra is not None:
+                taken = next((c.get(name, 0) for s, c in extra.consumes if s == counter_set), 0)
+            if available.get(counter_set, {}).get(name, 0) - taken < value:
+                return False
+    return True
+
+
+def _neighbours(pool: Pool, device: Device) -> list[Device]:
+    sets = {counter_set for counter_set, _ in device.consumes}
+    return [d for d in pool.all_devices if d is not device and any(s in sets for s, _ in d.consumes)]
+
+
+def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fraction]:
+    """(touched first: 0, size of the devices this one would rule out, share of its counters left after it).
+    Lower is a tighter fit."""
+    pool = allocator.pool_of(device)
+    if device.allow_multiple_allocations and allocator.capacity_in_use(device):
+        return 0, 0, Fraction(0)  # a share on a GPU already shared draws nothing new
+    available = allocator.available_counters(pool)
+    total = left = Fraction(0)
+    touched = False
+    for counter_set, counters in device.consumes:
+        for name, value in counters.items():
+            full = pool.counter_sets.get(counter_set, {}).get(name, Fraction(0))
+            now = available.get(counter_set, {}).get(name, Fraction(0))
+            touched = touched or now < full
+            total += full
+            left += now - value
+    ruled_out = sum(  # weighted by size: blocking a large placement costs more than a small one
+        sum(len(counters) for _, counters in other.consumes)
+        for other in _neighbours(pool, device)
+        if not allocator.state.is_allocated(other.id) and _fits(other, available) and not _fits(other, available, device)
+    )
+    return (0 if touched else 1), ruled_out, (left / total if total else Fraction(0))
+
+
+def order_for(policy: Policy):  # -> DeviceOrder
+    def binpack(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
+        scores = {id(d): device_score(allocator, d) for d in devices}
+        return sorted(devices, key=lambda d: scores[id(d)])
+
+    def spread(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
+        scores = {id(d): device_score(allocator, d) for d in devices}
+        return sorted(devices, key=lambda d: (-scores[id(d)][0], scores[id(d)][1], -scores[id(d)][2]))
+
+    return binpack if policy == "binpack" else spread

@@ -1,0 +1,72 @@
+"""What is already allocated: devices in exclusive use, capacity consumed on shared devices, and
+the counters they draw. Built from the claims' allocation results; the allocator adds to it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from driver.allocator.model import DeviceId
+from driver.allocator.quantity import QuantityError, parse_quantity
+
+
+@dataclass
+class AllocatedState:
+    exclusive: set[DeviceId] = field(default_factory=set)
+    shared: dict[DeviceId, dict[str, Fraction]] = field(default_factory=dict)  # consumed capacity
+    share_count: dict[DeviceId, int] = field(default_factory=lambda: defaultdict(int))
+
+    def is_allocated(self, device: DeviceId) -> bool:
+        """Allocated at all: its counters are drawn (once, however many shares it has)."""
+        return device in self.exclusive or device in self.shared
+
+    def add_result(self, result: dict[str, Any]) -> None:
+        if result.get("adminAccess"):
+            return  # admin access never takes a device from others
+        device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
+        if result.get("shareID") is None:
+            self.exclusive.add(device)
+            return
+        consumed = self.shared.setdefault(device, {})
+        self.share_count[device] += 1
+        for name, value in (result.get("consumedCapacity") or {}).items():
+            try:
+                consumed[name] = consumed.get(name, Fraction(0)) + parse_quantity(value)
+            except QuantityError:
+                continue  # the API server validated it; an unreadable entry cannot be counted
+
+    def remove_result(self, result: dict[str, Any]) -> None:
+        if result.get("adminAccess"):
+            return
+        device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
+        if result.get("shareID") is None:
+            self.exclusive.discard(device)
+            return
+        consumed = self.shared.get(device, {})
+        for name, value in (result.get("consumedCapacity") or {}).items():
+            try:
+                consumed[name] = consumed.get(name, Fraction(0)) - parse_quantity(value)
+            except QuantityError:
+                continue
+        self.share_count[device] -= 1
+        if self.share_count[device] <= 0:
+            self.shared.pop(device, None)
+            self.share_count.pop(device, None)
+
+    def add_allocation(self, allocation: dict[str, Any] | None) -> None:
+        for result in ((allocation or {}).get("devices") or {}).get("results") or ():
+            self.add_result(result)
+
+    def remove_allocation(self, allocation: dict[str, Any] | None) -> None:
+        for result in ((allocation or {}).get("devices") or {}).get("results") or ():
+            self.remove_result(result)
+
+    @classmethod
+    def from_allocations(cls, allocations: Iterable[dict[str, Any] | None]) -> AllocatedState:
+        state = cls()
+        for allocation in allocations:
+            state.add_allocation(allocation)
+        return state
