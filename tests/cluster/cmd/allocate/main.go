@@ -75,11 +75,19 @@ type output struct {
 
 func main() {
 	node := flag.String("node", "", "allocate on this node only (default: every node in turn)")
+	batch := flag.Bool("batch", false, "read one JSON scenario a line from stdin ({objects, verify}), answer one JSON line each")
 	flag.Usage = func() {
-		fmt.Fprintf(os.Stderr, "usage: allocate [--node NAME] FILE...\n")
+		fmt.Fprintf(os.Stderr, "usage: allocate [--node NAME] FILE... | allocate --batch\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
+	if *batch {
+		if err := serveBatch(os.Stdin, os.Stdout); err != nil {
+			fmt.Fprintf(os.Stderr, "allocate: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if flag.NArg() == 0 {
 		flag.Usage()
 		os.Exit(2)

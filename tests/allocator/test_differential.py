@@ -1,0 +1,63 @@
+"""Our allocator against the reference allocator on generated scenarios: the same verdict on
+feasibility every time, and every allocation of ours valid by the reference's own checks."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
+from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.state import AllocatedState
+from tests.allocator.reference import ReferenceAllocator
+from tests.allocator.scenarios import scenarios
+from tests.cluster.harness import build_binaries
+
+EXAMPLES = int(os.environ.get("FGPU_DIFFERENTIAL_EXAMPLES", "2000"))
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[ReferenceAllocator]:
+    allocator = ReferenceAllocator(build_binaries() / "allocate")
+    yield allocator
+    allocator.close()
+
+
+def with_allocation(claim: dict[str, Any], allocation: dict[str, Any]) -> dict[str, Any]:
+    return {**claim, "status": {"allocation": allocation}}
+
+
+def ours(scenario: dict[str, Any], earlier: list[dict[str, Any]], policy: str) -> Placement | Failure:
+    snapshot = Snapshot.from_slices([slice_from_object(s) for s in scenario["slices"]])
+    classes = {c["metadata"]["name"]: class_from_object(c) for c in scenario["classes"]}
+    state = AllocatedState.from_allocations(c["status"]["allocation"] for c in earlier)
+    allocator = ClusterAllocator(snapshot, classes, state, policy)  # type: ignore[arg-type]
+    return allocator.allocate(claim_from_object(scenario["claim"]))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=scenarios())
+def test_same_verdict_as_the_reference_and_valid_allocations(reference: ReferenceAllocator, scenario: dict[str, Any]):
+    base = scenario["classes"] + scenario["slices"]
+    # The state the new claim meets: the earlier claims as the reference allocated them.
+    earlier = [
+        with_allocation(claim, result["allocation"])
+        for claim, result in zip(scenario["earlier"], reference.allocate(base + scenario["earlier"]), strict=True)
+        if result.get("allocation")
+    ]
+    expected = reference.allocate(base + earlier + [scenario["claim"]])[0]
+    event("allocated" if expected.get("allocation") else "error" if "CEL" in expected.get("error", "") else "unsatisfiable")
+    for policy in ("binpack", "spread"):
+        outcome = ours(copy.deepcopy(scenario), earlier, policy)
+        assert isinstance(outcome, Placement) == bool(expected.get("allocation")), (
+            f"{policy}: reference {'allocated' if expected.get('allocation') else 'failed: ' + expected.get('error', '')}, "
+            f"ours {outcome}"
+        )
+        if isinstance(outcome, Placement):
+            mine = with_allocation(scenario["claim"], outcome.allocation)
+            assert reference.problems(base + earlier + [mine]) == []
