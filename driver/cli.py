@@ -1,10 +1,11 @@
-"""The `fgpu` command: discover, kubelet-plugin."""
+"""The `fgpu` command: discover, kubelet-plugin, controller, plan."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 import yaml
@@ -52,6 +53,36 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_controller(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+
+    from prometheus_client import start_http_server
+
+    from driver.controller.api import ControllerApi
+    from driver.controller.controller import Controller
+
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    identity = args.identity or f"{socket.gethostname()}-{os.getpid()}"
+    controller = Controller(ControllerApi(args.kubeconfig), identity, args.policy, args.lease_namespace)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: controller.stop())
+    controller.run()
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from driver.allocator.model import ObjectError
+    from driver.plan import plan
+
+    try:
+        return plan(args.slices, args.classes, args.claims, args.policy, sys.stdout, args.output == "json")
+    except ObjectError as err:
+        print(f"fgpu plan: {err}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -65,6 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     plugin = commands.add_parser("kubelet-plugin", help="run the node plugin")
     add_plugin_flags(plugin)
     plugin.set_defaults(func=cmd_kubelet_plugin)
+
+    from pathlib import Path
+
+    policies = ["binpack", "spread"]
+    controller = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
+    controller.add_argument(
+        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="client configuration [KUBECONFIG]"
+    )
+    controller.add_argument("--policy", choices=policies, default="binpack", help="placement scoring")
+    controller.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
+    controller.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
+    controller.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
+    controller.set_defaults(func=cmd_controller)
+
+    planner = commands.add_parser("plan", help="dry run: allocate claims from files, explain failures")
+    planner.add_argument("--slices", type=Path, nargs="+", required=True, help="ResourceSlices (YAML or JSON)")
+    planner.add_argument("--classes", type=Path, nargs="+", required=True, help="DeviceClasses")
+    planner.add_argument(
+        "--claims", type=Path, nargs="+", required=True, help="ResourceClaims (allocated ones count as taken)"
+    )
+    planner.add_argument("--policy", choices=policies, default="binpack")
+    planner.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    planner.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -28,6 +28,10 @@ class NotFoundError(KubeError, LookupError):
     """The object does not exist."""
 
 
+class ConflictError(KubeError):
+    """The object changed since it was read (HTTP 409): read it again and retry."""
+
+
 class KubeUnavailableError(KubeError, ConnectionError):
     """The API server could not be reached or answered with a server error."""
 
@@ -53,6 +57,8 @@ def translated_errors() -> Iterator[None]:
     except ApiException as err:
         if err.status == 404:
             raise NotFoundError(err.reason) from err
+        if err.status == 409:
+            raise ConflictError(f"conflict: {err.reason}") from err
         if err.status >= 500 or err.status == 429:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
         raise KubeError(f"API server refused the request: {err.status} {err.reason}") from err

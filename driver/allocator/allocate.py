@@ -110,12 +110,17 @@ class NodeAllocator:
                         f"but resource pool {pool.driver}/{pool.name} is currently invalid"
                     )
                 for device in pool.devices:
-                    if self._selectable(device, selectors) and consumption(request.capacity, device.capacity) is not None:
+                    if (
+                        self._selectable(device, selectors)
+                        and consumption(request.capacity, device.capacity) is not None
+                    ):
                         if fits(consumption(request.capacity, device.capacity) or {}, device.capacity):
                             candidates.devices.append(device)
             return candidates
         if request.mode != "ExactCount":
-            raise AllocationError(f"claim {claim.key}, request {request.full_name}: unsupported count mode {request.mode}")
+            raise AllocationError(
+                f"claim {claim.key}, request {request.full_name}: unsupported count mode {request.mode}"
+            )
         for pool in self.pools:
             for device in pool.devices:
                 try:
@@ -301,7 +306,9 @@ class NodeAllocator:
         undo_steps.append(self._chosen[claim_index].pop)
         return undo
 
-    def _add_constraint(self, claim_index: int, index: int, constraint: Constraint, request: Request, device: Device) -> bool:
+    def _add_constraint(
+        self, claim_index: int, index: int, constraint: Constraint, request: Request, device: Device
+    ) -> bool:
         if not constraint.applies(request):
             return True
         name = constraint.match_attribute or constraint.distinct_attribute

@@ -110,15 +110,23 @@ def _quantity_functions() -> list[cel.FunctionDecl]:
         cel.FunctionDecl(
             "add",
             [
-                cel.Overload("quantity_add", QUANTITY, [QUANTITY, QUANTITY], True, lambda a, b: quantity_value(_q(a) + _q(b))),
-                cel.Overload("quantity_add_int", QUANTITY, [QUANTITY, T.INT], True, lambda a, b: quantity_value(_q(a) + b)),
+                cel.Overload(
+                    "quantity_add", QUANTITY, [QUANTITY, QUANTITY], True, lambda a, b: quantity_value(_q(a) + _q(b))
+                ),
+                cel.Overload(
+                    "quantity_add_int", QUANTITY, [QUANTITY, T.INT], True, lambda a, b: quantity_value(_q(a) + b)
+                ),
             ],
         ),
         cel.FunctionDecl(
             "sub",
             [
-                cel.Overload("quantity_sub", QUANTITY, [QUANTITY, QUANTITY], True, lambda a, b: quantity_value(_q(a) - _q(b))),
-                cel.Overload("quantity_sub_int", QUANTITY, [QUANTITY, T.INT], True, lambda a, b: quantity_value(_q(a) - b)),
+                cel.Overload(
+                    "quantity_sub", QUANTITY, [QUANTITY, QUANTITY], True, lambda a, b: quantity_value(_q(a) - _q(b))
+                ),
+                cel.Overload(
+                    "quantity_sub_int", QUANTITY, [QUANTITY, T.INT], True, lambda a, b: quantity_value(_q(a) - b)
+                ),
             ],
         ),
     ]

@@ -221,9 +221,7 @@ def _device(raw: dict[str, Any], driver: str, pool: str, placement: NodePlacemen
             for c in raw.get("consumesCounters") or ()
         ),
         allow_multiple_allocations=bool(raw.get("allowMultipleAllocations")),
-        taints=tuple(
-            Taint(t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in raw.get("taints") or ()
-        ),
+        taints=tuple(Taint(t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in raw.get("taints") or ()),
         binds_to_node=bool(raw.get("bindsToNode")),
         placement=_placement(raw) if per_device else placement,
         per_device_placement=per_device,

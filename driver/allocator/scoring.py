@@ -53,7 +53,9 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
     ruled_out = sum(  # weighted by size: blocking a large placement costs more than a small one
         sum(len(counters) for _, counters in other.consumes)
         for other in _neighbours(pool, device)
-        if not allocator.state.is_allocated(other.id) and _fits(other, available) and not _fits(other, available, device)
+        if not allocator.state.is_allocated(other.id)
+        and _fits(other, available)
+        and not _fits(other, available, device)
     )
     return (0 if touched else 1), ruled_out, (left / total if total else Fraction(0))
 

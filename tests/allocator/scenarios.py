@@ -93,15 +93,29 @@ def node_slices(draw: st.DrawFn, node: str) -> list[dict[str, Any]]:
     generation = draw(st.sampled_from([1, 1, 1, 2]))
 
     def slice_(index: int, count: int, key: str, items: list[Any], gen: int = generation) -> dict[str, Any]:
-        spec = {"driver": DRIVER, "nodeName": node, "pool": {"name": node, "generation": gen, "resourceSliceCount": count}}
-        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-{gen}-{index}"}, "spec": {**spec, key: items}}
+        spec = {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": gen, "resourceSliceCount": count},
+        }
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{gen}-{index}"},
+            "spec": {**spec, key: items},
+        }
 
-    slices = [slice_(0, 2, "sharedCounters", [c for c, _ in gpus]), slice_(1, 2, "devices", [d for _, ds in gpus for d in ds])]
+    slices = [
+        slice_(0, 2, "sharedCounters", [c for c, _ in gpus]),
+        slice_(1, 2, "devices", [d for _, ds in gpus for d in ds]),
+    ]
     shape = draw(st.sampled_from(["current", "current", "current", "incomplete", "stale-older"]))
     if shape == "incomplete":
         slices[1]["spec"]["pool"]["resourceSliceCount"] = slices[0]["spec"]["pool"]["resourceSliceCount"] = 3
     elif shape == "stale-older" and generation == 2:
-        slices.append(slice_(1, 2, "devices", [{"name": "stale-gpu", "attributes": _attrs("gpu", 9, "H100", "550.1.0")}], gen=1))
+        slices.append(
+            slice_(1, 2, "devices", [{"name": "stale-gpu", "attributes": _attrs("gpu", 9, "H100", "550.1.0")}], gen=1)
+        )
     return slices
 
 
@@ -118,11 +132,17 @@ def requests(draw: st.DrawFn, name: str) -> dict[str, Any]:
         if chosen:
             body["selectors"] = [{"cel": {"expression": e}} for e in chosen]
         if draw(st.booleans()):
-            body["tolerations"] = [draw(st.sampled_from([
-                {"key": "fgpu.dev/unhealthy", "operator": "Exists"},
-                {"key": "fgpu.dev/unhealthy", "operator": "Equal", "value": "xid", "effect": "NoSchedule"},
-                {"operator": "Exists", "effect": "NoExecute"},
-            ]))]
+            body["tolerations"] = [
+                draw(
+                    st.sampled_from(
+                        [
+                            {"key": "fgpu.dev/unhealthy", "operator": "Exists"},
+                            {"key": "fgpu.dev/unhealthy", "operator": "Equal", "value": "xid", "effect": "NoSchedule"},
+                            {"operator": "Exists", "effect": "NoExecute"},
+                        ]
+                    )
+                )
+            ]
         if cls in ("mps", "any") and draw(st.booleans()):
             body["capacity"] = {"requests": {"memory": draw(st.sampled_from(["512Mi", "3Gi", "10Gi", "30Gi", "70Gi"]))}}
         if draw(st.integers(0, 29)) == 0:
@@ -147,9 +167,16 @@ def claims(draw: st.DrawFn, name: str) -> dict[str, Any]:
         named = draw(st.sampled_from([[], [r["name"] for r in reqs]]))
         devices["constraints"] = [{key: attribute, **({"requests": named} if named else {})}]
     if draw(st.booleans()):
-        devices["config"] = [{"requests": [reqs[0]["name"]], "opaque": {"driver": DRIVER, "parameters": {"claim": name}}}]
+        devices["config"] = [
+            {"requests": [reqs[0]["name"]], "opaque": {"driver": DRIVER, "parameters": {"claim": name}}}
+        ]
     metadata = {"name": name, "namespace": "default", "uid": f"uid-{name}"}
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": metadata, "spec": {"devices": devices}}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": metadata,
+        "spec": {"devices": devices},
+    }
 
 
 @st.composite
@@ -157,4 +184,9 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     nodes = [f"node-{i}" for i in range(draw(st.integers(1, 2)))]
     slices = [s for node in nodes for s in draw(node_slices(node))]
     earlier = [draw(claims(f"earlier-{i}")) for i in range(draw(st.integers(0, 4)))]
-    return {"classes": [device_class(c) for c in CLASSES], "slices": slices, "earlier": earlier, "claim": draw(claims("new"))}
+    return {
+        "classes": [device_class(c) for c in CLASSES],
+        "slices": slices,
+        "earlier": earlier,
+        "claim": draw(claims("new")),
+    }

@@ -40,7 +40,9 @@ def ours(scenario: dict[str, Any], earlier: list[dict[str, Any]], policy: str) -
     return allocator.allocate(claim_from_object(scenario["claim"]))
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(scenario=scenarios())
 def test_same_verdict_as_the_reference_and_valid_allocations(reference: ReferenceAllocator, scenario: dict[str, Any]):
     base = scenario["classes"] + scenario["slices"]
@@ -51,7 +53,13 @@ def test_same_verdict_as_the_reference_and_valid_allocations(reference: Referenc
         if result.get("allocation")
     ]
     expected = reference.allocate(base + earlier + [scenario["claim"]])[0]
-    event("allocated" if expected.get("allocation") else "error" if "CEL" in expected.get("error", "") else "unsatisfiable")
+    event(
+        "allocated"
+        if expected.get("allocation")
+        else "error"
+        if "CEL" in expected.get("error", "")
+        else "unsatisfiable"
+    )
     for policy in ("binpack", "spread"):
         outcome = ours(copy.deepcopy(scenario), earlier, policy)
         assert isinstance(outcome, Placement) == bool(expected.get("allocation")), (

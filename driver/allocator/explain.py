@@ -1,0 +1,143 @@
+"""Why a claim does not fit, in words a person can act on, and a per-node picture of what is free."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from driver.allocator.allocate import AllocationError, NodeAllocator
+from driver.allocator.capacity import consumption, fits
+from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.model import Claim, Device, Request
+from driver.allocator.pools import Pool
+from driver.allocator.scoring import _fits
+
+
+def _amount(name: str, value: Fraction) -> str:
+    from driver.slices import format_quantity
+
+    return format_quantity(int(value)) if value.denominator == 1 else str(float(value))
+
+
+def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Fraction]:
+    used = allocator.state.shared.get(device.id, {})
+    return {name: cap.value - used.get(name, Fraction(0)) for name, cap in device.capacity.items()}
+
+
+def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
+    """Why `device` cannot serve `request` now, or None if it could."""
+    if not request.admin_access and allocator.state.exclusive.__contains__(device.id):
+        return "in use"
+    consumed = consumption(request.capacity, device.capacity)
+    if consumed is None:
+        return "its capacity policy does not allow the requested amount"
+    if not fits(consumed, device.capacity, allocator.state.shared.get(device.id, {})):
+        free = _free_capacity(allocator, device)
+        short = [n for n in consumed if consumed[n] > free[n]]
+        return ", ".join(f"{_amount(n, free[n])} {n} free, {_amount(n, consumed[n])} needed" for n in short)
+    pool = allocator.pool_of(device)
+    shared_in_use = device.allow_multiple_allocations and allocator.capacity_in_use(device)
+    if device.consumes and not shared_in_use and not _fits(device, allocator.available_counters(pool)):
+        return "its GPU is taken by other devices (shared counters)"
+    if any(
+        t.effect in ("NoSchedule", "NoExecute") and not any(x.tolerates(t) for x in request.tolerations)
+        for t in device.taints
+    ):
+        return "tainted " + ", ".join(f"{t.key}={t.value}:{t.effect}" for t in device.taints)
+    return None
+
+
+def explain(cluster: ClusterAllocator, claim: Claim) -> str:
+    """A reason per request: how many devices the class and selectors leave, and the closest miss."""
+    lines = []
+    for alternatives in claim.requests:
+        for request in alternatives:
+            lines.append(f"request {request.full_name}: {_explain_request(cluster, claim, request)}")
+    if claim.constraints:
+        lines.append("constraints: " + ", ".join(c.match_attribute or c.distinct_attribute for c in claim.constraints))
+    return "; ".join(lines)
+
+
+def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) -> str:
+    if request.class_name not in cluster.classes:
+        return f"device class {request.class_name} does not exist"
+    wanted = f"device of class {request.class_name}"
+    if request.capacity:
+        wanted += " with " + ", ".join(f"{n} >= {_amount(n, v)}" for n, v in sorted(request.capacity.items()))
+    in_class = matching = 0
+    closest: list[tuple[Fraction, str]] = []
+    usable_on: dict[str, int] = {}
+    for node, pools in cluster.snapshot.pools.items():
+        allocator = NodeAllocator(cluster._nodes[node], pools, cluster.state, cluster.classes)
+        for pool in pools:
+            for device in pool.devices:
+                try:
+                    if not allocator._selectable(device, allocator._selectors(Request("", request.class_name), claim)):
+                        continue
+                    in_class += 1
+                    if not allocator._selectable(device, allocator._selectors(request, claim)):
+                        continue
+                except AllocationError as error:
+                    return str(error)
+                matching += 1
+                why = _why_not(allocator, request, device)
+                if why is None:
+                    usable_on[node] = usable_on.get(node, 0) + 1
+                    continue
+                free = _free_capacity(allocator, device)
+                score = sum(free.values(), Fraction(0)) if why != "in use" else Fraction(-1)
+                closest.append((score, f"{node}/{device.id[2]} ({why})"))
+    need = request.count if request.mode == "ExactCount" else max(matching, 1)
+    if in_class == 0:
+        return f"no {wanted} on any node: the class matches no device"
+    if matching == 0:
+        return f"no {wanted} on any node: {in_class} device(s) of the class, none matches the request's selectors"
+    best = max(usable_on.items(), key=lambda item: item[1], default=("", 0))
+    text = f"no {wanted} free on any one node: {matching} match, {need} needed on one node"
+    text += f", at most {best[1]} usable on one ({best[0]})" if best[1] else ", none usable now"
+    if closest:
+        text += "; closest: " + ", ".join(label for _, label in sorted(closest, reverse=True)[:3])
+    return text
+
+
+def node_picture(cluster: ClusterAllocator, node: str) -> list[str]:
+    """Per GPU (counter set): free, partly used with the largest device still placeable, or full."""
+    pools = cluster.snapshot.pools.get(node, [])
+    allocator = NodeAllocator(cluster._nodes[node], pools, cluster.state, cluster.classes)
+    lines = []
+    for pool in pools:
+        lines.extend(_pool_picture(allocator, pool))
+    return lines
+
+
+def _pool_picture(allocator: NodeAllocator, pool: Pool) -> list[str]:
+    available = allocator.available_counters(pool)
+    lines = []
+    for set_name, counters in sorted(pool.counter_sets.items()):
+        total = sum(counters.values(), Fraction(0))
+        free = sum(available[set_name].values(), Fraction(0))
+        members = [d for d in pool.all_devices if any(s == set_name for s, _ in d.consumes)]
+        shares = [d for d in members if allocator.state.shared.get(d.id)]
+        if shares:
+            parts = []
+            for device in shares:
+                left = _free_capacity(allocator, device)
+                parts.append(
+                    f"{device.id[2]} shared, " + ", ".join(f"{_amount(n, v)} {n} free" for n, v in sorted(left.items()))
+                )
+            lines.append(f"  {set_name}: " + "; ".join(parts))
+        elif free == total:
+            lines.append(f"  {set_name}: free")
+        elif free == 0:
+            lines.append(f"  {set_name}: full")
+        else:
+            placeable = [d for d in members if not allocator.state.is_allocated(d.id) and _fits(d, available)]
+            largest = max(placeable, key=lambda d: sum(len(c) for _, c in d.consumes), default=None)
+            fragment = f", largest placeable: {largest.id[2]}" if largest else ", nothing placeable (fragmented)"
+            lines.append(f"  {set_name}: {free}/{total} counters free{fragment}")
+    uncounted = [d for d in pool.devices if not d.consumes]
+    if uncounted:
+        used = sum(allocator.state.is_allocated(d.id) for d in uncounted)
+        lines.append(
+            f"  {pool.driver}/{pool.name}: {len(uncounted) - used}/{len(uncounted)} devices without counters free"
+        )
+    return lines

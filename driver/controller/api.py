@@ -1,0 +1,85 @@
+"""The controller's API calls over the official client, JSON in and out (errors as in driver.kube)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kubernetes
+import urllib3
+from kubernetes.watch.watch import iter_resp_lines
+
+from driver.kube import ClientKubeApi, translated_errors
+
+JsonObject = dict[str, Any]
+
+
+class ControllerApi(ClientKubeApi):
+    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
+        super().__init__(kubeconfig, timeout_s)
+        self._coordination = kubernetes.client.CoordinationV1Api(self._client)
+        self.listers: dict[str, Callable[..., Any]] = {
+            "slices": self._resource.list_resource_slice,
+            "classes": self._resource.list_device_class,
+            "claims": self._resource.list_resource_claim_for_all_namespaces,
+            "pods": self._core.list_pod_for_all_namespaces,
+            "nodes": self._core.list_node,
+        }
+
+    def list(self, kind: str, label_selector: str = "") -> tuple[list[JsonObject], str]:
+        result = self._call(self.listers[kind], label_selector=label_selector)
+        return result.get("items") or [], result["metadata"].get("resourceVersion", "")
+
+    def watch(
+        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = ""
+    ) -> Iterator[tuple[str, JsonObject]]:
+        with translated_errors():
+            response: urllib3.BaseHTTPResponse = self.listers[kind](
+                label_selector=label_selector,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout_s,
+                watch=True,
+                _preload_content=False,
+            )
+        self._watches.add(response)
+        try:
+            with translated_errors():
+                for line in iter_resp_lines(response):
+                    if line.strip():
+                        event = json.loads(line)
+                        yield event["type"], event["object"]
+        finally:
+            self._watches.discard(response)
+            response.release_conn()
+
+    def replace_claim(self, claim: JsonObject) -> JsonObject:
+        meta = claim["metadata"]
+        return self._call(self._resource.replace_namespaced_resource_claim, meta["name"], meta["namespace"], claim)
+
+    def replace_claim_status(self, claim: JsonObject) -> JsonObject:
+        meta = claim["metadata"]
+        return self._call(
+            self._resource.replace_namespaced_resource_claim_status, meta["name"], meta["namespace"], claim
+        )
+
+    def set_scheduling_gates(self, pod: JsonObject, gates: list[JsonObject]) -> JsonObject:
+        meta = pod["metadata"]
+        patch = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+            {"op": "replace", "path": "/spec/schedulingGates", "value": gates},
+        ]
+        return self._call(self._core.patch_namespaced_pod, meta["name"], meta["namespace"], patch)
+
+    def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
+        return self._call(self._core.create_namespaced_event, namespace, event)
+
+    def get_lease(self, namespace: str, name: str) -> JsonObject:
+        return self._call(self._coordination.read_namespaced_lease, name, namespace)
+
+    def create_lease(self, namespace: str, lease: JsonObject) -> JsonObject:
+        return self._call(self._coordination.create_namespaced_lease, namespace, lease)
+
+    def replace_lease(self, namespace: str, lease: JsonObject) -> JsonObject:
+        return self._call(self._coordination.replace_namespaced_lease, lease["metadata"]["name"], namespace, lease)

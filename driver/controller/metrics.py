@@ -1,0 +1,17 @@
+"""What the controller did, for Prometheus."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ALLOCATIONS = Counter("fgpu_controller_allocations_total", "Claims the controller tried to allocate", ["result"])
+GANGS = Counter("fgpu_controller_gangs_total", "Gangs the controller tried to place", ["result"])
+CONFLICTS = Counter("fgpu_controller_conflicts_total", "Status writes refused because the claim had changed")
+GATES_LIFTED = Counter("fgpu_controller_gates_lifted_total", "Pods whose scheduling gate was lifted")
+ALLOCATION_SECONDS = Histogram(
+    "fgpu_controller_allocation_seconds",
+    "Time to find an allocation for one claim",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+LEADER = Gauge("fgpu_controller_leader", "1 while this replica holds the lease")
+PENDING = Gauge("fgpu_controller_pending_claims", "Opt-in claims waiting for an allocation")
