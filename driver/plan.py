@@ -9,7 +9,7 @@ from typing import Any, TextIO
 import yaml
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
-from driver.allocator.explain import explain, node_picture
+from driver.allocator.explain import node_picture
 from driver.allocator.model import ObjectError, claim_from_object, class_from_object, slice_from_object
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
@@ -59,8 +59,7 @@ def plan(
         outcome = cluster.allocate(claim)
         if isinstance(outcome, Failure):
             failed += 1
-            reason = explain(cluster, claim) if outcome.reason.startswith("cannot allocate") else outcome.reason
-            report.append({"claim": claim.key, "error": reason})
+            report.append({"claim": claim.key, "error": outcome.reason})
             continue
         cluster.commit(outcome)
         devices = [

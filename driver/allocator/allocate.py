@@ -110,12 +110,9 @@ class NodeAllocator:
                         f"but resource pool {pool.driver}/{pool.name} is currently invalid"
                     )
                 for device in pool.devices:
-                    if (
-                        self._selectable(device, selectors)
-                        and consumption(request.capacity, device.capacity) is not None
-                    ):
-                        if fits(consumption(request.capacity, device.capacity) or {}, device.capacity):
-                            candidates.devices.append(device)
+                    consumed = consumption(request.capacity, device.capacity)
+                    if self._selectable(device, selectors) and consumed is not None and fits(consumed, device.capacity):
+                        candidates.devices.append(device)
             return candidates
         if request.mode != "ExactCount":
             raise AllocationError(
@@ -344,7 +341,6 @@ class NodeAllocator:
     # --- the result -------------------------------------------------------------------------------
 
     def _result(self, claim_index: int) -> dict[str, Any]:
-        claim = self._claims[claim_index]
         results = []
         for chosen in self._chosen[claim_index]:
             request = chosen.request

@@ -103,7 +103,9 @@ class ClusterAllocator:
                 return Placement(claim, node, result[0])
         if errors:
             return Failure(claim, errors[0])
-        return Failure(claim, "cannot allocate all claims on any node")
+        from driver.allocator.explain import explain  # explain builds on this module
+
+        return Failure(claim, explain(self, claim))
 
     def commit(self, placement: Placement) -> None:
         self.state.add_allocation(placement.allocation)

@@ -62,9 +62,9 @@ def test_same_verdict_as_the_reference_and_valid_allocations(reference: Referenc
     )
     for policy in ("binpack", "spread"):
         outcome = ours(copy.deepcopy(scenario), earlier, policy)
+        verdict = "allocated" if expected.get("allocation") else "failed: " + expected.get("error", "")
         assert isinstance(outcome, Placement) == bool(expected.get("allocation")), (
-            f"{policy}: reference {'allocated' if expected.get('allocation') else 'failed: ' + expected.get('error', '')}, "
-            f"ours {outcome}"
+            f"{policy}: ref {verdict}, ours {outcome}"
         )
         if isinstance(outcome, Placement):
             mine = with_allocation(scenario["claim"], outcome.allocation)
