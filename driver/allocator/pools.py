@@ -27,6 +27,7 @@ class Pool:
     counter_sets: dict[str, dict[str, Fraction]] = field(default_factory=dict)
     incomplete: bool = False
     invalid: str = ""  # why the pool cannot be used
+    neighbours: dict[int, list[Device]] = field(default_factory=dict)  # id(device) -> same counter sets
 
     @property
     def id(self) -> tuple[str, str]:

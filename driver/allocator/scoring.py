@@ -30,8 +30,16 @@ def _fits(device: Device, available: dict[str, dict[str, Fraction]], extra: Devi
 
 
 def _neighbours(pool: Pool, device: Device) -> list[Device]:
-    sets = {counter_set for counter_set, _ in device.consumes}
-    return [d for d in pool.all_devices if d is not device and any(s in sets for s, _ in d.consumes)]
+    """Devices drawing from the same counter sets (static, so computed once a pool)."""
+    if not pool.neighbours:
+        by_set: dict[str, list[Device]] = {}
+        for d in pool.all_devices:
+            for counter_set, _ in d.consumes:
+                by_set.setdefault(counter_set, []).append(d)
+        for d in pool.all_devices:
+            near = {id(n): n for s, _ in d.consumes for n in by_set[s] if n is not d}
+            pool.neighbours[id(d)] = list(near.values())
+    return pool.neighbours.get(id(device), [])
 
 
 def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fraction]:
@@ -60,13 +68,24 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
     return (0 if touched else 1), ruled_out, (left / total if total else Fraction(0))
 
 
+def _takeable(allocator: NodeAllocator, device: Device) -> bool:
+    """Cheap pre-check: devices taken, or whose counters are gone, need no score (they go last)."""
+    if device.id in allocator.state.exclusive:
+        return False
+    if device.allow_multiple_allocations and allocator.capacity_in_use(device):
+        return True
+    return _fits(device, allocator.available_counters(allocator.pool_of(device)))
+
+
 def order_for(policy: Policy):  # -> DeviceOrder
-    def binpack(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
-        scores = {id(d): device_score(allocator, d) for d in devices}
-        return sorted(devices, key=lambda d: scores[id(d)])
+    def ordered(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
+        takeable = [d for d in devices if _takeable(allocator, d)]
+        rest = [d for d in devices if not _takeable(allocator, d)]
+        scores = {id(d): device_score(allocator, d) for d in takeable}
+        if policy == "binpack":
+            takeable.sort(key=lambda d: scores[id(d)])
+        else:
+            takeable.sort(key=lambda d: (-scores[id(d)][0], scores[id(d)][1], -scores[id(d)][2]))
+        return takeable + rest
 
-    def spread(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
-        scores = {id(d): device_score(allocator, d) for d in devices}
-        return sorted(devices, key=lambda d: (-scores[id(d)][0], scores[id(d)][1], -scores[id(d)][2]))
-
-    return binpack if policy == "binpack" else spread
+    return ordered

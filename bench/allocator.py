@@ -1,0 +1,200 @@
+"""Allocator benchmarks.
+
+throughput: N nodes x 8 H100 (whole GPUs, MIG placements, MPS and time-slice shares) and a mixed
+claim stream, allocated one claim at a time by ours and by the reference allocator CLI
+(k8s.io/dynamic-resource-allocation/structured) on the same files in the same run.
+
+packing: a trace of MIG and MPS requests arriving and leaving; GPUs still touched at each arrival
+under our binpack scoring vs first fit (our search in upstream's order: pool, slice, device, and
+nodes by name), against the lower bound (total demand / GPU size, rounded up).
+
+  python -m bench.allocator throughput --nodes 500 --claims 400
+  python -m bench.allocator packing --nodes 16 --events 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
+from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.state import AllocatedState
+from driver.devices import node_inventory
+from driver.discovery import discover_gpus
+from driver.nvml.session import NvmlSession
+from driver.sharing import SharingConfig
+from driver.slices import build_slices
+from tests.cluster.harness import build_binaries
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = "gpu.fgpu.dev"
+PROFILES = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb"]
+
+
+def cluster_slices(nodes: int) -> list[dict[str, Any]]:
+    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())
+    return [s for i in range(nodes) for s in build_slices(DRIVER, f"node-{i:04d}", inventory, generation=1, owner=None)]
+
+
+def classes() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
+
+
+def claim(name: str, request: dict[str, Any]) -> dict[str, Any]:
+    metadata = {"name": name, "namespace": "bench", "uid": f"uid-{name}"}
+    body = {"devices": {"requests": [{"name": "r", "exactly": request}]}}
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": metadata, "spec": body}
+
+
+def mig(profile: str) -> dict[str, Any]:
+    expression = f'device.attributes["{DRIVER}"].profile == "{profile}"'
+    return {"deviceClassName": "mig.gpu.fgpu.dev", "selectors": [{"cel": {"expression": expression}}]}
+
+
+def mps(memory_gib: int) -> dict[str, Any]:
+    return {"deviceClassName": "mps.gpu.fgpu.dev", "capacity": {"requests": {"memory": f"{memory_gib}Gi"}}}
+
+
+def mixed_stream(count: int, rng: random.Random) -> list[dict[str, Any]]:
+    claims = []
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.3:
+            request = {"deviceClassName": "gpu.fgpu.dev", "count": rng.choice([1, 1, 2, 4])}
+        elif kind < 0.7:
+            request = mig(rng.choice(PROFILES))
+        else:
+            request = mps(rng.choice([2, 5, 10, 20]))
+        claims.append(claim(f"c{i:05d}", request))
+    return claims
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    slices, device_classes, claims = cluster_slices(args.nodes), classes(), mixed_stream(args.claims, rng)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        for name, objects in (("classes", device_classes), ("slices", slices), ("claims", claims)):
+            path = Path(tmp) / f"{name}.json"
+            path.write_text(json.dumps({"kind": "List", "items": objects}))
+            files.append(str(path))
+        started = time.perf_counter()
+        run = subprocess.run([str(build_binaries() / "allocate"), *files], capture_output=True, text=True, check=True)
+        reference_wall = time.perf_counter() - started
+    reference = json.loads(run.stdout)
+    reference_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+    started = time.perf_counter()
+    snapshot = Snapshot.from_slices([slice_from_object(s) for s in slices])
+    allocator = ClusterAllocator(snapshot, {c.name: c for c in map(class_from_object, device_classes)}, AllocatedState())
+    setup = time.perf_counter() - started
+    latencies, allocated = [], 0
+    started = time.perf_counter()
+    for obj in claims:
+        begin = time.perf_counter()
+        outcome = allocator.allocate(claim_from_object(obj))
+        if not isinstance(outcome, Failure):
+            allocator.commit(outcome)
+            allocated += 1
+        latencies.append(time.perf_counter() - begin)
+    ours_seconds = time.perf_counter() - started
+    ref_latencies = [r["seconds"] for r in reference["results"]]
+    return {
+        "nodes": args.nodes,
+        "devices": sum(len(s["spec"].get("devices", [])) for s in slices),
+        "claims": args.claims,
+        "ours": {
+            "allocated": allocated,
+            "claims_per_s": round(args.claims / ours_seconds, 1),
+            "p50_ms": round(statistics.median(latencies) * 1e3, 2),
+            "p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
+            "setup_s": round(setup, 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        },
+        "reference": {
+            "allocated": reference["allocated"],
+            "claims_per_s": round(args.claims / reference["seconds"], 1),
+            "p50_ms": round(statistics.median(ref_latencies) * 1e3, 2),
+            "p99_ms": round(percentile(ref_latencies, 0.99) * 1e3, 2),
+            "wall_s_with_parsing": round(reference_wall, 2),
+            "peak_rss_mib": round(reference_rss),
+        },
+        "ratio_ours_over_reference": round(reference["seconds"] / ours_seconds, 2),
+    }
+
+
+def packing(args: argparse.Namespace) -> dict[str, Any]:
+    """GPUs in use (any allocation on them) after each arrival, averaged over the trace."""
+    rng = random.Random(args.seed)
+    slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
+    device_classes = {c.name: c for c in map(class_from_object, classes())}
+    sizes = {"1g.10gb": 1, "1g.20gb": 2, "2g.20gb": 2, "3g.40gb": 4, "4g.40gb": 4}  # memory slices of 8
+    trace: list[tuple[str, dict[str, Any], float]] = []
+    for i in range(args.events):
+        if rng.random() < 0.6:
+            profile = rng.choice(PROFILES)
+            trace.append((f"m{i}", mig(profile), sizes[profile] / 8))
+        else:
+            gib = rng.choice([5, 10, 20, 40])
+            trace.append((f"s{i}", mps(gib), gib / 80))
+    results = {}
+    for policy in ("binpack", "first-fit"):
+        allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState())
+        if policy == "first-fit":
+            allocator._order = None  # upstream's device order
+            allocator.node_order = lambda: sorted(allocator.snapshot.pools)  # type: ignore[method-assign]
+        live: list[tuple[str, dict[str, Any], float]] = []
+        touched, bounds, failed = [], [], 0
+        event_rng = random.Random(args.seed + 1)
+        for name, request, demand in trace:
+            while live and event_rng.random() < 0.45:  # departures keep the cluster at a steady load
+                node, allocation, _ = live.pop(event_rng.randrange(len(live)))
+                allocator.release(node, allocation)
+            outcome = allocator.allocate(claim_from_object(claim(name, request)))
+            if isinstance(outcome, Failure):
+                failed += 1
+                continue
+            allocator.commit(outcome)
+            live.append((outcome.node, outcome.allocation, demand))
+            used = {(r["pool"], r["device"].split("-")[1]) for _, a, _ in live for r in a["devices"]["results"]}
+            touched.append(len(used))
+            bounds.append(math.ceil(sum(d for _, _, d in live)))
+        results[policy] = {"mean_gpus_used": round(statistics.mean(touched), 1), "failed": failed}
+        results["lower_bound_mean"] = round(statistics.mean(bounds), 1)
+    for policy in ("binpack", "first-fit"):
+        results[policy]["over_lower_bound_pct"] = round(
+            100 * (results[policy]["mean_gpus_used"] / results["lower_bound_mean"] - 1), 1
+        )
+    return {"nodes": args.nodes, "events": args.events, **results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["throughput", "packing"])
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--claims", type=int, default=400)
+    parser.add_argument("--events", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    print(json.dumps(throughput(args) if args.mode == "throughput" else packing(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
