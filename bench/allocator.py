@@ -31,7 +31,7 @@ import yaml
 from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.devices import node_inventory
+from driver.devices import MPS_DEFAULT_COMPUTE, node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
@@ -103,7 +103,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     snapshot = Snapshot.from_slices([slice_from_object(s) for s in slices])
-    allocator = ClusterAllocator(snapshot, {c.name: c for c in map(class_from_object, device_classes)}, AllocatedState())
+    by_name = {c.name: c for c in map(class_from_object, device_classes)}
+    allocator = ClusterAllocator(snapshot, by_name, AllocatedState())
     setup = time.perf_counter() - started
     latencies, allocated = [], 0
     started = time.perf_counter()
@@ -140,31 +141,43 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def lower_bound(demands: list[tuple[str, float, float]]) -> int:
+    """GPUs needed at least: MIG and MPS never share a GPU; each needs its memory and compute
+    (MIG: 8 memory and 7 compute slices a GPU; MPS: 80 GiB and 100% a GPU)."""
+    need = 0
+    for wanted in ("mig", "mps"):
+        memory = sum(m for kind, m, _ in demands if kind == wanted)
+        compute = sum(c for kind, _, c in demands if kind == wanted)
+        need += math.ceil(max(memory, compute) - 1e-9)
+    return need
+
+
 def packing(args: argparse.Namespace) -> dict[str, Any]:
     """GPUs in use (any allocation on them) after each arrival, averaged over the trace."""
     rng = random.Random(args.seed)
     slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
     device_classes = {c.name: c for c in map(class_from_object, classes())}
-    sizes = {"1g.10gb": 1, "1g.20gb": 2, "2g.20gb": 2, "3g.40gb": 4, "4g.40gb": 4}  # memory slices of 8
-    trace: list[tuple[str, dict[str, Any], float]] = []
+    # (memory slices of 8, compute slices of 7) per profile; MPS shares: memory of 80 GiB, 10% compute.
+    sizes = {"1g.10gb": (1, 1), "1g.20gb": (2, 1), "2g.20gb": (2, 2), "3g.40gb": (4, 3), "4g.40gb": (4, 4)}
+    trace: list[tuple[str, dict[str, Any], tuple[str, float, float]]] = []
     for i in range(args.events):
         if rng.random() < 0.6:
             profile = rng.choice(PROFILES)
-            trace.append((f"m{i}", mig(profile), sizes[profile] / 8))
+            trace.append((f"m{i}", mig(profile), ("mig", sizes[profile][0] / 8, sizes[profile][1] / 7)))
         else:
             gib = rng.choice([5, 10, 20, 40])
-            trace.append((f"s{i}", mps(gib), gib / 80))
+            trace.append((f"s{i}", mps(gib), ("mps", gib / 80, MPS_DEFAULT_COMPUTE / 100)))
     results = {}
     for policy in ("binpack", "first-fit"):
         allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState())
         if policy == "first-fit":
-            allocator._order = None  # upstream's device order
-            allocator.node_order = lambda: sorted(allocator.snapshot.pools)  # type: ignore[method-assign]
-        live: list[tuple[str, dict[str, Any], float]] = []
+            allocator._order, allocator.policy = None, "spread"  # upstream device order, first feasible node
+            allocator.node_order = lambda names=sorted(allocator.snapshot.pools): names  # type: ignore[method-assign]
+        live: list[tuple[str, dict[str, Any], tuple[str, float, float]]] = []
         touched, bounds, failed = [], [], 0
         event_rng = random.Random(args.seed + 1)
         for name, request, demand in trace:
-            while live and event_rng.random() < 0.45:  # departures keep the cluster at a steady load
+            while live and args.departures and event_rng.random() < 0.45:  # steady load
                 node, allocation, _ = live.pop(event_rng.randrange(len(live)))
                 allocator.release(node, allocation)
             outcome = allocator.allocate(claim_from_object(claim(name, request)))
@@ -175,14 +188,14 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
             live.append((outcome.node, outcome.allocation, demand))
             used = {(r["pool"], r["device"].split("-")[1]) for _, a, _ in live for r in a["devices"]["results"]}
             touched.append(len(used))
-            bounds.append(math.ceil(sum(d for _, _, d in live)))
+            bounds.append(lower_bound([d for _, _, d in live]))
         results[policy] = {"mean_gpus_used": round(statistics.mean(touched), 1), "failed": failed}
         results["lower_bound_mean"] = round(statistics.mean(bounds), 1)
     for policy in ("binpack", "first-fit"):
         results[policy]["over_lower_bound_pct"] = round(
             100 * (results[policy]["mean_gpus_used"] / results["lower_bound_mean"] - 1), 1
         )
-    return {"nodes": args.nodes, "events": args.events, **results}
+    return {"nodes": args.nodes, "events": args.events, "departures": args.departures, **results}
 
 
 def main() -> None:
@@ -192,6 +205,7 @@ def main() -> None:
     parser.add_argument("--claims", type=int, default=400)
     parser.add_argument("--events", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--departures", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     print(json.dumps(throughput(args) if args.mode == "throughput" else packing(args), indent=2))
 

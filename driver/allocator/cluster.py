@@ -14,6 +14,8 @@ from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, order_for
 from driver.allocator.state import AllocatedState
 
+SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -64,23 +66,46 @@ class ClusterAllocator:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)
         self._nodes = {n.name: n for n in snapshot.nodes}
-        self._usage = {name: self._node_usage(name) for name in snapshot.pools}
+        self._usage: dict[str, Fraction] = {}
+        self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
+        for name in snapshot.pools:
+            self._measure(name)
 
-    def _node_usage(self, node: str) -> Fraction:
+    def _measure(self, node: str) -> None:
         """How full a node is: the share of its counters drawn and of its uncounted devices taken."""
         used = total = Fraction(0)
+        partial = False
         for pool in self.snapshot.pools.get(node, ()):
             allocator = NodeAllocator(self._nodes[node], [pool], self.state, self.classes)
             available = allocator.available_counters(pool)
             for set_name, counters in pool.counter_sets.items():
-                for name, value in counters.items():
-                    total += value
-                    used += value - available[set_name][name]
+                drawn = sum(value - available[set_name][name] for name, value in counters.items())
+                full = sum(counters.values(), Fraction(0))
+                partial = partial or 0 < drawn < full or any(self.state.shared.get(d.id) for d in pool.devices)
+                total += full
+                used += drawn
             for device in pool.devices:
                 if not device.consumes:
                     total += 1
                     used += self.state.is_allocated(device.id)
-        return used / total if total else Fraction(0)
+        self._usage[node] = used / total if total else Fraction(0)
+        self._partial[node] = partial
+
+    def _opened(self, node: str, allocation: dict[str, Any]) -> int:
+        """GPUs (counter sets) an allocation would start using that nothing used before."""
+        pools = {pool.id: pool for pool in self.snapshot.pools[node]}
+        opened: set[tuple[str, str, str]] = set()
+        for result in allocation["devices"]["results"]:
+            pool = pools.get((result["driver"], result["pool"]))
+            device = pool.device_index().get(result["device"]) if pool else None
+            if device is None or result.get("adminAccess") or self.state.shared.get(device.id):
+                continue
+            allocator = NodeAllocator(self._nodes[node], [pool], self.state, self.classes)  # type: ignore[list-item]
+            available = allocator.available_counters(pool)  # type: ignore[arg-type]
+            for counter_set, _ in device.consumes:
+                if available[counter_set] == pool.counter_sets[counter_set]:  # type: ignore[union-attr]
+                    opened.add((*device.id[:2], counter_set))
+        return len(opened)
 
     def node_order(self) -> list[str]:
         sign = -1 if self.policy == "binpack" else 1
@@ -91,16 +116,34 @@ class ClusterAllocator:
         return allocator.allocate(claims)
 
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
-        """The best node's allocation for one claim (not yet committed), or why none fits."""
+        """The best node's allocation for one claim (not yet committed), or why none fits.
+
+        Under binpack, a placement that opens no new GPU wins; failing that, the one that opens
+        the fewest among the first feasible node and up to SCAN_LIMIT more with part-used GPUs."""
         errors: list[str] = []
+        best: tuple[int, Placement] | None = None
+        scanned = 0
         for node in nodes if nodes is not None else self.node_order():
+            if best is not None and (not self._partial.get(node) or scanned >= SCAN_LIMIT):
+                continue
             try:
                 result = self.allocate_on(node, [claim])
             except AllocationError as error:
                 errors.append(str(error))
                 continue
-            if result is not None:
-                return Placement(claim, node, result[0])
+            if result is None:
+                continue
+            placement = Placement(claim, node, result[0])
+            if self.policy != "binpack":
+                return placement
+            opened = self._opened(node, placement.allocation)
+            if opened == 0:
+                return placement
+            if best is None or opened < best[0]:
+                best = (opened, placement)
+            scanned += 1
+        if best is not None:
+            return best[1]
         if errors:
             return Failure(claim, errors[0])
         from driver.allocator.explain import explain  # explain builds on this module
@@ -109,12 +152,12 @@ class ClusterAllocator:
 
     def commit(self, placement: Placement) -> None:
         self.state.add_allocation(placement.allocation)
-        self._usage[placement.node] = self._node_usage(placement.node)
+        self._measure(placement.node)
 
     def release(self, node: str, allocation: dict[str, Any]) -> None:
         self.state.remove_allocation(allocation)
         if node in self._usage:
-            self._usage[node] = self._node_usage(node)
+            self._measure(node)
 
     def allocate_gang(self, claims: Sequence[Claim]) -> list[Placement] | Failure:
         """Every claim placed, or none: each claim in turn (largest first) on its best node, with

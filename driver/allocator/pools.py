@@ -28,10 +28,16 @@ class Pool:
     incomplete: bool = False
     invalid: str = ""  # why the pool cannot be used
     neighbours: dict[int, list[Device]] = field(default_factory=dict)  # id(device) -> same counter sets
+    _by_name: dict[str, Device] = field(default_factory=dict)
 
     @property
     def id(self) -> tuple[str, str]:
         return self.driver, self.name
+
+    def device_index(self) -> dict[str, Device]:
+        if not self._by_name:
+            self._by_name.update((d.id[2], d) for d in self.all_devices)
+        return self._by_name
 
 
 def _requirement_matches(requirement: dict[str, Any], value: str | None) -> bool:

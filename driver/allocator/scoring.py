@@ -47,7 +47,10 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
     Lower is a tighter fit."""
     pool = allocator.pool_of(device)
     if device.allow_multiple_allocations and allocator.capacity_in_use(device):
-        return 0, 0, Fraction(0)  # a share on a GPU already shared draws nothing new
+        # A share on a GPU already shared draws nothing new; best fit: the least capacity left first.
+        used = allocator.state.shared.get(device.id, {})
+        left = [1 - used.get(name, 0) / cap.value for name, cap in device.capacity.items() if cap.value]
+        return 0, 0, min(left, default=Fraction(0))
     available = allocator.available_counters(pool)
     total = left = Fraction(0)
     touched = False
