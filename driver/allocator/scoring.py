@@ -54,13 +54,12 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
     available = allocator.available_counters(pool)
     total = left = Fraction(0)
     touched = False
-    for counter_set, counters in device.consumes:
-        for name, value in counters.items():
-            full = pool.counter_sets.get(counter_set, {}).get(name, Fraction(0))
-            now = available.get(counter_set, {}).get(name, Fraction(0))
-            touched = touched or now < full
-            total += full
-            left += now - value
+    for counter_set, counters in device.consumes:  # the whole GPU (counter set), not just this device's part
+        full = sum(pool.counter_sets.get(counter_set, {}).values(), Fraction(0))
+        now = sum(available.get(counter_set, {}).values(), Fraction(0))
+        touched = touched or now < full
+        total += full
+        left += now - sum(counters.values(), Fraction(0))
     ruled_out = sum(  # weighted by size: blocking a large placement costs more than a small one
         sum(len(counters) for _, counters in other.consumes)
         for other in _neighbours(pool, device)

@@ -1,0 +1,202 @@
+"""The allocator on small, hand-built inventories: semantics, results, scoring, gangs, reasons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
+from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.state import AllocatedState
+from driver.devices import node_inventory
+from driver.discovery import discover_gpus
+from driver.nvml.session import NvmlSession
+from driver.sharing import SharingConfig
+from driver.slices import build_slices
+from tests.conftest import ROOT
+
+DRIVER = "gpu.fgpu.dev"
+
+
+def h100_slices(*nodes: str) -> list[dict[str, Any]]:
+    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())
+    return [s for node in nodes for s in build_slices(DRIVER, node, inventory, generation=1, owner=None)]
+
+
+CLASSES = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
+CLASSES[1] = {
+    **CLASSES[1],
+    "spec": {**CLASSES[1]["spec"], "config": [{"opaque": {"driver": DRIVER, "parameters": {"a": 1}}}]},
+}
+
+
+def allocator(slices: list[dict[str, Any]], policy: str = "binpack", allocated: tuple = ()) -> ClusterAllocator:
+    snapshot = Snapshot.from_slices([slice_from_object(s) for s in slices])
+    classes = {c.name: c for c in map(class_from_object, CLASSES)}
+    return ClusterAllocator(snapshot, classes, AllocatedState.from_allocations(allocated), policy)  # type: ignore[arg-type]
+
+
+def claim(name: str, *requests: dict[str, Any], **devices: Any) -> Any:
+    metadata = {"name": name, "namespace": "ns", "uid": f"uid-{name}"}
+    return claim_from_object({"metadata": metadata, "spec": {"devices": {"requests": list(requests), **devices}}})
+
+
+def exactly(cls: str, name: str = "r", selector: str | None = None, **more: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"deviceClassName": cls, **more}
+    if selector:
+        body["selectors"] = [{"cel": {"expression": selector}}]
+    return {"name": name, "exactly": body}
+
+
+def profile(name: str) -> str:
+    return f'device.attributes["{DRIVER}"].profile == "{name}"'
+
+
+def place(cluster: ClusterAllocator, c: Any) -> Placement:
+    outcome = cluster.allocate(c)
+    assert isinstance(outcome, Placement), outcome
+    cluster.commit(outcome)
+    return outcome
+
+
+def devices(placement: Placement) -> list[str]:
+    return [r["device"] for r in placement.allocation["devices"]["results"]]
+
+
+def test_share_rounds_up_to_the_step_and_draws_counters_once():
+    cluster = allocator(h100_slices("n1"))
+    first = place(cluster, claim("a", exactly("mps.gpu.fgpu.dev", capacity={"requests": {"memory": "300Mi"}})))
+    (result,) = first.allocation["devices"]["results"]
+    assert result["consumedCapacity"]["memory"] == "512Mi" and result["shareID"]
+    second = place(cluster, claim("b", exactly("mps.gpu.fgpu.dev", capacity={"requests": {"memory": "1Gi"}})))
+    assert devices(second) == devices(first)  # binpack: onto the GPU already shared
+    assert second.allocation["devices"]["results"][0]["shareID"] != result["shareID"]
+    # The shared GPU's counters are drawn once: its whole GPU and MIG devices are gone, others not.
+    whole = place(cluster, claim("c", exactly("gpu.fgpu.dev", count=7)))
+    assert devices(first)[0].removesuffix("-mps") not in devices(whole)
+    assert isinstance(cluster.allocate(claim("d", exactly("gpu.fgpu.dev"))), Failure)
+
+
+def test_first_available_falls_back_and_names_the_subrequest():
+    cluster = allocator(h100_slices("n1"))
+    subs = [
+        {"name": "eight", "deviceClassName": "gpu.fgpu.dev", "count": 9},
+        {
+            "name": "mig",
+            "deviceClassName": "mig.gpu.fgpu.dev",
+            "selectors": [{"cel": {"expression": profile("3g.40gb")}}],
+        },
+    ]
+    config = [{"requests": ["r/mig"], "opaque": {"driver": DRIVER, "parameters": {"b": 2}}}]
+    placement = place(cluster, claim("a", {"name": "r", "firstAvailable": subs}, config=config))
+    (result,) = placement.allocation["devices"]["results"]
+    assert result["request"] == "r/mig" and "-mig-3g40gb-" in result["device"]
+    configs = placement.allocation["devices"]["config"]
+    assert [(c["source"], c["opaque"]["parameters"]) for c in configs] == [
+        ("FromClass", {"a": 1}),
+        ("FromClaim", {"b": 2}),
+    ]
+    assert all("requests" not in c for c in configs)  # they cover every request
+    term = placement.allocation["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]
+    assert term == {"key": "metadata.name", "operator": "In", "values": ["n1"]}
+
+
+def test_binpack_keeps_large_placements_free_and_spread_does_not():
+    packed, spread = allocator(h100_slices("n1")), allocator(h100_slices("n1"), policy="spread")
+    small = [claim(f"s{i}", exactly("mig.gpu.fgpu.dev", selector=profile("1g.10gb"))) for i in range(4)]
+    packed_gpus = {devices(place(packed, c))[0].split("-mig")[0] for c in small}
+    spread_gpus = {devices(place(spread, c))[0].split("-mig")[0] for c in small}
+    assert len(packed_gpus) == 1 and len(spread_gpus) == 4
+    # Whole GPUs stay free: seven under binpack, four under spread.
+    assert len(devices(place(packed, claim("w", exactly("gpu.fgpu.dev", count=7))))) == 7
+    assert isinstance(spread.allocate(claim("w", exactly("gpu.fgpu.dev", count=5))), Failure)
+
+
+def test_binpack_fills_a_node_before_opening_another():
+    cluster = allocator(h100_slices("n1", "n2"))
+    nodes = {place(cluster, claim(f"c{i}", exactly("gpu.fgpu.dev", count=3))).node for i in range(2)}
+    assert len(nodes) == 1
+
+
+def test_constraints_match_and_distinct():
+    cluster = allocator(h100_slices("n1"))
+    two = [exactly("mig.gpu.fgpu.dev", name=n, selector=profile("1g.10gb")) for n in ("a", "b")]
+    same = place(cluster, claim("same", *two, constraints=[{"matchAttribute": f"{DRIVER}/parentUUID"}]))
+    assert len({d.split("-mig")[0] for d in devices(same)}) == 1
+    apart = place(cluster, claim("apart", *two, constraints=[{"distinctAttribute": f"{DRIVER}/parentUUID"}]))
+    assert len({d.split("-mig")[0] for d in devices(apart)}) == 2
+    missing = claim("missing", *two, constraints=[{"matchAttribute": "example.com/nothing"}])
+    assert isinstance(cluster.allocate(missing), Failure)
+
+
+def test_taints_need_tolerations():
+    slices = h100_slices("n1")
+    for s in slices:
+        for device in s["spec"].get("devices", []):
+            device["taints"] = [{"key": "fgpu.dev/xid", "value": "79", "effect": "NoSchedule"}]
+    cluster = allocator(slices)
+    assert isinstance(cluster.allocate(claim("a", exactly("gpu.fgpu.dev"))), Failure)
+    tolerated = exactly("gpu.fgpu.dev", tolerations=[{"key": "fgpu.dev/xid", "operator": "Exists"}])
+    result = place(cluster, claim("b", tolerated)).allocation["devices"]["results"][0]
+    assert result["tolerations"] == [{"key": "fgpu.dev/xid", "operator": "Exists"}]
+
+
+def test_incomplete_and_older_pools_are_not_used():
+    slices = h100_slices("n1")
+    for s in slices:
+        s["spec"]["pool"]["resourceSliceCount"] += 1
+    cluster = allocator(slices)
+    assert isinstance(cluster.allocate(claim("a", exactly("gpu.fgpu.dev"))), Failure)
+    everything = {"name": "r", "exactly": {"deviceClassName": "gpu.fgpu.dev", "allocationMode": "All"}}
+    failure = cluster.allocate(claim("all", everything))
+    assert isinstance(failure, Failure) and "is currently being updated" in failure.reason
+
+
+def test_all_mode_takes_every_matching_device():
+    cluster = allocator(h100_slices("n1"))
+    everything = {"name": "r", "exactly": {"deviceClassName": "gpu.fgpu.dev", "allocationMode": "All"}}
+    assert len(devices(place(cluster, claim("all", everything)))) == 8
+
+
+def test_existing_allocations_are_respected():
+    taken = {
+        "devices": {
+            "results": [{"request": "r", "driver": DRIVER, "pool": "n1", "device": f"gpu-{i}"} for i in range(7)]
+        }
+    }
+    cluster = allocator(h100_slices("n1"), allocated=(taken,))
+    assert devices(place(cluster, claim("a", exactly("gpu.fgpu.dev")))) == ["gpu-7"]
+
+
+def test_gang_is_all_or_nothing():
+    cluster = allocator(h100_slices("n1", "n2"))
+    fits = cluster.allocate_gang([claim(f"w{i}", exactly("gpu.fgpu.dev", count=4)) for i in range(4)])
+    assert isinstance(fits, list) and sorted(p.node for p in fits) == ["n1", "n1", "n2", "n2"]
+    before = (set(cluster.state.exclusive), dict(cluster._usage))
+    too_big = cluster.allocate_gang(
+        [claim(f"x{i}", exactly("mig.gpu.fgpu.dev", selector=profile("1g.10gb"))) for i in range(2)]
+    )
+    assert isinstance(too_big, Failure) and "gang cannot be placed whole" in too_big.reason
+    assert (set(cluster.state.exclusive), dict(cluster._usage)) == before  # nothing left behind
+
+
+def test_failure_reasons_say_what_to_change():
+    cluster = allocator(h100_slices("n1"))
+    missing = cluster.allocate(claim("a", exactly("no-such-class")))
+    assert isinstance(missing, Failure) and "could not retrieve device class no-such-class" in missing.reason
+    big = cluster.allocate(claim("b", exactly("mps.gpu.fgpu.dev", capacity={"requests": {"memory": "500Gi"}})))
+    assert isinstance(big, Failure)
+    assert "no device of class mps.gpu.fgpu.dev with memory >= 500Gi free on any one node" in big.reason
+    assert "closest: n1/gpu-" in big.reason
+    nothing = cluster.allocate(
+        claim("c", exactly("gpu.fgpu.dev", selector='device.attributes["gpu.fgpu.dev"].index > 99'))
+    )
+    assert isinstance(nothing, Failure) and "none matches the request's selectors" in nothing.reason
+
+
+@pytest.mark.parametrize("bad", ['device.attributes["gpu.fgpu.dev"].nope == 1', "device.driver =="])
+def test_selector_errors_fail_the_claim_with_the_error(bad: str):
+    outcome = allocator(h100_slices("n1")).allocate(claim("a", exactly("gpu.fgpu.dev", selector=bad)))
+    assert isinstance(outcome, Failure) and "claim ns/a: selector #0" in outcome.reason
