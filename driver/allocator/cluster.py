@@ -11,7 +11,7 @@ from typing import Any
 from driver.allocator.allocate import AllocationError, NodeAllocator
 from driver.allocator.model import Claim, DeviceClass, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
-from driver.allocator.scoring import Policy, order_for
+from driver.allocator.scoring import Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
 
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
@@ -91,21 +91,23 @@ class ClusterAllocator:
         self._usage[node] = used / total if total else Fraction(0)
         self._partial[node] = partial
 
-    def _opened(self, node: str, allocation: dict[str, Any]) -> int:
-        """GPUs (counter sets) an allocation would start using that nothing used before."""
+    def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, Fraction]:
+        """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
+        used before, the size of what it rules out there, and how much of its GPUs stays free."""
+        allocator = NodeAllocator(self._nodes[node], self.snapshot.pools[node], self.state, self.classes)
         pools = {pool.id: pool for pool in self.snapshot.pools[node]}
         opened: set[tuple[str, str, str]] = set()
+        ruled_out, left = 0, Fraction(0)
         for result in allocation["devices"]["results"]:
             pool = pools.get((result["driver"], result["pool"]))
             device = pool.device_index().get(result["device"]) if pool else None
-            if device is None or result.get("adminAccess") or self.state.shared.get(device.id):
+            if pool is None or device is None or result.get("adminAccess"):
                 continue
-            allocator = NodeAllocator(self._nodes[node], [pool], self.state, self.classes)  # type: ignore[list-item]
-            available = allocator.available_counters(pool)  # type: ignore[arg-type]
-            for counter_set, _ in device.consumes:
-                if available[counter_set] == pool.counter_sets[counter_set]:  # type: ignore[union-attr]
-                    opened.add((*device.id[:2], counter_set))
-        return len(opened)
+            touched, ruled, free = device_score(allocator, device)
+            ruled_out, left = ruled_out + ruled, left + free
+            if touched:
+                opened.update((*device.id[:2], counter_set) for counter_set, _ in device.consumes)
+        return len(opened), ruled_out, left
 
     def node_order(self) -> list[str]:
         sign = -1 if self.policy == "binpack" else 1
@@ -118,13 +120,15 @@ class ClusterAllocator:
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
         """The best node's allocation for one claim (not yet committed), or why none fits.
 
-        Under binpack, a placement that opens no new GPU wins; failing that, the one that opens
-        the fewest among the first feasible node and up to SCAN_LIMIT more with part-used GPUs."""
+        Under binpack the cheapest placement (see _cost) among the first feasible node and up to
+        SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one."""
         errors: list[str] = []
-        best: tuple[int, Placement] | None = None
+        best: tuple[tuple[int, int, Fraction], Placement] | None = None
         scanned = 0
         for node in nodes if nodes is not None else self.node_order():
-            if best is not None and (not self._partial.get(node) or scanned >= SCAN_LIMIT):
+            if best is not None and scanned >= SCAN_LIMIT:
+                break
+            if best is not None and not self._partial.get(node):
                 continue
             try:
                 result = self.allocate_on(node, [claim])
@@ -136,11 +140,11 @@ class ClusterAllocator:
             placement = Placement(claim, node, result[0])
             if self.policy != "binpack":
                 return placement
-            opened = self._opened(node, placement.allocation)
-            if opened == 0:
-                return placement
-            if best is None or opened < best[0]:
-                best = (opened, placement)
+            cost = self._cost(node, placement.allocation)
+            if cost == (0, 0, 0):
+                return placement  # a perfect fit: nothing better exists
+            if best is None or cost < best[0]:
+                best = (cost, placement)
             scanned += 1
         if best is not None:
             return best[1]
