@@ -152,3 +152,110 @@ def test_plan_reports_bad_files(tmp_path: Path):
     ]
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "invalid quantity 'lots'" in run.stderr
+
+
+class ControllerApiFake:
+    """The calls the controller makes, on in-memory objects; status writes can be made to conflict."""
+
+    def __init__(self) -> None:
+        self.conflicts = 0
+        self.status_writes: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.gates: dict[str, list[Any]] = {}
+        self.version = 100
+
+    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    def replace_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        return self._bump(claim)
+
+    def replace_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
+        if self.conflicts:
+            self.conflicts -= 1
+            raise ConflictError("the object has been modified")
+        self.status_writes.append(claim)
+        return self._bump(claim)
+
+    def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
+        self.gates[pod["metadata"]["name"]] = gates
+        return self._bump({**pod, "spec": {**pod["spec"], "schedulingGates": gates}})
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
+        self.events.append(event)
+        return event
+
+
+def controller_with(objects: dict[str, list[dict[str, Any]]]) -> tuple[Any, ControllerApiFake]:
+    from driver.controller.controller import Controller
+
+    api = ControllerApiFake()
+    controller = Controller(api, "test")
+    for kind, informer in controller.informers.items():
+        for obj in objects.get(kind, []):
+            informer.update(obj)
+    return controller, api
+
+
+def opt_in_claim(name: str, count: int, **labels: str) -> dict[str, Any]:
+    meta = {"name": name, "namespace": "ml", "uid": f"uid-{name}", "resourceVersion": "1"}
+    meta["labels"] = {"gpu.fgpu.dev/allocator": "fgpu", **labels}
+    request = {"name": "r", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": count}}
+    return {"metadata": meta, "spec": {"devices": {"requests": [request]}}}
+
+
+def gated_pod(name: str, claim: str) -> dict[str, Any]:
+    meta = {"name": name, "namespace": "ml", "resourceVersion": "1"}
+    spec = {"schedulingGates": [{"name": "gpu.fgpu.dev/allocation"}, {"name": "other"}]}
+    spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+    return {"metadata": meta, "spec": spec}
+
+
+def cluster_objects(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
+    import yaml
+
+    slices = json.loads(discover(tmp_path, "n1", "dgx-h100").read_text())["items"]
+    for i, obj in enumerate(slices):
+        obj["metadata"]["resourceVersion"] = str(i + 1)
+    classes = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
+    for obj in classes:
+        obj["metadata"]["resourceVersion"] = "1"
+    return {"slices": slices, "classes": classes}
+
+
+def test_controller_allocates_retries_a_conflict_and_lifts_only_its_gate(tmp_path: Path):
+    objects = cluster_objects(tmp_path)
+    objects["claims"] = [opt_in_claim("train", 2)]
+    objects["pods"] = [gated_pod("trainer", "train")]
+    controller, api = controller_with(objects)
+    api.conflicts = 1
+    controller.run_pass()  # the write conflicts: nothing is written, the claim stays pending
+    assert not api.status_writes and "trainer" not in api.gates
+    controller.run_pass()  # the next pass allocates on fresh state
+    (written,) = api.status_writes
+    assert len(written["status"]["allocation"]["devices"]["results"]) == 2
+    assert "resource.kubernetes.io/delete-protection" in written["metadata"]["finalizers"]
+    assert api.gates["trainer"] == [{"name": "other"}]
+
+
+def test_controller_waits_for_the_whole_gang_and_reports_once(tmp_path: Path):
+    objects = cluster_objects(tmp_path)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
+    objects["claims"] = [opt_in_claim(f"w{i}", 2, **gang) for i in range(2)] + [opt_in_claim("huge", 9)]
+    controller, api = controller_with(objects)
+    controller.run_pass()
+    controller.run_pass()
+    assert not api.status_writes
+    reasons = sorted((e["involvedObject"]["name"], e["reason"], e["message"]) for e in api.events)
+    assert [r[:2] for r in reasons] == [
+        ("huge", "FailedAllocation"),
+        ("w0", "WaitingForGang"),
+        ("w1", "WaitingForGang"),
+    ]
+    assert "waits for 1 more claim(s) of 3" in reasons[1][2]
+    controller.informers["claims"].update(opt_in_claim("w2", 2, **gang))
+    controller.run_pass()
+    assert sorted(w["metadata"]["name"] for w in api.status_writes) == ["w0", "w1", "w2"]
