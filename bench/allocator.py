@@ -183,10 +183,7 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
             trace.append((f"s{i}", mps(gib), ("mps", gib / SHARE_MEMORY_GIB, MPS_DEFAULT_COMPUTE / 100)))
     results = {}
     for policy in ("binpack", "first-fit"):
-        allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState())
-        if policy == "first-fit":
-            allocator._order, allocator.policy = None, "spread"  # upstream device order, first feasible node
-            allocator.node_order = lambda names=sorted(allocator.snapshot.pools): names  # type: ignore[method-assign]
+        allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState(), policy)
         live: list[tuple[str, dict[str, Any], tuple[str, float, float]]] = []
         touched, bounds, failed = [], [], 0
         event_rng = random.Random(args.seed + 1)

@@ -10,6 +10,7 @@ import sys
 
 import yaml
 
+from driver.allocator.scoring import POLICIES
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.kube import KubeConfigError
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pathlib import Path
 
-    policies = ["binpack", "spread"]
+    policies = list(POLICIES)
     controller = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
     controller.add_argument(
         "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="client configuration [KUBECONFIG]"

@@ -15,7 +15,7 @@ from driver.allocator.capacity import consumption, fits
 from driver.allocator.cel import SelectorError, compile_selector
 from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
 from driver.allocator.pools import Node, Pool, placement_matches
-from driver.allocator.quantity import ceil_int
+from driver.allocator.quantity import format_amount
 from driver.allocator.state import AllocatedState
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
@@ -41,12 +41,6 @@ class _Candidates:
     errors: dict[int, str] = field(default_factory=dict)  # id(device) -> selector error, raised if reached
 
 
-def _format(value: Fraction) -> str:
-    from driver.slices import format_quantity  # one canonical quantity form for everything we write
-
-    return format_quantity(ceil_int(value)) if value.denominator != 1 else format_quantity(value.numerator)
-
-
 class NodeAllocator:
     def __init__(
         self,
@@ -66,7 +60,7 @@ class NodeAllocator:
 
     # --- request data (upstream: validateDeviceRequest) -------------------------------------------
 
-    def _selectors(self, request: Request, claim: Claim) -> list[tuple[str, Any]]:
+    def compiled_selectors(self, request: Request, claim: Claim) -> list[tuple[str, Any]]:
         cls = self.classes.get(request.class_name)
         if cls is None:
             raise AllocationError(
@@ -81,7 +75,7 @@ class NodeAllocator:
                     raise AllocationError(f"{owner}: selector #{index}: CEL compile error: {error}") from None
         return compiled
 
-    def _selectable(self, device: Device, selectors: list[tuple[str, Any]]) -> bool:
+    def selectable(self, device: Device, selectors: list[tuple[str, Any]]) -> bool:
         for where, selector in selectors:
             cached = device.selector_results.get(selector.expression)
             if cached is None:
@@ -95,7 +89,7 @@ class NodeAllocator:
         return not device.per_device_placement or placement_matches(device.placement, self.node)
 
     def _candidates(self, request: Request, claim: Claim) -> _Candidates:
-        selectors = self._selectors(request, claim)
+        selectors = self.compiled_selectors(request, claim)
         candidates = _Candidates(request, [])
         if request.mode == "All":
             for pool in self.pools:
@@ -111,7 +105,7 @@ class NodeAllocator:
                     )
                 for device in pool.devices:
                     consumed = consumption(request.capacity, device.capacity)
-                    if self._selectable(device, selectors) and consumed is not None and fits(consumed, device.capacity):
+                    if self.selectable(device, selectors) and consumed is not None and fits(consumed, device.capacity):
                         candidates.devices.append(device)
             return candidates
         if request.mode != "ExactCount":
@@ -121,7 +115,7 @@ class NodeAllocator:
         for pool in self.pools:
             for device in pool.devices:
                 try:
-                    if self._selectable(device, selectors):
+                    if self.selectable(device, selectors):
                         candidates.devices.append(device)
                 except AllocationError as error:
                     candidates.devices.append(device)  # fails the claim only if the search reaches it
@@ -357,7 +351,7 @@ class NodeAllocator:
             if chosen.share_id is not None:
                 result["shareID"] = chosen.share_id
                 if chosen.consumed:
-                    result["consumedCapacity"] = {k: _format(v) for k, v in sorted(chosen.consumed.items())}
+                    result["consumedCapacity"] = {k: format_amount(v) for k, v in sorted(chosen.consumed.items())}
             results.append(result)
         allocation: dict[str, Any] = {"devices": {"results": results}}
         configs = self._configs(claim_index)

@@ -65,7 +65,7 @@ class ClusterAllocator:
     ) -> None:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)
-        self._nodes = {n.name: n for n in snapshot.nodes}
+        self.nodes = {n.name: n for n in snapshot.nodes}
         self._usage: dict[str, Fraction] = {}
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         for name in snapshot.pools:
@@ -76,7 +76,7 @@ class ClusterAllocator:
         used = total = Fraction(0)
         partial = False
         for pool in self.snapshot.pools.get(node, ()):
-            allocator = NodeAllocator(self._nodes[node], [pool], self.state, self.classes)
+            allocator = NodeAllocator(self.nodes[node], [pool], self.state, self.classes)
             available = allocator.available_counters(pool)
             for set_name, counters in pool.counter_sets.items():
                 drawn = sum(value - available[set_name][name] for name, value in counters.items())
@@ -94,7 +94,7 @@ class ClusterAllocator:
     def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, Fraction]:
         """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
         used before, the size of what it rules out there, and how much of its GPUs stays free."""
-        allocator = NodeAllocator(self._nodes[node], self.snapshot.pools[node], self.state, self.classes)
+        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes)
         pools = {pool.id: pool for pool in self.snapshot.pools[node]}
         opened: set[tuple[str, str, str]] = set()
         ruled_out, left = 0, Fraction(0)
@@ -110,11 +110,13 @@ class ClusterAllocator:
         return len(opened), ruled_out, left
 
     def node_order(self) -> list[str]:
+        if self.policy == "first-fit":
+            return sorted(self._usage)
         sign = -1 if self.policy == "binpack" else 1
         return sorted(self._usage, key=lambda name: (sign * self._usage[name], name))
 
     def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
-        allocator = NodeAllocator(self._nodes[node], self.snapshot.pools[node], self.state, self.classes, self._order)
+        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes, self._order)
         return allocator.allocate(claims)
 
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:

@@ -9,13 +9,8 @@ from driver.allocator.capacity import consumption, fits
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
-from driver.allocator.scoring import _fits
-
-
-def _amount(name: str, value: Fraction) -> str:
-    from driver.slices import format_quantity
-
-    return format_quantity(int(value)) if value.denominator == 1 else str(float(value))
+from driver.allocator.quantity import format_amount
+from driver.allocator.scoring import counters_fit
 
 
 def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Fraction]:
@@ -33,10 +28,10 @@ def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str 
     if not fits(consumed, device.capacity, allocator.state.shared.get(device.id, {})):
         free = _free_capacity(allocator, device)
         short = [n for n in consumed if consumed[n] > free[n]]
-        return ", ".join(f"{_amount(n, free[n])} {n} free, {_amount(n, consumed[n])} needed" for n in short)
+        return ", ".join(f"{format_amount(free[n])} {n} free, {format_amount(consumed[n])} needed" for n in short)
     pool = allocator.pool_of(device)
     shared_in_use = device.allow_multiple_allocations and allocator.capacity_in_use(device)
-    if device.consumes and not shared_in_use and not _fits(device, allocator.available_counters(pool)):
+    if device.consumes and not shared_in_use and not counters_fit(device, allocator.available_counters(pool)):
         return "its GPU is taken by other devices (shared counters)"
     if any(
         t.effect in ("NoSchedule", "NoExecute") and not any(x.tolerates(t) for x in request.tolerations)
@@ -62,19 +57,21 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
         return f"device class {request.class_name} does not exist"
     wanted = f"device of class {request.class_name}"
     if request.capacity:
-        wanted += " with " + ", ".join(f"{n} >= {_amount(n, v)}" for n, v in sorted(request.capacity.items()))
+        wanted += " with " + ", ".join(f"{n} >= {format_amount(v)}" for n, v in sorted(request.capacity.items()))
     in_class = matching = 0
     closest: list[tuple[Fraction, str]] = []
     usable_on: dict[str, int] = {}
     for node, pools in cluster.snapshot.pools.items():
-        allocator = NodeAllocator(cluster._nodes[node], pools, cluster.state, cluster.classes)
+        allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
         for pool in pools:
             for device in pool.devices:
                 try:
-                    if not allocator._selectable(device, allocator._selectors(Request("", request.class_name), claim)):
+                    if not allocator.selectable(
+                        device, allocator.compiled_selectors(Request("", request.class_name), claim)
+                    ):
                         continue
                     in_class += 1
-                    if not allocator._selectable(device, allocator._selectors(request, claim)):
+                    if not allocator.selectable(device, allocator.compiled_selectors(request, claim)):
                         continue
                 except AllocationError as error:
                     return str(error)
@@ -102,7 +99,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
 def node_picture(cluster: ClusterAllocator, node: str) -> list[str]:
     """Per GPU (counter set): free, partly used with the largest device still placeable, or full."""
     pools = cluster.snapshot.pools.get(node, [])
-    allocator = NodeAllocator(cluster._nodes[node], pools, cluster.state, cluster.classes)
+    allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
     lines = []
     for pool in pools:
         lines.extend(_pool_picture(allocator, pool))
@@ -122,7 +119,8 @@ def _pool_picture(allocator: NodeAllocator, pool: Pool) -> list[str]:
             for device in shares:
                 left = _free_capacity(allocator, device)
                 parts.append(
-                    f"{device.id[2]} shared, " + ", ".join(f"{_amount(n, v)} {n} free" for n, v in sorted(left.items()))
+                    f"{device.id[2]} shared, "
+                    + ", ".join(f"{format_amount(v)} {n} free" for n, v in sorted(left.items()))
                 )
             lines.append(f"  {set_name}: " + "; ".join(parts))
         elif free == total:
@@ -130,7 +128,7 @@ def _pool_picture(allocator: NodeAllocator, pool: Pool) -> list[str]:
         elif free == 0:
             lines.append(f"  {set_name}: full")
         else:
-            placeable = [d for d in members if not allocator.state.is_allocated(d.id) and _fits(d, available)]
+            placeable = [d for d in members if not allocator.state.is_allocated(d.id) and counters_fit(d, available)]
             largest = max(placeable, key=lambda d: sum(len(c) for _, c in d.consumes), default=None)
             fragment = f", largest placeable: {largest.id[2]}" if largest else ", nothing placeable (fragmented)"
             lines.append(f"  {set_name}: {free}/{total} counters free{fragment}")

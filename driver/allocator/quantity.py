@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from driver.slices import format_quantity  # the form the node plugin publishes
+
 _QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([numkMGTPE]?)|[eE]([+-]?\d+))$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
@@ -27,6 +29,11 @@ def parse_quantity(text: str | int) -> Fraction:
         return value * _BINARY[binary]
     power = int(exponent) if exponent is not None else _DECIMAL[decimal or ""]
     return value * Fraction(10) ** power
+
+
+def format_amount(value: Fraction) -> str:
+    """The canonical form we write: whole numbers with the largest binary suffix, else rounded up."""
+    return format_quantity(ceil_int(value))
 
 
 def ceil_int(value: Fraction) -> int:

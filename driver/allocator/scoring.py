@@ -1,6 +1,7 @@
 """Placement scoring: which device, and which node, to try first. Feasibility never depends on it
 (the search is exhaustive); only which of the feasible placements is taken.
 
+first-fit: exactly upstream's choice (pool, slice and device order; nodes by name).
 binpack (default): shares go onto GPUs already shared, MIG instances where they block the fewest
 other still-possible placements (best fit), and nodes already in use fill up before empty ones, so
 whole GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
@@ -14,11 +15,11 @@ from driver.allocator.allocate import NodeAllocator
 from driver.allocator.model import Device
 from driver.allocator.pools import Pool
 
-Policy = Literal["binpack", "spread"]
-POLICIES: tuple[Policy, ...] = ("binpack", "spread")
+Policy = Literal["binpack", "spread", "first-fit"]
+POLICIES: tuple[Policy, ...] = ("binpack", "spread", "first-fit")
 
 
-def _fits(device: Device, available: dict[str, dict[str, Fraction]], extra: Device | None = None) -> bool:
+def counters_fit(device: Device, available: dict[str, dict[str, Fraction]], extra: Device | None = None) -> bool:
     for counter_set, counters in device.consumes:
         for name, value in counters.items():
             taken = 0
@@ -64,8 +65,8 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
         sum(len(counters) for _, counters in other.consumes)
         for other in _neighbours(pool, device)
         if not allocator.state.is_allocated(other.id)
-        and _fits(other, available)
-        and not _fits(other, available, device)
+        and counters_fit(other, available)
+        and not counters_fit(other, available, device)
     )
     return (0 if touched else 1), ruled_out, (left / total if total else Fraction(0))
 
@@ -76,10 +77,13 @@ def _takeable(allocator: NodeAllocator, device: Device) -> bool:
         return False
     if device.allow_multiple_allocations and allocator.capacity_in_use(device):
         return True
-    return _fits(device, allocator.available_counters(allocator.pool_of(device)))
+    return counters_fit(device, allocator.available_counters(allocator.pool_of(device)))
 
 
-def order_for(policy: Policy):  # -> DeviceOrder
+def order_for(policy: Policy):  # -> DeviceOrder | None
+    if policy == "first-fit":
+        return None  # upstream's order: pools by name, slices by name, devices as published
+
     def ordered(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
         takeable = [d for d in devices if _takeable(allocator, d)]
         rest = [d for d in devices if not _takeable(allocator, d)]

@@ -1,11 +1,13 @@
 """Our allocator against the reference allocator on generated scenarios: the same verdict on
-feasibility every time, and every allocation of ours valid by the reference's own checks."""
+feasibility every time, every allocation of ours valid by the reference's own checks, and under
+the first-fit policy the very devices the reference picks."""
 
 from __future__ import annotations
 
 import copy
 import os
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.quantity import parse_quantity
 from driver.allocator.state import AllocatedState
 from tests.allocator.reference import ReferenceAllocator
 from tests.allocator.scenarios import scenarios
@@ -30,6 +33,25 @@ def reference() -> Iterator[ReferenceAllocator]:
 
 def with_allocation(claim: dict[str, Any], allocation: dict[str, Any]) -> dict[str, Any]:
     return {**claim, "status": {"allocation": allocation}}
+
+
+def picks(allocation: dict[str, Any]) -> list[tuple[Any, ...]]:
+    results = allocation["devices"]["results"]
+    return [
+        (
+            r["request"],
+            r["pool"],
+            r["device"],
+            "shareID" in r,
+            consumed(r.get("consumedCapacity")),
+            r.get("adminAccess"),
+        )
+        for r in results
+    ]
+
+
+def consumed(capacity: dict[str, str] | None) -> dict[str, Fraction]:
+    return {name: parse_quantity(value) for name, value in (capacity or {}).items()}
 
 
 def ours(scenario: dict[str, Any], earlier: list[dict[str, Any]], policy: str) -> Placement | Failure:
@@ -60,12 +82,18 @@ def test_same_verdict_as_the_reference_and_valid_allocations(reference: Referenc
         if "CEL" in expected.get("error", "")
         else "unsatisfiable"
     )
-    for policy in ("binpack", "spread"):
+    for policy in ("binpack", "spread", "first-fit"):
         outcome = ours(copy.deepcopy(scenario), earlier, policy)
         verdict = "allocated" if expected.get("allocation") else "failed: " + expected.get("error", "")
         assert isinstance(outcome, Placement) == bool(expected.get("allocation")), (
             f"{policy}: ref {verdict}, ours {outcome}"
         )
         if isinstance(outcome, Placement):
+            if policy == "first-fit":  # upstream's order: the very same devices
+                assert picks(outcome.allocation) == picks(expected["allocation"])
+                assert outcome.allocation.get("nodeSelector") == expected["allocation"].get("nodeSelector")
+                assert outcome.allocation["devices"].get("config") == expected["allocation"]["devices"].get("config")
+                tolerations = [r.get("tolerations") for r in outcome.allocation["devices"]["results"]]
+                assert tolerations == [r.get("tolerations") for r in expected["allocation"]["devices"]["results"]]
             mine = with_allocation(scenario["claim"], outcome.allocation)
             assert reference.problems(base + earlier + [mine]) == []
