@@ -8,14 +8,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from driver.allocator.capacity import consumption, fits
 from driver.allocator.cel import SelectorError, compile_selector
 from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
 from driver.allocator.pools import Node, Pool, placement_matches
-from driver.allocator.quantity import format_amount
+from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.state import AllocatedState
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
@@ -31,7 +30,7 @@ class Chosen:
     request: Request
     device: Device
     share_id: str | None = None
-    consumed: dict[str, Fraction] | None = None
+    consumed: dict[str, Amount] | None = None
 
 
 @dataclass
@@ -49,13 +48,21 @@ class NodeAllocator:
         state: AllocatedState,
         classes: dict[str, DeviceClass],
         order: DeviceOrder | None = None,
+        cache: dict[Any, Any] | None = None,
     ) -> None:
+        """`cache` keeps what only the node's allocations change (the counters they leave, the
+        ordered candidates of a request) between allocators of one node; the caller drops it when
+        those allocations change."""
         self.node, self.pools, self.state, self.classes, self.order = node, pools, state, classes, order
+        self._cache = cache
         self._pool_of: dict[tuple[str, str], Pool] = {p.id: p for p in pools}
-        self._available: dict[tuple[str, str], dict[str, dict[str, Fraction]]] = {}
-        self._drawn: dict[tuple[str, str], dict[str, dict[str, Fraction]]] = {}
+        # Per pool, what allocated devices leave of its counters (before this attempt).
+        self._available: dict[tuple[str, str], dict[str, dict[str, Amount]]] = (
+            {} if cache is None else cache.setdefault("available counters", {})
+        )
+        self._drawn: dict[tuple[str, str], dict[str, dict[str, Amount]]] = {}
         self._exclusive: dict[DeviceId, int] = {}  # devices taken in this attempt
-        self._sharing: dict[DeviceId, list[dict[str, Fraction]]] = {}  # shares taken in this attempt
+        self._sharing: dict[DeviceId, list[dict[str, Amount]]] = {}  # shares taken in this attempt
         self._constraint_state: list[list[Any]] = []
 
     # --- request data (upstream: validateDeviceRequest) -------------------------------------------
@@ -89,6 +96,20 @@ class NodeAllocator:
         return not device.per_device_placement or placement_matches(device.placement, self.node)
 
     def _candidates(self, request: Request, claim: Claim) -> _Candidates:
+        if self._cache is None or request.mode != "ExactCount":
+            return self._find_candidates(request, claim)
+        key = (
+            request.class_name,
+            request.selectors,
+            request.admin_access,
+            tuple(sorted((request.capacity or {}).items())),
+        )
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache[key] = self._find_candidates(request, claim)
+        return _Candidates(request, cached.devices, cached.errors)
+
+    def _find_candidates(self, request: Request, claim: Claim) -> _Candidates:
         selectors = self.compiled_selectors(request, claim)
         candidates = _Candidates(request, [])
         if request.mode == "All":
@@ -132,7 +153,7 @@ class NodeAllocator:
     def _capacity_in_use(self, device: Device) -> bool:
         return device.id in self.state.shared or bool(self._sharing.get(device.id))
 
-    def _capacity_ok(self, request: Request, device: Device) -> dict[str, Fraction] | None:
+    def _capacity_ok(self, request: Request, device: Device) -> dict[str, Amount] | None:
         consumed = consumption(request.capacity, device.capacity)
         if consumed is None:
             return None
@@ -145,11 +166,11 @@ class NodeAllocator:
     def capacity_in_use(self, device: Device) -> bool:
         return self._capacity_in_use(device)
 
-    def available_counters(self, pool: Pool) -> dict[str, dict[str, Fraction]]:
+    def available_counters(self, pool: Pool) -> dict[str, dict[str, Amount]]:
         """The pool's counters less what allocated devices draw (before this attempt)."""
         return self._available_counters(pool)
 
-    def _available_counters(self, pool: Pool) -> dict[str, dict[str, Fraction]]:
+    def _available_counters(self, pool: Pool) -> dict[str, dict[str, Amount]]:
         if pool.id not in self._available:
             available = {name: dict(counters) for name, counters in pool.counter_sets.items()}
             for device in pool.all_devices:
@@ -166,7 +187,7 @@ class NodeAllocator:
         for counter_set, counters in device.consumes:
             target = drawn.setdefault(counter_set, {})
             for name, value in counters.items():
-                target[name] = target.get(name, Fraction(0)) + sign * value
+                target[name] = target.get(name, 0) + sign * value
 
     def _counters_fit(self, pool: Pool) -> bool:
         drawn = self._drawn.get(pool.id, {})

@@ -3,12 +3,11 @@ and whether it still fits, as the upstream allocator computes it."""
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from driver.allocator.model import Capacity, RequestPolicy
+from driver.allocator.quantity import Amount
 
 
-def _round_up(requested: Fraction, capacity: Capacity) -> Fraction:
+def _round_up(requested: Amount, capacity: Capacity) -> Amount:
     policy = capacity.policy
     if policy is None:
         return requested
@@ -24,7 +23,7 @@ def _round_up(requested: Fraction, capacity: Capacity) -> Fraction:
     return requested
 
 
-def consumed_amount(requested: Fraction | None, capacity: Capacity) -> Fraction:
+def consumed_amount(requested: Amount | None, capacity: Capacity) -> Amount:
     """What a request takes: rounded up per the policy; unnamed capacities take the default (or all)."""
     if requested is None:
         policy = capacity.policy
@@ -32,20 +31,20 @@ def consumed_amount(requested: Fraction | None, capacity: Capacity) -> Fraction:
     return _round_up(requested, capacity)
 
 
-def _violates(amount: Fraction, policy: RequestPolicy | None) -> bool:
+def _violates(amount: Amount, policy: RequestPolicy | None) -> bool:
     if policy is None or (policy.default is not None and amount == policy.default):
         return False
     if policy.has_range:
         if policy.maximum is not None and amount > policy.maximum:
             return True
-        minimum = policy.minimum or Fraction(0)
+        minimum = policy.minimum or 0
         return policy.step is not None and (int(amount) - int(minimum)) % int(policy.step) != 0
     if policy.valid_values:
         return amount not in policy.valid_values
     return False
 
 
-def consumption(requests: dict[str, Fraction] | None, capacity: dict[str, Capacity]) -> dict[str, Fraction] | None:
+def consumption(requests: dict[str, Amount] | None, capacity: dict[str, Capacity]) -> dict[str, Amount] | None:
     """The capacity a request would consume on a device, or None when the request names a capacity
     the device does not have or an amount its policy forbids."""
     requests = requests or {}
@@ -57,5 +56,5 @@ def consumption(requests: dict[str, Fraction] | None, capacity: dict[str, Capaci
     return consumed
 
 
-def fits(consumed: dict[str, Fraction], capacity: dict[str, Capacity], *in_use: dict[str, Fraction]) -> bool:
+def fits(consumed: dict[str, Amount], capacity: dict[str, Capacity], *in_use: dict[str, Amount]) -> bool:
     return all(consumed[name] + sum(u.get(name, 0) for u in in_use) <= cap.value for name, cap in capacity.items())

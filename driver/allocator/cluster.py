@@ -3,9 +3,9 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from driver.allocator.allocate import AllocationError, NodeAllocator
@@ -37,12 +37,28 @@ class Snapshot:
     slices: list[Slice]
     nodes: list[Node]
     pools: dict[str, list[Pool]] = field(default_factory=dict)
+    nodes_of_pool: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # who sees a pool
 
     def __post_init__(self) -> None:
+        # A pool whose slices all name one node concerns that node only; others (all nodes, node
+        # selectors, per-device placement) are offered to every node to match.
+        by_pool: dict[tuple[str, str], list[Slice]] = defaultdict(list)
+        for slice_ in self.slices:
+            by_pool[slice_.driver, slice_.pool].append(slice_)
+        local: dict[str, list[Slice]] = defaultdict(list)
+        shared: list[Slice] = []
+        for pool_slices in by_pool.values():
+            names = {s.placement.node_name for s in pool_slices}
+            if len(names) == 1 and "" not in names and not any(s.per_device_placement for s in pool_slices):
+                local[names.pop()].extend(pool_slices)
+            else:
+                shared.extend(pool_slices)
         for node in self.nodes:
-            pools = gather_pools(self.slices, node)
+            pools = gather_pools(local.get(node.name, []) + shared, node)
             if pools:
                 self.pools[node.name] = pools
+                for pool in pools:
+                    self.nodes_of_pool.setdefault(pool.id, []).append(node.name)
 
     @classmethod
     def from_slices(cls, slices: list[Slice], nodes: Iterable[Node] = ()) -> Snapshot:
@@ -66,21 +82,24 @@ class ClusterAllocator:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)
         self.nodes = {n.name: n for n in snapshot.nodes}
-        self._usage: dict[str, Fraction] = {}
+        self._usage: dict[str, float] = {}
+        self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         for name in snapshot.pools:
             self._measure(name)
 
     def _measure(self, node: str) -> None:
-        """How full a node is: the share of its counters drawn and of its uncounted devices taken."""
-        used = total = Fraction(0)
+        """How full a node is: the share of its counters drawn and of its uncounted devices taken.
+        Called whenever its allocations change, so what was cached for it goes too."""
+        self._candidates.pop(node, None)
+        used = total = 0
         partial = False
         for pool in self.snapshot.pools.get(node, ()):
             allocator = NodeAllocator(self.nodes[node], [pool], self.state, self.classes)
             available = allocator.available_counters(pool)
             for set_name, counters in pool.counter_sets.items():
                 drawn = sum(value - available[set_name][name] for name, value in counters.items())
-                full = sum(counters.values(), Fraction(0))
+                full = sum(counters.values())
                 partial = partial or 0 < drawn < full or any(self.state.shared.get(d.id) for d in pool.devices)
                 total += full
                 used += drawn
@@ -88,16 +107,16 @@ class ClusterAllocator:
                 if not device.consumes:
                     total += 1
                     used += self.state.is_allocated(device.id)
-        self._usage[node] = used / total if total else Fraction(0)
+        self._usage[node] = used / total if total else 0.0
         self._partial[node] = partial
 
-    def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, Fraction]:
+    def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, float]:
         """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
         used before, the size of what it rules out there, and how much of its GPUs stays free."""
         allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes)
         pools = {pool.id: pool for pool in self.snapshot.pools[node]}
         opened: set[tuple[str, str, str]] = set()
-        ruled_out, left = 0, Fraction(0)
+        ruled_out, left = 0, 0.0
         for result in allocation["devices"]["results"]:
             pool = pools.get((result["driver"], result["pool"]))
             device = pool.device_index().get(result["device"]) if pool else None
@@ -116,8 +135,9 @@ class ClusterAllocator:
         return sorted(self._usage, key=lambda name: (sign * self._usage[name], name))
 
     def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
-        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes, self._order)
-        return allocator.allocate(claims)
+        cache = self._candidates.setdefault(node, {})
+        pools = self.snapshot.pools[node]
+        return NodeAllocator(self.nodes[node], pools, self.state, self.classes, self._order, cache).allocate(claims)
 
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
         """The best node's allocation for one claim (not yet committed), or why none fits.
@@ -125,7 +145,7 @@ class ClusterAllocator:
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
         SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one."""
         errors: list[str] = []
-        best: tuple[tuple[int, int, Fraction], Placement] | None = None
+        best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
         for node in nodes if nodes is not None else self.node_order():
             if best is not None and scanned >= SCAN_LIMIT:
@@ -158,12 +178,20 @@ class ClusterAllocator:
 
     def commit(self, placement: Placement) -> None:
         self.state.add_allocation(placement.allocation)
-        self._measure(placement.node)
+        self._changed(placement.node, placement.allocation)
 
     def release(self, node: str, allocation: dict[str, Any]) -> None:
         self.state.remove_allocation(allocation)
-        if node in self._usage:
-            self._measure(node)
+        self._changed(node, allocation)
+
+    def _changed(self, node: str, allocation: dict[str, Any]) -> None:
+        """Re-measure every node that sees a pool the allocation touched (more than one where a
+        pool is offered to several nodes)."""
+        nodes = {node}
+        for result in (allocation.get("devices") or {}).get("results") or ():
+            nodes.update(self.snapshot.nodes_of_pool.get((result.get("driver"), result.get("pool")), ()))
+        for name in nodes & self._usage.keys():
+            self._measure(name)
 
     def allocate_gang(self, claims: Sequence[Claim]) -> list[Placement] | Failure:
         """Every claim placed, or none: each claim in turn (largest first) on its best node, with

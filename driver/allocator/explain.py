@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from driver.allocator.allocate import AllocationError, NodeAllocator
 from driver.allocator.capacity import consumption, fits
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import format_amount
+from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
 
 
-def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Fraction]:
+def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Amount]:
     used = allocator.state.shared.get(device.id, {})
-    return {name: cap.value - used.get(name, Fraction(0)) for name, cap in device.capacity.items()}
+    return {name: cap.value - used.get(name, 0) for name, cap in device.capacity.items()}
 
 
 def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
@@ -59,7 +57,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
     if request.capacity:
         wanted += " with " + ", ".join(f"{n} >= {format_amount(v)}" for n, v in sorted(request.capacity.items()))
     in_class = matching = 0
-    closest: list[tuple[Fraction, str]] = []
+    closest: list[tuple[Amount, str]] = []
     usable_on: dict[str, int] = {}
     for node, pools in cluster.snapshot.pools.items():
         allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
@@ -81,7 +79,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
                     usable_on[node] = usable_on.get(node, 0) + 1
                     continue
                 free = _free_capacity(allocator, device)
-                score = sum(free.values(), Fraction(0)) if why != "in use" else Fraction(-1)
+                score = sum(free.values(), 0) if why != "in use" else -1
                 closest.append((score, f"{node}/{device.id[2]} ({why})"))
     need = request.count if request.mode == "ExactCount" else max(matching, 1)
     if in_class == 0:
@@ -110,8 +108,8 @@ def _pool_picture(allocator: NodeAllocator, pool: Pool) -> list[str]:
     available = allocator.available_counters(pool)
     lines = []
     for set_name, counters in sorted(pool.counter_sets.items()):
-        total = sum(counters.values(), Fraction(0))
-        free = sum(available[set_name].values(), Fraction(0))
+        total = sum(counters.values(), 0)
+        free = sum(available[set_name].values(), 0)
         members = [d for d in pool.all_devices if any(s == set_name for s, _ in d.consumes)]
         shares = [d for d in members if allocator.state.shared.get(d.id)]
         if shares:

@@ -4,11 +4,10 @@ API server returns them). Everything past this module works on these dataclasses
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from driver.allocator.cel import device_input
-from driver.allocator.quantity import QuantityError, parse_quantity
+from driver.allocator.quantity import Amount, QuantityError, parse_quantity
 
 DeviceId = tuple[str, str, str]  # driver, pool, device
 MAX_RESULTS_PER_CLAIM = 32
@@ -20,17 +19,17 @@ class ObjectError(ValueError):
 
 @dataclass(frozen=True)
 class RequestPolicy:
-    default: Fraction | None = None
-    valid_values: tuple[Fraction, ...] = ()
-    minimum: Fraction | None = None
-    maximum: Fraction | None = None
-    step: Fraction | None = None
+    default: Amount | None = None
+    valid_values: tuple[Amount, ...] = ()
+    minimum: Amount | None = None
+    maximum: Amount | None = None
+    step: Amount | None = None
     has_range: bool = False
 
 
 @dataclass(frozen=True)
 class Capacity:
-    value: Fraction
+    value: Amount
     policy: RequestPolicy | None = None
 
 
@@ -72,7 +71,7 @@ class Device:
     id: DeviceId
     attributes: dict[str, tuple[str, Any]]
     capacity: dict[str, Capacity]
-    consumes: tuple[tuple[str, dict[str, Fraction]], ...] = ()
+    consumes: tuple[tuple[str, dict[str, Amount]], ...] = ()
     allow_multiple_allocations: bool = False
     taints: tuple[Taint, ...] = ()
     binds_to_node: bool = False
@@ -106,7 +105,7 @@ class Slice:
     placement: NodePlacement
     per_device_placement: bool
     devices: tuple[Device, ...]
-    counter_sets: dict[str, dict[str, Fraction]]
+    counter_sets: dict[str, dict[str, Amount]]
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ class Request:
     count: int = 1
     admin_access: bool | None = None
     tolerations: tuple[Toleration, ...] = ()
-    capacity: dict[str, Fraction] | None = None
+    capacity: dict[str, Amount] | None = None
     parent: str = ""
     raw_tolerations: tuple[dict[str, Any], ...] = ()
 
@@ -170,7 +169,7 @@ class Claim:
         return f"{self.namespace}/{self.name}"
 
 
-def _quantity(value: Any, where: str) -> Fraction:
+def _quantity(value: Any, where: str) -> Amount:
     try:
         return parse_quantity(value)
     except QuantityError as error:
@@ -193,7 +192,7 @@ def _policy(policy: dict[str, Any] | None, where: str) -> RequestPolicy | None:
         return None
     valid_range = policy.get("validRange")
 
-    def optional(value: Any) -> Fraction | None:
+    def optional(value: Any) -> Amount | None:
         return None if value is None else _quantity(value, where)
 
     return RequestPolicy(

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from driver.allocator.model import Device, NodePlacement, Slice
+from driver.allocator.quantity import Amount
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Pool:
     name: str
     devices: list[Device] = field(default_factory=list)  # the devices this node can use, in order
     all_devices: list[Device] = field(default_factory=list)  # every device of the pool (for counters)
-    counter_sets: dict[str, dict[str, Fraction]] = field(default_factory=dict)
+    counter_sets: dict[str, dict[str, Amount]] = field(default_factory=dict)
     incomplete: bool = False
     invalid: str = ""  # why the pool cannot be used
     neighbours: dict[int, list[Device]] = field(default_factory=dict)  # id(device) -> same counter sets

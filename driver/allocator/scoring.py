@@ -8,18 +8,18 @@ whole GPUs and large MIG placements stay free. spread: the opposite, for isolati
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Literal
 
 from driver.allocator.allocate import NodeAllocator
 from driver.allocator.model import Device
 from driver.allocator.pools import Pool
+from driver.allocator.quantity import Amount
 
 Policy = Literal["binpack", "spread", "first-fit"]
 POLICIES: tuple[Policy, ...] = ("binpack", "spread", "first-fit")
 
 
-def counters_fit(device: Device, available: dict[str, dict[str, Fraction]], extra: Device | None = None) -> bool:
+def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:
     for counter_set, counters in device.consumes:
         for name, value in counters.items():
             taken = 0
@@ -43,7 +43,7 @@ def _neighbours(pool: Pool, device: Device) -> list[Device]:
     return pool.neighbours.get(id(device), [])
 
 
-def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fraction]:
+def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, float]:
     """(touched first: 0, size of the devices this one would rule out, share of its counters left after it).
     Lower is a tighter fit."""
     pool = allocator.pool_of(device)
@@ -51,16 +51,16 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
         # A share on a GPU already shared draws nothing new; best fit: the least capacity left first.
         used = allocator.state.shared.get(device.id, {})
         left = [1 - used.get(name, 0) / cap.value for name, cap in device.capacity.items() if cap.value]
-        return 0, 0, min(left, default=Fraction(0))
+        return 0, 0, min(left, default=0)
     available = allocator.available_counters(pool)
-    total = left = Fraction(0)
+    total = left = 0
     touched = False
     for counter_set, counters in device.consumes:  # the whole GPU (counter set), not just this device's part
-        full = sum(pool.counter_sets.get(counter_set, {}).values(), Fraction(0))
-        now = sum(available.get(counter_set, {}).values(), Fraction(0))
+        full = sum(pool.counter_sets.get(counter_set, {}).values(), 0)
+        now = sum(available.get(counter_set, {}).values(), 0)
         touched = touched or now < full
         total += full
-        left += now - sum(counters.values(), Fraction(0))
+        left += now - sum(counters.values(), 0)
     ruled_out = sum(  # weighted by size: blocking a large placement costs more than a small one
         sum(len(counters) for _, counters in other.consumes)
         for other in _neighbours(pool, device)
@@ -68,7 +68,7 @@ def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, Fr
         and counters_fit(other, available)
         and not counters_fit(other, available, device)
     )
-    return (0 if touched else 1), ruled_out, (left / total if total else Fraction(0))
+    return (0 if touched else 1), ruled_out, (left / total if total else 0)
 
 
 def _takeable(allocator: NodeAllocator, device: Device) -> bool:

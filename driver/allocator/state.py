@@ -6,17 +6,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from driver.allocator.model import DeviceId
-from driver.allocator.quantity import QuantityError, parse_quantity
+from driver.allocator.quantity import Amount, QuantityError, parse_quantity
 
 
 @dataclass
 class AllocatedState:
     exclusive: set[DeviceId] = field(default_factory=set)
-    shared: dict[DeviceId, dict[str, Fraction]] = field(default_factory=dict)  # consumed capacity
+    shared: dict[DeviceId, dict[str, Amount]] = field(default_factory=dict)  # consumed capacity
     share_count: dict[DeviceId, int] = field(default_factory=lambda: defaultdict(int))
 
     def is_allocated(self, device: DeviceId) -> bool:
@@ -34,7 +33,7 @@ class AllocatedState:
         self.share_count[device] += 1
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
-                consumed[name] = consumed.get(name, Fraction(0)) + parse_quantity(value)
+                consumed[name] = consumed.get(name, 0) + parse_quantity(value)
             except QuantityError:
                 continue  # the API server validated it; an unreadable entry cannot be counted
 
@@ -48,7 +47,7 @@ class AllocatedState:
         consumed = self.shared.get(device, {})
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
-                consumed[name] = consumed.get(name, Fraction(0)) - parse_quantity(value)
+                consumed[name] = consumed.get(name, 0) - parse_quantity(value)
             except QuantityError:
                 continue
         self.share_count[device] -= 1

@@ -120,6 +120,22 @@ def node_slices(draw: st.DrawFn, node: str) -> list[dict[str, Any]]:
 
 
 @st.composite
+def shared_pool(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Network-attached GPUs: a pool offered to all nodes, or to the nodes a selector picks."""
+    counters, devices = draw(gpu_devices(7))
+    in_zone_a = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}
+    where = draw(st.sampled_from([{"allNodes": True}, {"nodeSelector": in_zone_a}]))
+    pool = {"name": "fabric", "generation": 1, "resourceSliceCount": 2}
+
+    def slice_(index: int, key: str, items: list[Any]) -> dict[str, Any]:
+        metadata = {"name": f"fabric-{index}"}
+        spec = {"driver": DRIVER, "pool": pool, **where, key: items}
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+
+    return [slice_(0, "sharedCounters", [counters]), slice_(1, "devices", devices)]
+
+
+@st.composite
 def requests(draw: st.DrawFn, name: str) -> dict[str, Any]:
     def exactly(draw_count: bool = True) -> dict[str, Any]:
         cls = draw(st.sampled_from([c["name"] for c in CLASSES]))
@@ -183,9 +199,17 @@ def claims(draw: st.DrawFn, name: str) -> dict[str, Any]:
 def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     nodes = [f"node-{i}" for i in range(draw(st.integers(1, 2)))]
     slices = [s for node in nodes for s in draw(node_slices(node))]
+    if draw(st.integers(0, 3)) == 0:
+        slices += draw(shared_pool())
+    zones = [draw(st.sampled_from("ab")) for _ in nodes]
+    node_objects = [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": n, "labels": {"zone": z}}}
+        for n, z in zip(nodes, zones, strict=True)
+    ]
     earlier = [draw(claims(f"earlier-{i}")) for i in range(draw(st.integers(0, 4)))]
     return {
         "classes": [device_class(c) for c in CLASSES],
+        "nodes": node_objects,
         "slices": slices,
         "earlier": earlier,
         "claim": draw(claims("new")),

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.pools import Node
 from driver.allocator.quantity import parse_quantity
 from driver.allocator.state import AllocatedState
 from tests.allocator.reference import ReferenceAllocator
@@ -55,7 +56,8 @@ def consumed(capacity: dict[str, str] | None) -> dict[str, Fraction]:
 
 
 def ours(scenario: dict[str, Any], earlier: list[dict[str, Any]], policy: str) -> Placement | Failure:
-    snapshot = Snapshot.from_slices([slice_from_object(s) for s in scenario["slices"]])
+    nodes = [Node(n["metadata"]["name"], n["metadata"]["labels"]) for n in scenario["nodes"]]
+    snapshot = Snapshot.from_slices([slice_from_object(s) for s in scenario["slices"]], nodes)
     classes = {c["metadata"]["name"]: class_from_object(c) for c in scenario["classes"]}
     state = AllocatedState.from_allocations(c["status"]["allocation"] for c in earlier)
     allocator = ClusterAllocator(snapshot, classes, state, policy)  # type: ignore[arg-type]
@@ -67,7 +69,7 @@ def ours(scenario: dict[str, Any], earlier: list[dict[str, Any]], policy: str) -
 )
 @given(scenario=scenarios())
 def test_same_verdict_as_the_reference_and_valid_allocations(reference: ReferenceAllocator, scenario: dict[str, Any]):
-    base = scenario["classes"] + scenario["slices"]
+    base = scenario["classes"] + scenario["nodes"] + scenario["slices"]
     # The state the new claim meets: the earlier claims as the reference allocated them.
     earlier = [
         with_allocation(claim, result["allocation"])

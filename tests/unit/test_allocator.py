@@ -200,3 +200,21 @@ def test_failure_reasons_say_what_to_change():
 def test_selector_errors_fail_the_claim_with_the_error(bad: str):
     outcome = allocator(h100_slices("n1")).allocate(claim("a", exactly("gpu.fgpu.dev", selector=bad)))
     assert isinstance(outcome, Failure) and "claim ns/a: selector #0" in outcome.reason
+
+
+def test_a_pool_offered_to_every_node_is_shared_between_them():
+    fabric = h100_slices("fabric")
+    for s in fabric:
+        del s["spec"]["nodeName"]
+        s["spec"]["allNodes"] = True
+        for device in s["spec"].get("devices", []):
+            device["attributes"]["fabric"] = {"bool": True}
+    cluster = allocator(h100_slices("n1", "n2") + fabric)
+    on_fabric = 'has(device.attributes["gpu.fgpu.dev"].fabric)'
+    mig = claim("mig", exactly("mig.gpu.fgpu.dev", selector=f"{on_fabric} && {profile('1g.10gb')}"))
+    assert cluster.allocate_on("n2", [mig]) is not None  # n2 has looked at the fabric GPUs
+    whole = place(cluster, claim("whole", exactly("gpu.fgpu.dev", count=8, selector=on_fabric)))
+    assert {r["pool"] for r in whole.allocation["devices"]["results"]} == {"fabric"}
+    assert "nodeSelector" not in whole.allocation  # usable from any node
+    # Taken through one node, the fabric GPUs are gone for the other too.
+    assert isinstance(cluster.allocate(mig, nodes=["n1" if whole.node == "n2" else "n2"]), Failure)
