@@ -20,6 +20,7 @@ POLICIES: tuple[Policy, ...] = ("binpack", "spread", "first-fit")
 
 
 def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:
+    """Whether the counters `device` draws are left in `available` (after `extra` drew its own)."""
     for counter_set, counters in device.consumes:
         for name, value in counters.items():
             taken = 0
