@@ -23,7 +23,7 @@ from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
 from driver.controller import metrics
-from driver.controller.informer import Informer
+from driver.controller.informer import Informer, object_key
 from driver.controller.leader import LeaderElector
 from driver.kube import ConflictError, KubeError
 
@@ -177,13 +177,7 @@ class Controller:
             for obj in objects.values():
                 self._report(obj, f"label {GANG_SIZE_LABEL} must be a whole number")
             return
-        allocated = [
-            c
-            for c in self.informers["claims"].items()
-            if ((c["metadata"].get("labels") or {}).get(GANG_LABEL) == name.split("/", 1)[1])
-            and c["metadata"].get("namespace") == name.split("/", 1)[0]
-            and not pending(c)
-        ]
+        allocated = [c for c in self._gang_claims(name) if not pending(c)]
         if len(members) + len(allocated) < size:
             for obj in objects.values():
                 self._report(
@@ -197,17 +191,38 @@ class Controller:
             metrics.GANGS.labels("unschedulable").inc()
             for obj in objects.values():
                 self._report(obj, outcome.reason)
+            if allocated and len(allocated) < size:
+                # Members left allocated by an interrupted pass: all or none, so give them back.
+                self._take_back(allocator, allocated)
             return
-        written: list[Placement] = []
+        written: list[str] = []
         for placement in outcome:
             if not self._write(objects[placement.claim.key], placement):
-                self._undo(written)  # all or none: a write that fails takes back the others
+                # All or none: a write that fails takes back the others.
                 for rest in outcome:
                     allocator.release(rest.node, rest.allocation)
-                metrics.GANGS.labels("conflict").inc()
+                self._take_back(None, [o for key in written if (o := self.informers["claims"].get(key))])
+                metrics.GANGS.labels("interrupted").inc()
                 return
-            written.append(placement)
+            written.append(placement.claim.key)
         metrics.GANGS.labels("allocated").inc()
+
+    def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
+        namespace, name = gang.split("/", 1)
+        return [
+            c
+            for c in self.informers["claims"].items()
+            if c["metadata"].get("namespace") == namespace
+            and (c["metadata"].get("labels") or {}).get(GANG_LABEL) == name
+        ]
+
+    def _gang_whole(self, obj: dict[str, Any]) -> bool:
+        """Whether a claim can be used: not in a gang, or every claim of its gang is allocated."""
+        gang = gang_of(claim_from_object(obj)) if opted_in(obj) else None
+        if gang is None:
+            return True
+        members = self._gang_claims(gang[0])
+        return len(members) >= gang[1] and not any(pending(c) for c in members)
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -230,21 +245,27 @@ class Controller:
             metrics.ALLOCATIONS.labels("conflict").inc()
             self.changed.set()  # the watch brings the fresh claim; the next pass retries on it
             return False
+        except KubeError as error:  # an outage: nothing lost, the next pass tries again
+            metrics.ALLOCATIONS.labels("error").inc()
+            log.warning("cannot write the allocation of %s: %s", placement.claim.key, error)
+            self.changed.set()
+            return False
         self.informers["claims"].update(updated)
         metrics.ALLOCATIONS.labels("allocated").inc()
         log.info("allocated %s on %s", placement.claim.key, placement.node)
         return True
 
-    def _undo(self, placements: Iterable[Placement]) -> None:
-        for placement in placements:
-            obj = self.informers["claims"].get(placement.claim.key)
-            if obj is None:
-                continue
+    def _take_back(self, allocator: ClusterAllocator | None, claims: Iterable[dict[str, Any]]) -> None:
+        """Clear allocations we wrote; one that cannot be cleared now is retried on a later pass."""
+        for obj in claims:
             status = {k: v for k, v in (obj.get("status") or {}).items() if k != "allocation"}
             try:
                 self.informers["claims"].update(self.api.replace_claim_status({**obj, "status": status}))
             except KubeError as error:
-                log.error("could not take back the allocation of %s: %s", placement.claim.key, error)
+                log.error("could not take back the allocation of %s: %s", object_key(obj), error)
+                continue
+            if allocator is not None:
+                allocator.state.remove_allocation((obj.get("status") or {}).get("allocation"))
 
     def _lift_gates(self) -> None:
         claims = self.informers["claims"]
@@ -257,7 +278,7 @@ class Controller:
                 continue
             namespace = pod["metadata"]["namespace"]
             used = [claims.get(f"{namespace}/{name}") for name in names]
-            if any(c is None or pending(c) for c in used):
+            if any(c is None or pending(c) or not self._gang_whole(c) for c in used):
                 continue
             try:
                 self.informers["pods"].update(

@@ -12,7 +12,7 @@ from typing import Any
 from driver.allocator.model import claim_from_object
 from driver.controller.controller import gang_of, pending, pod_claim_names
 from driver.controller.leader import LeaderElector
-from driver.kube import ConflictError, NotFoundError
+from driver.kube import ConflictError, KubeUnavailableError, NotFoundError
 from tests.conftest import ROOT
 
 
@@ -159,6 +159,8 @@ class ControllerApiFake:
 
     def __init__(self) -> None:
         self.conflicts = 0
+        self.failing_writes: set[int] = set()  # status writes (counted from 1) the API server misses
+        self.writes = 0
         self.status_writes: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.gates: dict[str, list[Any]] = {}
@@ -177,6 +179,9 @@ class ControllerApiFake:
         if self.conflicts:
             self.conflicts -= 1
             raise ConflictError("the object has been modified")
+        self.writes += 1
+        if self.writes in self.failing_writes:
+            raise KubeUnavailableError("API server unreachable")
         self.status_writes.append(claim)
         return self._bump(claim)
 
@@ -259,3 +264,34 @@ def test_controller_waits_for_the_whole_gang_and_reports_once(tmp_path: Path):
     controller.informers["claims"].update(opt_in_claim("w2", 2, **gang))
     controller.run_pass()
     assert sorted(w["metadata"]["name"] for w in api.status_writes) == ["w0", "w1", "w2"]
+
+
+def test_a_gang_interrupted_by_an_outage_is_taken_back(tmp_path: Path):
+    objects = cluster_objects(tmp_path)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
+    objects["claims"] = [opt_in_claim(f"w{i}", 2, **gang) for i in range(3)]
+    objects["pods"] = [gated_pod(f"p{i}", f"w{i}") for i in range(3)]
+    controller, api = controller_with(objects)
+    api.failing_writes = {3}  # two members written, the third write fails
+    controller.run_pass()
+    claims = {c["metadata"]["name"]: c for c in controller.informers["claims"].items()}
+    assert all("allocation" not in (c.get("status") or {}) for c in claims.values())  # the two were undone
+    assert not api.gates  # no pod of the gang went ahead
+    controller.run_pass()
+    claims = {c["metadata"]["name"]: c for c in controller.informers["claims"].items()}
+    assert all(c["status"]["allocation"] for c in claims.values())
+    assert sorted(api.gates) == ["p0", "p1", "p2"]
+
+
+def test_gang_pods_wait_for_the_whole_gang(tmp_path: Path):
+    objects = cluster_objects(tmp_path)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
+    first = opt_in_claim("w0", 2, **gang)
+    first["status"] = {"allocation": {"devices": {"results": []}}}  # allocated earlier, its partner is not
+    objects["claims"] = [first, opt_in_claim("w1", 99, **gang)]  # w1 cannot fit
+    objects["pods"] = [gated_pod("p0", "w0")]
+    controller, api = controller_with(objects)
+    controller.run_pass()
+    assert not api.gates  # p0's claim is allocated, but its gang is not whole
+    assert [w["metadata"]["name"] for w in api.status_writes] == ["w0"]  # and w0 was taken back
+    assert "allocation" not in controller.informers["claims"].get("ml/w0").get("status", {})
