@@ -35,6 +35,8 @@ cluster-down: setup
 bench: setup cluster
 	$(PYTHON) -m bench.prepare_latency --api memory
 	$(PYTHON) -m bench.prepare_latency --api cluster
+	$(PYTHON) -m bench.allocator throughput --nodes 500 --claims 300
+	$(PYTHON) -m bench.allocator packing --nodes 16 --events 1500
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
