@@ -129,13 +129,20 @@ class ClientKubeApi:
     def watch_slices(
         self, driver: str, node: str, resource_version: str, timeout_s: int
     ) -> Iterator[tuple[str, JsonObject]]:
+        selector = slice_field_selector(driver, node)
+        return self._watch(self._resource.list_resource_slice, resource_version, timeout_s, field_selector=selector)
+
+    def _watch(
+        self, lister: Any, resource_version: str, timeout_s: int, **selectors: Any
+    ) -> Iterator[tuple[str, JsonObject]]:
+        """(type, object) events of a watch through `lister`; close() ends it at once."""
         with translated_errors():
-            response = self._resource.list_resource_slice(
-                field_selector=slice_field_selector(driver, node),
+            response = lister(
                 resource_version=resource_version,
                 timeout_seconds=timeout_s,
                 watch=True,
                 _preload_content=False,
+                **selectors,
             )
         self._watches.add(response)
         try:

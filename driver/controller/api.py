@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
-import urllib3
-from kubernetes.watch.watch import iter_resp_lines
 
-from driver.kube import ClientKubeApi, translated_errors
+from driver.kube import ClientKubeApi
 
 JsonObject = dict[str, Any]
 
@@ -34,25 +31,9 @@ class ControllerApi(ClientKubeApi):
     def watch(
         self, kind: str, resource_version: str, timeout_s: int, label_selector: str = ""
     ) -> Iterator[tuple[str, JsonObject]]:
-        with translated_errors():
-            response: urllib3.BaseHTTPResponse = self.listers[kind](
-                label_selector=label_selector,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=timeout_s,
-                watch=True,
-                _preload_content=False,
-            )
-        self._watches.add(response)
-        try:
-            with translated_errors():
-                for line in iter_resp_lines(response):
-                    if line.strip():
-                        event = json.loads(line)
-                        yield event["type"], event["object"]
-        finally:
-            self._watches.discard(response)
-            response.release_conn()
+        return self._watch(
+            self.listers[kind], resource_version, timeout_s, label_selector=label_selector, allow_watch_bookmarks=True
+        )
 
     def replace_claim(self, claim: JsonObject) -> JsonObject:
         meta = claim["metadata"]
