@@ -174,8 +174,8 @@ def _v(message: Any) -> Version:
 def _normalize_semver(text: str) -> str:
     # semver(text, true): "v1.2" -> "1.2.0", leading zeros dropped, as upstream's normalisation.
     text = text.removeprefix("v")
-    core, sep, rest = re.match(r"^([0-9.]*)(.*)$", text).group(1, 1, 2)  # type: ignore[union-attr]
-    del sep
+    split = re.match(r"^([0-9.]*)(.*)$", text)
+    core, rest = split.group(1), split.group(2)  # type: ignore[union-attr]
     parts = [str(int(p)) if p.isdigit() else p for p in core.split(".") if p != ""]
     parts += ["0"] * (3 - len(parts))
     return ".".join(parts) + rest

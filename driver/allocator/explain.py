@@ -18,7 +18,7 @@ def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Amount
 
 def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
     """Why `device` cannot serve `request` now, or None if it could."""
-    if not request.admin_access and allocator.state.exclusive.__contains__(device.id):
+    if not request.admin_access and device.id in allocator.state.exclusive:
         return "in use"
     consumed = consumption(request.capacity, device.capacity)
     if consumed is None:

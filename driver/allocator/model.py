@@ -160,8 +160,6 @@ class Claim:
     constraints: tuple[Constraint, ...]
     configs: tuple[dict[str, Any], ...]
     labels: dict[str, str]
-    annotations: dict[str, str]
-    resource_version: str = ""
     allocation: dict[str, Any] | None = None
 
     @property
@@ -303,7 +301,5 @@ def claim_from_object(obj: dict[str, Any]) -> Claim:
         ),
         configs=tuple(devices.get("config") or ()),
         labels=dict(metadata.get("labels") or {}),
-        annotations=dict(metadata.get("annotations") or {}),
-        resource_version=metadata.get("resourceVersion", ""),
         allocation=(obj.get("status") or {}).get("allocation"),
     )
