@@ -93,6 +93,7 @@ class Controller:
         threading.Thread(target=self.leader.run, args=(self.stop_event,), name="leader", daemon=True).start()
         while not self.stop_event.is_set():
             self.changed.wait(timeout=5.0)
+            self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
             metrics.LEADER.set(self.leader.is_leader.is_set())
             if not self.leader.is_leader.is_set() or not all(i.synced.is_set() for i in self.informers.values()):
@@ -137,12 +138,17 @@ class Controller:
         return ClusterAllocator(self.snapshot(), classes, state, self.policy)
 
     def run_pass(self) -> None:
-        allocator = self.allocator()
         waiting = sorted(
             (c for c in self.informers["claims"].items() if pending(c)),
             key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
         )
         metrics.PENDING.set(len(waiting))
+        if waiting:
+            self._allocate(waiting)
+        self._lift_gates()
+
+    def _allocate(self, waiting: list[dict[str, Any]]) -> None:
+        allocator = self.allocator()
         gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
         for obj in waiting:
             try:
@@ -157,7 +163,6 @@ class Controller:
             self._allocate_one(allocator, claim, obj)
         for (name, size), members in gangs.items():
             self._allocate_gang(allocator, name, size, members)
-        self._lift_gates()
 
     def _allocate_one(self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any]) -> None:
         started = time.perf_counter()
