@@ -40,6 +40,23 @@ class _Candidates:
     errors: dict[int, str] = field(default_factory=dict)  # id(device) -> selector error, raised if reached
 
 
+def compiled_selectors(classes: dict[str, DeviceClass], request: Request, claim: Claim) -> list[tuple[str, Any]]:
+    """The class's selectors, then the request's, each named for error messages."""
+    cls = classes.get(request.class_name)
+    if cls is None:
+        raise AllocationError(
+            f"claim {claim.key}, request {request.full_name}: could not retrieve device class {request.class_name}"
+        )
+    compiled = []
+    for owner, expressions in ((f"class {cls.name}", cls.selectors), (f"claim {claim.key}", request.selectors)):
+        for index, expression in enumerate(expressions):
+            try:
+                compiled.append((f"{owner}: selector #{index}", compile_selector(expression)))
+            except SelectorError as error:
+                raise AllocationError(f"{owner}: selector #{index}: CEL compile error: {error}") from None
+    return compiled
+
+
 class NodeAllocator:
     def __init__(
         self,
@@ -66,21 +83,6 @@ class NodeAllocator:
         self._constraint_state: list[list[Any]] = []
 
     # --- request data (upstream: validateDeviceRequest) -------------------------------------------
-
-    def compiled_selectors(self, request: Request, claim: Claim) -> list[tuple[str, Any]]:
-        cls = self.classes.get(request.class_name)
-        if cls is None:
-            raise AllocationError(
-                f"claim {claim.key}, request {request.full_name}: could not retrieve device class {request.class_name}"
-            )
-        compiled = []
-        for owner, expressions in ((f"class {cls.name}", cls.selectors), (f"claim {claim.key}", request.selectors)):
-            for index, expression in enumerate(expressions):
-                try:
-                    compiled.append((f"{owner}: selector #{index}", compile_selector(expression)))
-                except SelectorError as error:
-                    raise AllocationError(f"{owner}: selector #{index}: CEL compile error: {error}") from None
-        return compiled
 
     def selectable(self, device: Device, selectors: list[tuple[str, Any]]) -> bool:
         for where, selector in selectors:
@@ -110,7 +112,7 @@ class NodeAllocator:
         return _Candidates(request, cached.devices, cached.errors)
 
     def _find_candidates(self, request: Request, claim: Claim) -> _Candidates:
-        selectors = self.compiled_selectors(request, claim)
+        selectors = compiled_selectors(self.classes, request, claim)
         candidates = _Candidates(request, [])
         if request.mode == "All":
             for pool in self.pools:
@@ -125,8 +127,10 @@ class NodeAllocator:
                         f"but resource pool {pool.driver}/{pool.name} is currently invalid"
                     )
                 for device in pool.devices:
+                    if not self.selectable(device, selectors):
+                        continue
                     consumed = consumption(request.capacity, device.capacity)
-                    if self.selectable(device, selectors) and consumed is not None and fits(consumed, device.capacity):
+                    if consumed is not None and fits(consumed, device.capacity):
                         candidates.devices.append(device)
             return candidates
         if request.mode != "ExactCount":
@@ -150,7 +154,7 @@ class NodeAllocator:
     def _in_use(self, device: Device) -> bool:
         return device.id in self.state.exclusive or self._exclusive.get(device.id, 0) > 0
 
-    def _capacity_in_use(self, device: Device) -> bool:
+    def capacity_in_use(self, device: Device) -> bool:
         return device.id in self.state.shared or bool(self._sharing.get(device.id))
 
     def _capacity_ok(self, request: Request, device: Device) -> dict[str, Amount] | None:
@@ -163,23 +167,10 @@ class NodeAllocator:
     def pool_of(self, device: Device) -> Pool:
         return self._pool_of[device.id[:2]]
 
-    def capacity_in_use(self, device: Device) -> bool:
-        return self._capacity_in_use(device)
-
     def available_counters(self, pool: Pool) -> dict[str, dict[str, Amount]]:
         """The pool's counters less what allocated devices draw (before this attempt)."""
-        return self._available_counters(pool)
-
-    def _available_counters(self, pool: Pool) -> dict[str, dict[str, Amount]]:
         if pool.id not in self._available:
-            available = {name: dict(counters) for name, counters in pool.counter_sets.items()}
-            for device in pool.all_devices:
-                if self.state.is_allocated(device.id):
-                    for counter_set, counters in device.consumes:
-                        for name, value in counters.items():
-                            if name in available.get(counter_set, {}):
-                                available[counter_set][name] -= value
-            self._available[pool.id] = available
+            self._available[pool.id] = self.state.counters_left(pool)
         return self._available[pool.id]
 
     def _draw_counters(self, device: Device, sign: int) -> None:
@@ -193,7 +184,7 @@ class NodeAllocator:
         drawn = self._drawn.get(pool.id, {})
         return all(
             value >= drawn.get(set_name, {}).get(name, 0)
-            for set_name, counters in self._available_counters(pool).items()
+            for set_name, counters in self.available_counters(pool).items()
             for name, value in counters.items()
         )
 
@@ -271,7 +262,7 @@ class NodeAllocator:
         if self._in_use(device) and not request.admin_access:
             return None
         pool = self._pool_of[device.id[:2]]
-        draws = bool(device.consumes) and not (shared and self._capacity_in_use(device))
+        draws = bool(device.consumes) and not (shared and self.capacity_in_use(device))
         if draws:
             self._draw_counters(device, +1)
             if not self._counters_fit(pool):
@@ -285,10 +276,7 @@ class NodeAllocator:
             for step in reversed(undo_steps):
                 step()
 
-        if any(
-            taint.effect in ("NoSchedule", "NoExecute") and not any(t.tolerates(taint) for t in request.tolerations)
-            for taint in device.taints
-        ):
+        if request.untolerated_taints(device):
             undo()
             return None
         for index, constraint in enumerate(claim.constraints):

@@ -95,12 +95,12 @@ class ClusterAllocator:
         used = total = 0
         partial = False
         for pool in self.snapshot.pools.get(node, ()):
-            allocator = NodeAllocator(self.nodes[node], [pool], self.state, self.classes)
-            available = allocator.available_counters(pool)
+            available = self.state.counters_left(pool)
+            partial = partial or any(self.state.shared.get(d.id) for d in pool.devices)
             for set_name, counters in pool.counter_sets.items():
                 drawn = sum(value - available[set_name][name] for name, value in counters.items())
                 full = sum(counters.values())
-                partial = partial or 0 < drawn < full or any(self.state.shared.get(d.id) for d in pool.devices)
+                partial = partial or 0 < drawn < full
                 total += full
                 used += drawn
             for device in pool.devices:
@@ -113,7 +113,8 @@ class ClusterAllocator:
     def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, float]:
         """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
         used before, the size of what it rules out there, and how much of its GPUs stays free."""
-        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes)
+        cache = self._candidates.setdefault(node, {})
+        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes, cache=cache)
         pools = {pool.id: pool for pool in self.snapshot.pools[node]}
         opened: set[tuple[str, str, str]] = set()
         ruled_out, left = 0, 0.0

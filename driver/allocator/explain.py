@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from driver.allocator.allocate import AllocationError, NodeAllocator
+from driver.allocator.allocate import AllocationError, NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.model import Claim, Device, Request
@@ -31,11 +31,9 @@ def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str 
     shared_in_use = device.allow_multiple_allocations and allocator.capacity_in_use(device)
     if device.consumes and not shared_in_use and not counters_fit(device, allocator.available_counters(pool)):
         return "its GPU is taken by other devices (shared counters)"
-    if any(
-        t.effect in ("NoSchedule", "NoExecute") and not any(x.tolerates(t) for x in request.tolerations)
-        for t in device.taints
-    ):
-        return "tainted " + ", ".join(f"{t.key}={t.value}:{t.effect}" for t in device.taints)
+    taints = request.untolerated_taints(device)
+    if taints:
+        return "tainted " + ", ".join(f"{t.key}={t.value}:{t.effect}" for t in taints)
     return None
 
 
@@ -59,17 +57,20 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
     in_class = matching = 0
     closest: list[tuple[Amount, str]] = []
     usable_on: dict[str, int] = {}
+    try:
+        of_class = compiled_selectors(cluster.classes, Request("", request.class_name), claim)
+        of_request = compiled_selectors(cluster.classes, request, claim)
+    except AllocationError as error:
+        return str(error)
     for node, pools in cluster.snapshot.pools.items():
         allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
         for pool in pools:
             for device in pool.devices:
                 try:
-                    if not allocator.selectable(
-                        device, allocator.compiled_selectors(Request("", request.class_name), claim)
-                    ):
+                    if not allocator.selectable(device, of_class):
                         continue
                     in_class += 1
-                    if not allocator.selectable(device, allocator.compiled_selectors(request, claim)):
+                    if not allocator.selectable(device, of_request):
                         continue
                 except AllocationError as error:
                     return str(error)

@@ -134,6 +134,14 @@ class Request:
     def full_name(self) -> str:
         return f"{self.parent}/{self.name}" if self.parent else self.name
 
+    def untolerated_taints(self, device: Device) -> list[Taint]:
+        """The device's NoSchedule / NoExecute taints this request does not tolerate."""
+        return [
+            taint
+            for taint in device.taints
+            if taint.effect in ("NoSchedule", "NoExecute") and not any(t.tolerates(taint) for t in self.tolerations)
+        ]
+
     @property
     def base_name(self) -> str:
         return self.parent or self.name

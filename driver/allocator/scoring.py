@@ -86,8 +86,10 @@ def order_for(policy: Policy):  # -> DeviceOrder | None
         return None  # upstream's order: pools by name, slices by name, devices as published
 
     def ordered(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
-        takeable = [d for d in devices if _takeable(allocator, d)]
-        rest = [d for d in devices if not _takeable(allocator, d)]
+        takeable: list[Device] = []
+        rest: list[Device] = []
+        for device in devices:
+            (takeable if _takeable(allocator, device) else rest).append(device)
         scores = {id(d): device_score(allocator, d) for d in takeable}
         if policy == "binpack":
             takeable.sort(key=lambda d: scores[id(d)])

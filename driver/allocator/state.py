@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.model import DeviceId
+from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount, QuantityError, parse_quantity
 
 
@@ -21,6 +22,17 @@ class AllocatedState:
     def is_allocated(self, device: DeviceId) -> bool:
         """Allocated at all: its counters are drawn (once, however many shares it has)."""
         return device in self.exclusive or device in self.shared
+
+    def counters_left(self, pool: Pool) -> dict[str, dict[str, Amount]]:
+        """The pool's counters less what its allocated devices draw (a shared device once)."""
+        left = {name: dict(counters) for name, counters in pool.counter_sets.items()}
+        for device in pool.all_devices:
+            if self.is_allocated(device.id):
+                for counter_set, counters in device.consumes:
+                    for name, value in counters.items():
+                        if name in left.get(counter_set, {}):
+                            left[counter_set][name] -= value
+        return left
 
     def add_result(self, result: dict[str, Any]) -> None:
         if result.get("adminAccess"):
