@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,8 +14,11 @@ JsonObject = dict[str, Any]
 
 
 class ControllerApi(ClientKubeApi):
-    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
+    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int = 32) -> None:
         super().__init__(kubeconfig, timeout_s)
+        # Writes go out from a pool of threads: one connection each, or urllib3 drops the extras.
+        self._client.configuration.connection_pool_maxsize = connections
+        self._client.rest_client = kubernetes.client.rest.RESTClientObject(self._client.configuration)
         self._coordination = kubernetes.client.CoordinationV1Api(self._client)
         self.listers: dict[str, Callable[..., Any]] = {
             "slices": self._resource.list_resource_slice,
@@ -23,16 +27,23 @@ class ControllerApi(ClientKubeApi):
             "pods": self._core.list_pod_for_all_namespaces,
             "nodes": self._core.list_node,
         }
+        self.namespaced_listers: dict[str, Callable[..., Any]] = {"ledgers": self._core.list_namespaced_config_map}
 
-    def list(self, kind: str, label_selector: str = "") -> tuple[list[JsonObject], str]:
-        result = self._call(self.listers[kind], label_selector=label_selector)
+    def _lister(self, kind: str, namespace: str) -> Callable[..., Any]:
+        if kind in self.namespaced_listers:
+            return functools.partial(self.namespaced_listers[kind], namespace)
+        return self.listers[kind]
+
+    def list(self, kind: str, label_selector: str = "", namespace: str = "") -> tuple[list[JsonObject], str]:
+        result = self._call(self._lister(kind, namespace), label_selector=label_selector)
         return result.get("items") or [], result["metadata"].get("resourceVersion", "")
 
     def watch(
-        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = ""
+        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""
     ) -> Iterator[tuple[str, JsonObject]]:
+        lister = self._lister(kind, namespace)
         return self._watch(
-            self.listers[kind], resource_version, timeout_s, label_selector=label_selector, allow_watch_bookmarks=True
+            lister, resource_version, timeout_s, label_selector=label_selector, allow_watch_bookmarks=True
         )
 
     def replace_claim(self, claim: JsonObject) -> JsonObject:
@@ -64,3 +75,10 @@ class ControllerApi(ClientKubeApi):
 
     def replace_lease(self, namespace: str, lease: JsonObject) -> JsonObject:
         return self._call(self._coordination.replace_namespaced_lease, lease["metadata"]["name"], namespace, lease)
+
+    def create_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject:
+        return self._call(self._core.create_namespaced_config_map, namespace, ledger)
+
+    def replace_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject:
+        name = ledger["metadata"]["name"]
+        return self._call(self._core.replace_namespaced_config_map, name, namespace, ledger)

@@ -5,16 +5,23 @@ metadata and every claim made from it carries it). Their pods carry the scheduli
 `gpu.fgpu.dev/allocation`, so kube-scheduler leaves them alone until the controller has written
 every claim's allocation; it then lifts the gate and kube-scheduler binds the pod to the node the
 allocation names. Gangs: claims labelled `gpu.fgpu.dev/gang=<name>` and `gpu.fgpu.dev/gang-size=<n>`
-are allocated together once all n exist, all or none."""
+are allocated together once all n exist, all or none.
+
+A pass computes placements one unit (a claim, or a whole gang) at a time and hands each to a pool
+of writers, so writes overlap with the search and with each other (at most MAX_IN_FLIGHT units);
+a unit's pods are released as soon as its claims are written. Each unit is recorded in the pools'
+ledgers before its claims are written (ledger.py: the fence). A write that fails ends the pass:
+the claims and ledgers are read afresh from the API server before anything else is allocated."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
@@ -23,9 +30,22 @@ from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
 from driver.controller import metrics
+from driver.controller.clock import timestamp
 from driver.controller.informer import Informer, object_key
-from driver.controller.leader import LeaderElector
-from driver.kube import ConflictError, KubeError
+from driver.controller.leader import LeaderElector, LeaseTimings
+from driver.controller.ledger import (
+    FENCE_ANNOTATION,
+    LEDGER_LABEL,
+    Entry,
+    Ledgers,
+    PoolId,
+    allocated_results,
+    backs,
+    entries_for,
+    entries_of,
+    pool_of,
+)
+from driver.kube import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 OPT_IN_LABEL = "gpu.fgpu.dev/allocator"
@@ -35,6 +55,7 @@ GANG_SIZE_LABEL = "gpu.fgpu.dev/gang-size"
 SCHEDULING_GATE = "gpu.fgpu.dev/allocation"
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
 COMPONENT = "fgpu-controller"
+MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency
 
 
 def opted_in(claim: dict[str, Any]) -> bool:
@@ -70,16 +91,47 @@ def gang_of(claim: Claim) -> tuple[str, int] | None:
         return f"{claim.namespace}/{name}", 0  # a size that is not a number: reported, never placed
 
 
+def gated(pod: dict[str, Any]) -> bool:
+    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
+
+
+@dataclass
+class Unit:
+    """Claims written together: one claim, or the waiting members of a gang (all or none)."""
+
+    placements: list[Placement]
+    objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
+    pods: set[str] = field(default_factory=set)  # gated pods that use these claims
+
+
 class Controller:
     def __init__(
-        self, api: Any, identity: str, policy: Policy = "binpack", lease_namespace: str = "kube-system"
+        self,
+        api: Any,
+        identity: str,
+        policy: Policy = "binpack",
+        lease_namespace: str = "kube-system",
+        timings: LeaseTimings | None = None,
     ) -> None:
-        self.api, self.policy = api, policy
+        self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {
             kind: Informer(api, kind, self.changed) for kind in ("slices", "classes", "claims", "pods", "nodes")
         }
-        self.leader = LeaderElector(api, lease_namespace, "fgpu-controller", identity)
+        self.informers["ledgers"] = Informer(
+            api, "ledgers", self.changed, f"{LEDGER_LABEL}=true", namespace=lease_namespace
+        )
+        self.leader = LeaderElector(
+            api,
+            lease_namespace,
+            "fgpu-controller",
+            identity,
+            timings or LeaseTimings.from_env(),
+            on_change=lambda leading: self.changed.set(),  # a new leader starts at once
+        )
+        self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on
+        self.ledgers = Ledgers(api, lease_namespace, self.informers["ledgers"].update, self.stale.set)
+        self._writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
         self._snapshot: Snapshot | None = None
         self._snapshot_version: tuple[int, int] = (-1, -1)
         self._reported: dict[str, str] = {}  # claim uid -> last failure reported as an Event
@@ -90,13 +142,14 @@ class Controller:
     def run(self) -> None:
         for informer in self.informers.values():
             informer.start()
-        threading.Thread(target=self.leader.run, args=(self.stop_event,), name="leader", daemon=True).start()
+        elector = threading.Thread(target=self.leader.run, args=(self.stop_event,), name="leader", daemon=True)
+        elector.start()
         while not self.stop_event.is_set():
             self.changed.wait(timeout=5.0)
             self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
-            metrics.LEADER.set(self.leader.is_leader.is_set())
-            if not self.leader.is_leader.is_set() or not all(i.synced.is_set() for i in self.informers.values()):
+            metrics.LEADER.set(self.leader.leading())
+            if not self.acting() or not all(i.synced.is_set() for i in self.informers.values()):
                 continue
             try:
                 self.run_pass()
@@ -104,12 +157,19 @@ class Controller:
                 log.warning("pass ended early: %s", error)
                 self.stop_event.wait(1.0)
                 self.changed.set()
+        self._writers.shutdown(wait=True)
+        elector.join()
+        self.leader.release()  # after the last write: the standby may start at once
 
     def stop(self) -> None:
         self.stop_event.set()
         self.changed.set()
         for informer in self.informers.values():
             informer.stop()
+
+    def acting(self) -> bool:
+        """Checked before every write: a replica that cannot renew its lease stops at once."""
+        return self.leader.leading() and not self.stop_event.is_set()
 
     # --- one pass -----------------------------------------------------------------------------
 
@@ -129,28 +189,62 @@ class Controller:
         return self._snapshot
 
     def allocator(self) -> ClusterAllocator:
+        """Everything the claims hold and the ledgers record, as of the ledgers' versions that the
+        pass's writes are conditioned on."""
         classes = {}
         for obj in self.informers["classes"].items():
             cls = class_from_object(obj)
             classes[cls.name] = cls
-        claims = self.informers["claims"].items()
-        state = AllocatedState.from_allocations((c.get("status") or {}).get("allocation") for c in claims)
+        state = AllocatedState()
+        for result in allocated_results(self.informers["claims"].items(), self.ledgers.objects()):
+            state.add_result(result)
         return ClusterAllocator(self.snapshot(), classes, state, self.policy)
 
     def run_pass(self) -> None:
+        self.stale.clear()
+        self.ledgers.begin(self.informers["ledgers"].items())
+        self._resolve_undecided()
         waiting = sorted(
             (c for c in self.informers["claims"].items() if pending(c)),
             key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
         )
         metrics.PENDING.set(len(waiting))
-        if waiting:
+        if waiting and not self.stale.is_set():
             self._allocate(waiting)
+        if self.stale.is_set():
+            self.refresh()
+            return
         self._lift_gates()
+
+    def refresh(self) -> None:
+        """A conflict means the world changed: read the claims (their allocations) and the ledgers
+        from the API server before allocating anything else."""
+        metrics.REFRESHES.inc()
+        for kind in ("claims", "ledgers"):
+            self.informers[kind].relist()
+        self.stale.clear()
+        self.changed.set()
 
     def _allocate(self, waiting: list[dict[str, Any]]) -> None:
         allocator = self.allocator()
+        pods_of = self._gated_pods_by_claim()
+        in_flight = []
+        for unit in self._units(allocator, waiting):
+            unit.pods = {pod for key in unit.objects for pod in pods_of.get(key, ())}
+            in_flight.append(self._writers.submit(self._write_unit, unit))
+        wait(in_flight)
+        for future in in_flight:
+            if future.exception() is not None:
+                log.error("writing a unit failed", exc_info=future.exception())
+                self.stale.set()
+
+    def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> Iterator[Unit]:
+        """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
+        as soon as a write has failed or this replica no longer leads."""
         gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
         for obj in waiting:
+            if self.stale.is_set() or not self.acting():
+                return
             try:
                 claim = claim_from_object(obj)
             except ObjectError as error:
@@ -159,38 +253,40 @@ class Controller:
             gang = gang_of(claim)
             if gang is not None:
                 gangs[gang].append(claim)
-                continue
-            self._allocate_one(allocator, claim, obj)
+            elif (placement := self._place_one(allocator, claim, obj)) is not None:
+                yield Unit([placement], {claim.key: obj})
         for (name, size), members in gangs.items():
-            self._allocate_gang(allocator, name, size, members)
+            if self.stale.is_set() or not self.acting():
+                return
+            if (unit := self._place_gang(allocator, name, size, members)) is not None:
+                yield unit
 
-    def _allocate_one(self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any]) -> None:
+    def _place_one(self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any]) -> Placement | None:
         started = time.perf_counter()
         outcome = allocator.allocate(claim)
         metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, Failure):
             metrics.ALLOCATIONS.labels("unschedulable").inc()
             self._report(obj, outcome.reason)
-            return
+            return None
         allocator.commit(outcome)
-        if not self._write(obj, outcome):
-            allocator.release(outcome.node, outcome.allocation)
+        return outcome
 
-    def _allocate_gang(self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim]) -> None:
+    def _place_gang(self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim]) -> Unit | None:
         objects = {c.key: self.informers["claims"].get(c.key) for c in members}
         if size == 0:
             for obj in objects.values():
                 self._report(obj, f"label {GANG_SIZE_LABEL} must be a whole number")
-            return
+            return None
+        present = {key: obj for key, obj in objects.items() if obj is not None}
+        if len(present) < len(objects):
+            return None  # deleted since the pass began
         allocated = [c for c in self._gang_claims(name) if not pending(c)]
         if len(members) + len(allocated) < size:
+            missing = size - len(members) - len(allocated)
             for obj in objects.values():
-                self._report(
-                    obj,
-                    f"gang {name} waits for {size - len(members) - len(allocated)} more claim(s) of {size}",
-                    warning=False,
-                )
-            return
+                self._report(obj, f"gang {name} waits for {missing} more claim(s) of {size}", warning=False)
+            return None
         outcome = allocator.allocate_gang(members)
         if isinstance(outcome, Failure):
             metrics.GANGS.labels("unschedulable").inc()
@@ -198,19 +294,9 @@ class Controller:
                 self._report(obj, outcome.reason)
             if allocated and len(allocated) < size:
                 # Members left allocated by an interrupted pass: all or none, so give them back.
-                self._take_back(allocator, allocated)
-            return
-        written: list[str] = []
-        for placement in outcome:
-            if not self._write(objects[placement.claim.key], placement):
-                # All or none: a write that fails takes back the others.
-                for rest in outcome:
-                    allocator.release(rest.node, rest.allocation)
-                self._take_back(None, [o for key in written if (o := self.informers["claims"].get(key))])
-                metrics.GANGS.labels("interrupted").inc()
-                return
-            written.append(placement.claim.key)
-        metrics.GANGS.labels("allocated").inc()
+                self._take_back(allocated)
+            return None
+        return Unit(outcome, present)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)
@@ -221,78 +307,203 @@ class Controller:
             and (c["metadata"].get("labels") or {}).get(GANG_LABEL) == name
         ]
 
-    def _gang_whole(self, obj: dict[str, Any]) -> bool:
-        """Whether a claim can be used: not in a gang, or every claim of its gang is allocated."""
-        gang = gang_of(claim_from_object(obj)) if opted_in(obj) else None
-        if gang is None:
-            return True
-        members = self._gang_claims(gang[0])
-        return len(members) >= gang[1] and not any(pending(c) for c in members)
+    # --- writes: one unit -----------------------------------------------------------------------
 
-    # --- writes -------------------------------------------------------------------------------
+    def _write_unit(self, unit: Unit) -> None:
+        """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
+        go as soon as it is written. A failure undoes what the unit wrote, as far as it can."""
+        prepared = [self._protect(unit.objects[p.claim.key]) for p in unit.placements]
+        decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
+        if len(decided) < len(unit.placements):
+            return
+        entries: dict[PoolId, dict[str, Entry]] = defaultdict(dict)
+        for placement, obj in decided:
+            for pool, entry in entries_for(obj, placement.allocation).items():
+                entries[pool][obj["metadata"]["uid"]] = entry
+        recorded: dict[PoolId, dict[str, Entry]] = {}
+        for pool, added in entries.items():
+            if not self.acting() or not self.ledgers.change(pool, add=added):
+                self._forget(recorded)
+                return
+            recorded[pool] = added
+        written: list[dict[str, Any]] = []
+        for index, (placement, obj) in enumerate(decided):
+            result = self._write_status(obj, placement) if self.acting() else None
+            if result is None:
+                unwritten = {o["metadata"]["uid"] for _, o in decided[index:]}
+                self._forget(
+                    {pool: {u: e for u, e in added.items() if u in unwritten} for pool, added in recorded.items()}
+                )
+                self._take_back(written)
+                if len(decided) > 1:
+                    metrics.GANGS.labels("interrupted").inc()
+                return
+            written.append(result)
+        if len(decided) > 1:
+            metrics.GANGS.labels("allocated").inc()
+        self._lift_pods(unit.pods)
 
-    def _write(self, obj: dict[str, Any] | None, placement: Placement) -> bool:
-        if obj is None:
-            return False
+    def _forget(self, entries: dict[PoolId, dict[str, Entry]]) -> None:
+        """Drop entries whose claims were never written; what cannot be dropped now is dropped by a
+        later pass (_resolve_undecided)."""
+        for pool, uids in entries.items():
+            if uids and self.acting():
+                self.ledgers.change(pool, remove=uids)
+
+    def _protect(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The claim with the delete-protection finalizer (added first, as kube-scheduler does)."""
+        finalizers = obj["metadata"].get("finalizers") or []
+        if DELETE_PROTECTION in finalizers:
+            return obj
+        if not self.acting():
+            return None
+        meta = {**obj["metadata"], "finalizers": [*finalizers, DELETE_PROTECTION]}
+        return self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+
+    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | None:
+        allocation = {**placement.allocation, "allocationTimestamp": timestamp()}
+        body = {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
+        updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
+        if updated is not None:
+            metrics.ALLOCATIONS.labels("allocated").inc()
+            log.info("allocated %s on %s", placement.claim.key, placement.node)
+        return updated
+
+    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | None:
+        """One write conditioned on the claim's resourceVersion; None (and the pass ends) on failure."""
         try:
-            if DELETE_PROTECTION not in (obj["metadata"].get("finalizers") or []):
-                meta = {
-                    **obj["metadata"],
-                    "finalizers": [*(obj["metadata"].get("finalizers") or []), DELETE_PROTECTION],
-                }
-                obj = self.api.replace_claim({**obj, "metadata": meta})
-            allocation = {**placement.allocation, "allocationTimestamp": _now()}
-            updated = self.api.replace_claim_status(
-                {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
-            )
+            updated = call(body)
         except ConflictError:
             metrics.CONFLICTS.inc()
             metrics.ALLOCATIONS.labels("conflict").inc()
-            self.changed.set()  # the watch brings the fresh claim; the next pass retries on it
-            return False
-        except KubeError as error:  # an outage: nothing lost, the next pass tries again
+            self.stale.set()
+            return None
+        except KubeError as error:  # an outage: nothing lost, a later pass tries again
             metrics.ALLOCATIONS.labels("error").inc()
-            log.warning("cannot write the allocation of %s: %s", placement.claim.key, error)
-            self.changed.set()
-            return False
+            log.warning("cannot write claim %s: %s", key, error)
+            self.stale.set()
+            return None
         self.informers["claims"].update(updated)
-        metrics.ALLOCATIONS.labels("allocated").inc()
-        log.info("allocated %s on %s", placement.claim.key, placement.node)
-        return True
+        return updated
 
-    def _take_back(self, allocator: ClusterAllocator | None, claims: Iterable[dict[str, Any]]) -> None:
-        """Clear allocations we wrote; one that cannot be cleared now is retried on a later pass."""
+    def _take_back(self, claims: Iterable[dict[str, Any]]) -> None:
+        """Clear allocations we wrote, then their ledger entries (in that order: the entry holds the
+        devices until the claim no longer does). What fails is retried by a later pass."""
+        cleared: dict[PoolId, set[str]] = defaultdict(set)
         for obj in claims:
+            if not self.acting():
+                return
             status = {k: v for k, v in (obj.get("status") or {}).items() if k != "allocation"}
-            try:
-                self.informers["claims"].update(self.api.replace_claim_status({**obj, "status": status}))
-            except KubeError as error:
-                log.error("could not take back the allocation of %s: %s", object_key(obj), error)
+            if self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj)) is None:
+                log.error("could not take back the allocation of %s", object_key(obj))
                 continue
-            if allocator is not None:
-                allocator.state.remove_allocation((obj.get("status") or {}).get("allocation"))
+            for pool in entries_for(obj, (obj.get("status") or {}).get("allocation") or {}):
+                cleared[pool].add(obj["metadata"]["uid"])
+        for pool, uids in cleared.items():
+            if self.acting():
+                self.ledgers.change(pool, remove=uids)
+
+    # --- entries without a claim to match -------------------------------------------------------
+
+    def _resolve_undecided(self) -> None:
+        """Drop ledger entries that no claim holds and none can come to hold: left by a replica
+        that stopped (or was stopped) between its ledger write and its claim write, or by a claim
+        that was taken back or deleted. Entries the claim cache confirms cost nothing here."""
+        claims = {c["metadata"].get("uid"): c for c in self.informers["claims"].items()}
+        suspects = [
+            (pool_of(ledger), uid, entry)
+            for ledger in self.ledgers.objects()
+            for uid, entry in entries_of(ledger).items()
+            if not backs(entry, uid, claims.get(uid), pool_of(ledger))
+        ]
+        if not suspects:
+            return
+        verdicts = self._writers.map(lambda s: self._voided(*s), suspects)
+        dropped: dict[PoolId, set[str]] = defaultdict(set)
+        for (pool, uid, _), voided in zip(suspects, verdicts, strict=True):
+            if voided:
+                dropped[pool].add(uid)
+        for pool, uids in dropped.items():
+            if self.acting():
+                log.info("dropping %d ledger entries of pool %s/%s no claim holds", len(uids), *pool)
+                self.ledgers.change(pool, remove=uids)
+
+    def _voided(self, pool: PoolId, uid: str, entry: Entry) -> bool:
+        """Whether no write can still give the claim what the entry records: read afresh, the claim
+        is gone, holds something else, or has moved past the version the entry was decided on. A
+        pending claim still at that version is changed now, so that the decision's write fails."""
+        namespace, name = entry.claim.split("/", 1)
+        try:
+            claim = self.api.get_claim(namespace, name)
+        except NotFoundError:
+            return True
+        except KubeError as error:
+            log.warning("cannot read claim %s: %s", entry.claim, error)
+            return False
+        if backs(entry, uid, claim, pool):
+            self.informers["claims"].update(claim)
+            return False
+        if claim["metadata"].get("uid") != uid or claim["metadata"].get("resourceVersion") != entry.version:
+            return True
+        if not self.acting():
+            return False
+        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: entry.version}
+        body = {**claim, "metadata": {**claim["metadata"], "annotations": annotations}}
+        return self._claim_write(self.api.replace_claim, body, entry.claim) is not None
+
+    # --- gates --------------------------------------------------------------------------------
+
+    def _gated_pods_by_claim(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = defaultdict(list)
+        for pod in self.informers["pods"].items():
+            if gated(pod) and (names := pod_claim_names(pod)) is not None:
+                for name in names:
+                    out[f"{pod['metadata']['namespace']}/{name}"].append(object_key(pod))
+        return out
+
+    def _whole_gangs(self) -> dict[str, bool]:
+        """Gang -> whether every one of its claims exists and is allocated."""
+        members: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+        for obj in self.informers["claims"].items():
+            if opted_in(obj) and (labels := obj["metadata"].get("labels") or {}).get(GANG_LABEL):
+                members[f"{obj['metadata']['namespace']}/{labels[GANG_LABEL]}", _size(labels)].append(obj)
+        return {
+            gang: len(claims) >= size > 0 and not any(pending(c) for c in claims)
+            for (gang, size), claims in members.items()
+        }
+
+    def _lift_pods(self, keys: Iterable[str]) -> None:
+        pods = [p for key in keys if (p := self.informers["pods"].get(key)) is not None]
+        if pods:
+            whole = self._whole_gangs()
+            for pod in pods:
+                self._lift(pod, whole)
 
     def _lift_gates(self) -> None:
-        claims = self.informers["claims"]
+        whole = self._whole_gangs()
         for pod in self.informers["pods"].items():
-            gates = (pod.get("spec") or {}).get("schedulingGates") or []
-            if not any(g.get("name") == SCHEDULING_GATE for g in gates):
-                continue
-            names = pod_claim_names(pod)
-            if names is None:
-                continue
-            namespace = pod["metadata"]["namespace"]
-            used = [claims.get(f"{namespace}/{name}") for name in names]
-            if any(c is None or pending(c) or not self._gang_whole(c) for c in used):
-                continue
-            try:
-                self.informers["pods"].update(
-                    self.api.set_scheduling_gates(pod, [g for g in gates if g.get("name") != SCHEDULING_GATE])
-                )
-            except KubeError as error:
-                log.warning("cannot lift the gate of pod %s/%s: %s", namespace, pod["metadata"]["name"], error)
-                continue
-            metrics.GATES_LIFTED.inc()
+            if self.acting():
+                self._lift(pod, whole)
+
+    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool]) -> None:
+        """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole."""
+        if not gated(pod) or (names := pod_claim_names(pod)) is None:
+            return
+        namespace = pod["metadata"]["namespace"]
+        used = [self.informers["claims"].get(f"{namespace}/{name}") for name in names]
+        for claim in used:
+            if claim is None or pending(claim):
+                return
+            gang = (claim["metadata"].get("labels") or {}).get(GANG_LABEL) if opted_in(claim) else None
+            if gang and not whole_gangs.get(f"{namespace}/{gang}"):
+                return
+        gates = [g for g in pod["spec"]["schedulingGates"] if g.get("name") != SCHEDULING_GATE]
+        try:
+            self.informers["pods"].update(self.api.set_scheduling_gates(pod, gates))
+        except KubeError as error:
+            log.warning("cannot lift the gate of pod %s: %s", object_key(pod), error)
+            return
+        metrics.GATES_LIFTED.inc()
 
     def _report(self, obj: dict[str, Any] | None, reason: str, warning: bool = True) -> None:
         """One Event per claim and reason (not one a pass)."""
@@ -303,7 +514,7 @@ class Controller:
             return
         self._reported[meta.get("uid", "")] = reason
         log.info("claim %s/%s: %s", meta["namespace"], meta["name"], reason)
-        now = _now()
+        now = timestamp()
         event = {
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
@@ -329,5 +540,8 @@ class Controller:
             log.warning("cannot record an event for %s/%s: %s", meta["namespace"], meta["name"], error)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _size(labels: dict[str, str]) -> int:
+    try:
+        return max(1, int(labels.get(GANG_SIZE_LABEL, "1")))
+    except ValueError:
+        return 0

@@ -18,8 +18,11 @@ def object_key(obj: dict[str, Any]) -> str:
 
 
 class Informer:
-    def __init__(self, api: Any, kind: str, changed: threading.Event, label_selector: str = "") -> None:
+    def __init__(
+        self, api: Any, kind: str, changed: threading.Event, label_selector: str = "", namespace: str = ""
+    ) -> None:
         self.api, self.kind, self.changed, self.label_selector = api, kind, changed, label_selector
+        self.namespace = namespace
         self._objects: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self.synced = threading.Event()
@@ -45,6 +48,22 @@ class Informer:
         """Our own write, applied at once so the next pass does not act on the stale object."""
         self._apply("MODIFIED", obj)
 
+    def relist(self) -> None:
+        """Read everything afresh from the API server (after a conflict: the cache was stale). An
+        object the watch brought in after the list stays; one missing from the list is gone."""
+        items, resource_version = self.api.list(self.kind, self.label_selector, self.namespace)
+        listed = {object_key(o): o for o in items}
+        with self._lock:
+            for key, current in list(self._objects.items()):
+                if key not in listed and not _newer(current, {"metadata": {"resourceVersion": resource_version}}):
+                    del self._objects[key]
+            for key, obj in listed.items():
+                current = self._objects.get(key)
+                if current is None or not _newer(current, obj):
+                    self._objects[key] = obj
+            self.version += 1
+        self.changed.set()
+
     def _apply(self, kind: str, obj: dict[str, Any]) -> None:
         key = object_key(obj)
         with self._lock:
@@ -61,7 +80,7 @@ class Informer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                items, resource_version = self.api.list(self.kind, self.label_selector)
+                items, resource_version = self.api.list(self.kind, self.label_selector, self.namespace)
                 with self._lock:
                     self._objects = {object_key(o): o for o in items}
                     self.version += 1
@@ -69,7 +88,7 @@ class Informer:
                 self.changed.set()
                 while not self._stop.is_set():
                     for event_type, obj in self.api.watch(
-                        self.kind, resource_version, WATCH_TIMEOUT_S, self.label_selector
+                        self.kind, resource_version, WATCH_TIMEOUT_S, self.label_selector, self.namespace
                     ):
                         if event_type == "ERROR":
                             raise KubeError(f"watch of {self.kind} ended: {obj.get('message')}")

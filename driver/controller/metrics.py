@@ -15,3 +15,4 @@ ALLOCATION_SECONDS = Histogram(
 )
 LEADER = Gauge("fgpu_controller_leader", "1 while this replica holds the lease")
 PENDING = Gauge("fgpu_controller_pending_claims", "Opt-in claims waiting for an allocation")
+REFRESHES = Counter("fgpu_controller_refreshes_total", "Claims and ledgers read afresh after a failed write")

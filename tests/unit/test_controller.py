@@ -1,4 +1,5 @@
-"""Controller pieces without an API server: leader election, pod claims, gang labels, plan CLI."""
+"""Controller pieces without an API server: leader election on a fake clock, the ledger fence
+with two replicas that both believe they lead, conflicts, gangs, gates, pod claims, plan CLI."""
 
 from __future__ import annotations
 
@@ -6,65 +7,232 @@ import copy
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+
 from driver.allocator.model import claim_from_object
-from driver.controller.controller import gang_of, pending, pod_claim_names
-from driver.controller.leader import LeaderElector
+from driver.controller.controller import Controller, gang_of, pending, pod_claim_names
+from driver.controller.informer import object_key
+from driver.controller.leader import LeaderElector, LeaseTimings
+from driver.controller.ledger import FENCE_ANNOTATION, entries_of, ledger_name
 from driver.kube import ConflictError, KubeUnavailableError, NotFoundError
-from tests.conftest import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-class LeaseApi:
-    """Leases with resourceVersions, refusing stale writes as the API server does."""
+class FakeApi:
+    """The API server as far as the controller sees it: objects with resourceVersions, writes
+    conditioned on them (a stale one conflicts), status and main resource written apart."""
 
     def __init__(self) -> None:
-        self.lease: dict[str, Any] | None = None
-        self.version = 0
+        self.version = 100
+        self.store: dict[str, dict[str, dict[str, Any]]] = {
+            kind: {} for kind in ("slices", "classes", "claims", "pods", "nodes", "ledgers", "leases")
+        }
+        self.events: list[dict[str, Any]] = []
+        self.status_writes: list[str] = []  # claim names, in order
+        self.failing_status_writes: set[int] = set()  # status writes (counted from 1) that meet an outage
+        self.lease_outage = False
+        self.write_delay_s = 0.0
+        self._lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+
+    # --- storage ---
+
+    def put(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create or overwrite, unconditionally (the test acting as another client)."""
+        with self._lock:
+            self.version += 1
+            obj = copy.deepcopy(obj)
+            obj["metadata"]["resourceVersion"] = str(self.version)
+            obj["metadata"].setdefault("uid", f"uid-{obj['metadata']['name']}")
+            self.store[kind][object_key(obj)] = obj
+            return copy.deepcopy(obj)
+
+    def get(self, kind: str, key: str) -> dict[str, Any]:
+        if key not in self.store[kind]:
+            raise NotFoundError(key)
+        return copy.deepcopy(self.store[kind][key])
+
+    def _replace(self, kind: str, obj: dict[str, Any], keep: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            current = self.store[kind].get(object_key(obj))
+            if current is None:
+                raise NotFoundError(object_key(obj))
+            if obj["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                raise ConflictError("the object has been modified")
+        if keep == "status":  # an update of the main resource leaves the status alone, and vice versa
+            obj = {**obj, "status": current.get("status")}
+        elif keep == "metadata":
+            obj = {**obj, "metadata": {**current["metadata"]}}
+        return self.put(kind, obj)
+
+    def list(self, kind: str, label_selector: str = "", namespace: str = "") -> tuple[list[dict[str, Any]], str]:
+        with self._lock:
+            return copy.deepcopy(list(self.store[kind].values())), str(self.version)
+
+    # --- the controller's calls ---
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.get("claims", f"{namespace}/{name}")
+
+    def replace_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        return self._replace("claims", claim, keep="status")
+
+    def replace_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.status_writes.append(claim["metadata"]["name"])
+            outage = len(self.status_writes) in self.failing_status_writes
+        try:
+            time.sleep(self.write_delay_s)  # lets concurrent writes overlap
+            if outage:
+                raise KubeUnavailableError("API server unreachable")
+            return self._replace("claims", claim, keep="metadata")
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def create_ledger(self, namespace: str, ledger: dict[str, Any]) -> dict[str, Any]:
+        if object_key(ledger) in self.store["ledgers"]:
+            raise ConflictError("already exists")
+        return self.put("ledgers", ledger)
+
+    def replace_ledger(self, namespace: str, ledger: dict[str, Any]) -> dict[str, Any]:
+        return self._replace("ledgers", ledger)
+
+    def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
+        return self._replace("pods", {**pod, "spec": {**pod["spec"], "schedulingGates": gates}})
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
+        self.events.append(event)
+        return event
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
-        if self.lease is None:
-            raise NotFoundError(name)
-        return copy.deepcopy(self.lease)
+        if self.lease_outage:
+            raise KubeUnavailableError("API server unreachable")
+        return self.get("leases", f"{namespace}/{name}")
 
     def create_lease(self, namespace: str, lease: dict[str, Any]) -> dict[str, Any]:
-        if self.lease is not None:
-            raise ConflictError("exists")
-        return self._store(lease)
+        if self.lease_outage:
+            raise KubeUnavailableError("API server unreachable")
+        if object_key(lease) in self.store["leases"]:
+            raise ConflictError("already exists")
+        return self.put("leases", lease)
 
     def replace_lease(self, namespace: str, lease: dict[str, Any]) -> dict[str, Any]:
-        if self.lease is None or lease["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
-            raise ConflictError("stale")
-        return self._store(lease)
-
-    def _store(self, lease: dict[str, Any]) -> dict[str, Any]:
-        self.version += 1
-        self.lease = copy.deepcopy(lease)
-        self.lease["metadata"]["resourceVersion"] = str(self.version)
-        return copy.deepcopy(self.lease)
+        if self.lease_outage:
+            raise KubeUnavailableError("API server unreachable")
+        return self._replace("leases", lease)
 
 
-def test_one_replica_leads_and_another_takes_over_when_it_stops_renewing():
-    api = LeaseApi()
-    first, second = (LeaderElector(api, "ns", "lease", name, lease_s=15, renew_s=5) for name in ("a", "b"))
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+TIMINGS = LeaseTimings(lease_s=15, renew_deadline_s=10, retry_s=2)
+
+
+def electors(api: FakeApi, clock: FakeClock, changes: list[tuple[str, bool]] | None = None) -> list[LeaderElector]:
+    sink = changes if changes is not None else []
+    return [
+        LeaderElector(api, "ns", "lease", name, TIMINGS, lambda up, n=name: sink.append((n, up)), clock)
+        for name in ("a", "b")
+    ]
+
+
+def set_lease(api: FakeApi, **spec: Any) -> None:
+    lease = api.get("leases", "ns/lease")
+    api.put("leases", {**lease, "spec": {**lease["spec"], **spec}})
+
+
+def test_a_standby_judges_expiry_by_its_own_clock_never_by_renew_time():
+    api, clock = FakeApi(), FakeClock()
+    first, second = electors(api, clock)
     assert first.try_acquire_or_renew() and not second.try_acquire_or_renew()
-    assert first.try_acquire_or_renew()  # renewing keeps it
-    assert api.lease is not None and api.lease["spec"]["holderIdentity"] == "a"
-    api.lease["spec"]["renewTime"] = "2000-01-01T00:00:00.000000Z"  # "a" stopped renewing long ago
+    clock.now = 1.0
+    set_lease(api, renewTime="2000-01-01T00:00:00.000000Z")  # the holder's clock is far behind: a change all the same
+    assert not second.try_acquire_or_renew()
+    clock.now = 15.9  # 14.9 s after the change this replica saw
+    assert not second.try_acquire_or_renew()
+    clock.now = 16.1
     assert second.try_acquire_or_renew()
-    assert api.lease["spec"]["holderIdentity"] == "b" and api.lease["spec"]["leaseTransitions"] == 1
+    lease = api.get("leases", "ns/lease")["spec"]
+    assert lease["holderIdentity"] == "b" and lease["leaseTransitions"] == 1
+    assert not first.leading()  # its renew deadline (0 + 10 s) passed long before
 
 
-def test_a_stale_write_loses_the_race():
-    api = LeaseApi()
-    first, second = (LeaderElector(api, "ns", "lease", name) for name in ("a", "b"))
-    real_get = api.get_lease
-    api.get_lease = lambda ns, name: (_ for _ in ()).throw(NotFoundError(name))  # both saw no lease
+def test_a_renew_time_in_the_future_does_not_keep_a_dead_holder():
+    api, clock = FakeApi(), FakeClock()
+    first, second = electors(api, clock)
+    assert first.try_acquire_or_renew() and not second.try_acquire_or_renew()
+    set_lease(api, renewTime="2999-01-01T00:00:00.000000Z")  # a holder whose clock runs far ahead, then dies
+    assert not second.try_acquire_or_renew()
+    clock.now = 15.1
+    assert second.try_acquire_or_renew()
+
+
+def test_the_leader_stops_at_its_renew_deadline_before_a_standby_may_take_over():
+    api, clock = FakeApi(), FakeClock()
+    changes: list[tuple[str, bool]] = []
+    first, second = electors(api, clock, changes)
+    assert first.try_acquire_or_renew() and not second.try_acquire_or_renew()
+    clock.now = 2.0
+    assert first.try_acquire_or_renew() and not second.try_acquire_or_renew()  # renewed at 2: leads until 12
+    api.lease_outage = True
+    clock.now = 11.9
+    assert not first.try_acquire_or_renew() and first.leading()
+    clock.now = 12.0
+    assert not first.leading()  # at the deadline, without waiting for another attempt
+    api.lease_outage = False
+    clock.now = 16.9  # the standby saw the last change at 2.0: it waits until 17
+    assert not second.try_acquire_or_renew()
+    clock.now = 17.1
+    assert second.try_acquire_or_renew()
+    assert changes == [("a", True), ("b", True)]
+
+
+def test_a_leader_that_sees_another_holder_stops_at_once():
+    api, clock = FakeApi(), FakeClock()
+    changes: list[tuple[str, bool]] = []
+    first, _ = electors(api, clock, changes)
     assert first.try_acquire_or_renew()
-    assert not second.try_acquire_or_renew()  # its create conflicts
-    api.get_lease = real_get
-    assert not second.is_leader.is_set()
+    set_lease(api, holderIdentity="b")
+    clock.now = 2.0
+    assert not first.try_acquire_or_renew() and not first.leading()
+    assert changes == [("a", True), ("a", False)]
+
+
+def test_a_released_lease_is_taken_at_once_and_a_stale_write_loses():
+    api, clock = FakeApi(), FakeClock()
+    first, second = electors(api, clock)
+    assert first.try_acquire_or_renew()
+    first.release()
+    assert not first.leading()
+    assert second.try_acquire_or_renew()  # no wait for expiry
+    lease = api.get("leases", "ns/lease")
+    api.put("leases", lease)  # someone writes between this replica's read and its write
+    real_get = api.get_lease
+    api.get_lease = lambda ns, name: lease  # type: ignore[method-assign]
+    clock.now = 2.0
+    assert not second.try_acquire_or_renew() and not second.leading()
+    api.get_lease = real_get  # type: ignore[method-assign]
+
+
+def test_lease_timings_leave_room_for_a_late_renewal():
+    for lease_s, deadline_s, retry_s in ((10, 10, 2), (15, 10, 9), (15, 16, 2)):
+        with pytest.raises(ValueError):
+            LeaseTimings(lease_s, deadline_s, retry_s)
 
 
 def test_pod_claims_from_names_and_templates():
@@ -154,103 +322,191 @@ def test_plan_reports_bad_files(tmp_path: Path):
     assert run.returncode == 2 and "invalid quantity 'lots'" in run.stderr
 
 
-class ControllerApiFake:
-    """The calls the controller makes, on in-memory objects; status writes can be made to conflict."""
-
-    def __init__(self) -> None:
-        self.conflicts = 0
-        self.failing_writes: set[int] = set()  # status writes (counted from 1) the API server misses
-        self.writes = 0
-        self.status_writes: list[dict[str, Any]] = []
-        self.events: list[dict[str, Any]] = []
-        self.gates: dict[str, list[Any]] = {}
-        self.version = 100
-
-    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.version += 1
-        obj = copy.deepcopy(obj)
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        return obj
-
-    def replace_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
-        return self._bump(claim)
-
-    def replace_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
-        if self.conflicts:
-            self.conflicts -= 1
-            raise ConflictError("the object has been modified")
-        self.writes += 1
-        if self.writes in self.failing_writes:
-            raise KubeUnavailableError("API server unreachable")
-        self.status_writes.append(claim)
-        return self._bump(claim)
-
-    def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
-        self.gates[pod["metadata"]["name"]] = gates
-        return self._bump({**pod, "spec": {**pod["spec"], "schedulingGates": gates}})
-
-    def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
-        self.events.append(event)
-        return event
+@pytest.fixture(scope="module")
+def h100_slices(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return discover(tmp_path_factory.mktemp("slices"), "n1", "dgx-h100").read_text()
 
 
-def controller_with(objects: dict[str, list[dict[str, Any]]]) -> tuple[Any, ControllerApiFake]:
-    from driver.controller.controller import Controller
+def fake_cluster(template: str, nodes: int = 1) -> FakeApi:
+    """One dgx-h100 node's slices per node (n1, n2, ...), the device classes, the nodes."""
+    api = FakeApi()
+    for i in range(1, nodes + 1):
+        for obj in json.loads(template.replace('"n1', f'"n{i}'))["items"]:
+            api.put("slices", obj)
+        api.put("nodes", {"metadata": {"name": f"n{i}", "labels": {}}})
+    for obj in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()):
+        if obj:
+            api.put("classes", obj)
+    return api
 
-    api = ControllerApiFake()
-    controller = Controller(api, "test")
-    for kind, informer in controller.informers.items():
-        for obj in objects.get(kind, []):
-            informer.update(obj)
-    return controller, api
+
+@pytest.fixture
+def replicas() -> Any:
+    """Controllers that believe they lead (the lease is tested above), synced with the fake."""
+    started: list[Controller] = []
+
+    def start(api: FakeApi, identity: str = "a") -> Controller:
+        controller = Controller(api, identity, lease_namespace="fgpu")
+        controller.leader.leading = lambda: True  # type: ignore[method-assign]
+        sync(controller)
+        started.append(controller)
+        return controller
+
+    yield start
+    for controller in started:
+        controller.stop()
+        controller._writers.shutdown(wait=True)
+
+
+def sync(controller: Controller, *kinds: str) -> None:
+    for kind in kinds or controller.informers:
+        controller.informers[kind].relist()
 
 
 def opt_in_claim(name: str, count: int, **labels: str) -> dict[str, Any]:
-    meta = {"name": name, "namespace": "ml", "uid": f"uid-{name}", "resourceVersion": "1"}
-    meta["labels"] = {"gpu.fgpu.dev/allocator": "fgpu", **labels}
+    meta = {"name": name, "namespace": "ml", "labels": {"gpu.fgpu.dev/allocator": "fgpu", **labels}}
     request = {"name": "r", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": count}}
     return {"metadata": meta, "spec": {"devices": {"requests": [request]}}}
 
 
 def gated_pod(name: str, claim: str) -> dict[str, Any]:
-    meta = {"name": name, "namespace": "ml", "resourceVersion": "1"}
     spec = {"schedulingGates": [{"name": "gpu.fgpu.dev/allocation"}, {"name": "other"}]}
     spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-    return {"metadata": meta, "spec": spec}
+    return {"metadata": {"name": name, "namespace": "ml"}, "spec": spec}
 
 
-def cluster_objects(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
-    import yaml
-
-    slices = json.loads(discover(tmp_path, "n1", "dgx-h100").read_text())["items"]
-    for i, obj in enumerate(slices):
-        obj["metadata"]["resourceVersion"] = str(i + 1)
-    classes = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
-    for obj in classes:
-        obj["metadata"]["resourceVersion"] = "1"
-    return {"slices": slices, "classes": classes}
+def devices_of(claim: dict[str, Any]) -> list[tuple[str, str]]:
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    return [(r["pool"], r["device"]) for r in allocation.get("devices", {}).get("results", [])]
 
 
-def test_controller_allocates_retries_a_conflict_and_lifts_only_its_gate(tmp_path: Path):
-    objects = cluster_objects(tmp_path)
-    objects["claims"] = [opt_in_claim("train", 2)]
-    objects["pods"] = [gated_pod("trainer", "train")]
-    controller, api = controller_with(objects)
-    api.conflicts = 1
-    controller.run_pass()  # the write conflicts: nothing is written, the claim stays pending
-    assert not api.status_writes and "trainer" not in api.gates
-    controller.run_pass()  # the next pass allocates on fresh state
-    (written,) = api.status_writes
-    assert len(written["status"]["allocation"]["devices"]["results"]) == 2
-    assert "resource.kubernetes.io/delete-protection" in written["metadata"]["finalizers"]
-    assert api.gates["trainer"] == [{"name": "other"}]
+def claims_in(api: FakeApi) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in api.store["claims"].values()}
 
 
-def test_controller_waits_for_the_whole_gang_and_reports_once(tmp_path: Path):
-    objects = cluster_objects(tmp_path)
+def assert_no_device_given_twice(api: FakeApi) -> None:
+    held = [d for c in api.store["claims"].values() for d in devices_of(c)]
+    assert len(held) == len(set(held)), held
+
+
+def gates(api: FakeApi, pod: str) -> list[str]:
+    return [g["name"] for g in api.store["pods"][f"ml/{pod}"]["spec"]["schedulingGates"]]
+
+
+def ledger_entries(api: FakeApi, pool: str = "n1") -> dict[str, Any]:
+    ledger = api.store["ledgers"].get(f"fgpu/{ledger_name(('gpu.fgpu.dev', pool))}")
+    return entries_of(ledger) if ledger else {}
+
+
+def test_the_ledger_records_the_claim_before_its_status_and_only_our_gate_is_lifted(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("train", 2))
+    api.put("pods", gated_pod("trainer", "train"))
+    replicas(api).run_pass()
+    claim = claims_in(api)["train"]
+    assert len(devices_of(claim)) == 2
+    assert "resource.kubernetes.io/delete-protection" in claim["metadata"]["finalizers"]
+    (entry,) = ledger_entries(api).values()
+    assert entry.claim == "ml/train" and {("n1", d) for d, _ in entry.results} == set(devices_of(claim))
+    assert int(entry.version) < int(claim["metadata"]["resourceVersion"])  # the status write's precondition
+    assert gates(api, "trainer") == ["other"]
+
+
+def test_a_conflict_ends_the_pass_and_the_claims_are_read_afresh(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    claim = api.put("claims", opt_in_claim("train", 2))
+    controller = replicas(api)
+    api.put("claims", {**claim, "metadata": {**claim["metadata"], "labels": {**claim["metadata"]["labels"], "x": "y"}}})
+    controller.run_pass()  # its copy of the claim is stale: the write conflicts, nothing is allocated
+    assert not api.status_writes and not ledger_entries(api)
+    assert controller.informers["claims"].get("ml/train")["metadata"]["labels"]["x"] == "y"  # read afresh
+    controller.run_pass()
+    assert len(devices_of(claims_in(api)["train"])) == 2
+
+
+def test_two_replicas_that_both_lead_never_give_a_device_twice(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    first, second = replicas(api, "a"), replicas(api, "b")  # both synced while nothing was allocated
+    api.put("claims", opt_in_claim("x", 6))
+    sync(first, "claims")
+    first.run_pass()
+    assert len(devices_of(claims_in(api)["x"])) == 6
+    # The second replica's cache never saw x nor the ledger (as after a pause): it places y on GPUs
+    # x holds, and its ledger write conflicts; it reads afresh and finds y cannot fit.
+    second.informers["claims"].update(api.put("claims", opt_in_claim("y", 6)))
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert second.informers["claims"].get("ml/x")["status"]["allocation"]  # read afresh
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert [e["reason"] for e in api.events] == ["FailedAllocation"]
+    assert_no_device_given_twice(api)
+
+
+def test_a_decision_left_by_a_stopped_replica_is_voided_before_its_claim_is_placed_again(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    stopped = replicas(api, "a")
+    real_change = stopped.ledgers.change
+
+    def change_then_stop(*args: Any, **kwargs: Any) -> bool:
+        ok = real_change(*args, **kwargs)
+        stopped.leader.leading = lambda: False  # type: ignore[method-assign]  # SIGSTOP right after the ledger write
+        return ok
+
+    stopped.ledgers.change = change_then_stop  # type: ignore[method-assign]
+    stopped.run_pass()
+    (decided,) = ledger_entries(api).values()
+    assert devices_of(claims_in(api)["x"]) == []
+    held = stopped.informers["claims"].get("ml/x")  # what it will write when it resumes
+    assert held["metadata"]["resourceVersion"] == decided.version
+
+    successor = replicas(api, "b")
+    successor.run_pass()
+    claim = claims_in(api)["x"]
+    assert claim["metadata"]["annotations"][FENCE_ANNOTATION] == decided.version
+    assert len(devices_of(claim)) == 8
+    (entry,) = ledger_entries(api).values()
+    assert entry.version != decided.version
+    allocation = {"devices": {"results": [{"driver": "gpu.fgpu.dev", "pool": "n1", "device": "gpu-0"}]}}
+    with pytest.raises(ConflictError):  # the resumed replica's write of its old decision fails
+        api.replace_claim_status({**held, "status": {"allocation": allocation}})
+
+
+def test_an_entry_holds_the_devices_until_its_claim_is_gone(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    controller = replicas(api)
+    controller.run_pass()
+    x = claims_in(api)["x"]
+    controller.informers["claims"].update({**x, "status": {}})  # a cache that lost x's allocation
+    controller.informers["claims"].update(api.put("claims", opt_in_claim("y", 8)))
+    controller.run_pass()  # the ledger still holds x's GPUs: y waits
+    assert devices_of(claims_in(api)["y"]) == [] and len(devices_of(claims_in(api)["x"])) == 8
+    del api.store["claims"]["ml/x"]
+    sync(controller, "claims")  # the watch's DELETED
+    controller.run_pass()  # x's entry is checked against the API server: x is gone, so is its entry
+    assert [e.claim for e in ledger_entries(api).values()] == ["ml/y"]
+    assert len(devices_of(claims_in(api)["y"])) == 8
+
+
+def test_writes_overlap_with_a_bound_on_how_many(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=5)
+    for i in range(40):
+        api.put("claims", opt_in_claim(f"c{i:02d}", 1))
+    api.write_delay_s = 0.02
+    replicas(api).run_pass()
+    assert 1 < api.most_in_flight <= 16
+    assert all(len(devices_of(c)) == 1 for c in claims_in(api).values())
+    assert_no_device_given_twice(api)
+
+
+def test_controller_waits_for_the_whole_gang_and_reports_once(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
     gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
-    objects["claims"] = [opt_in_claim(f"w{i}", 2, **gang) for i in range(2)] + [opt_in_claim("huge", 9)]
-    controller, api = controller_with(objects)
+    for obj in [opt_in_claim(f"w{i}", 2, **gang) for i in range(2)] + [opt_in_claim("huge", 9)]:
+        api.put("claims", obj)
+    controller = replicas(api)
     controller.run_pass()
     controller.run_pass()
     assert not api.status_writes
@@ -261,37 +517,49 @@ def test_controller_waits_for_the_whole_gang_and_reports_once(tmp_path: Path):
         ("w1", "WaitingForGang"),
     ]
     assert "waits for 1 more claim(s) of 3" in reasons[1][2]
-    controller.informers["claims"].update(opt_in_claim("w2", 2, **gang))
+    controller.informers["claims"].update(api.put("claims", opt_in_claim("w2", 2, **gang)))
     controller.run_pass()
-    assert sorted(w["metadata"]["name"] for w in api.status_writes) == ["w0", "w1", "w2"]
+    assert sorted(api.status_writes) == ["w0", "w1", "w2"]
 
 
-def test_a_gang_interrupted_by_an_outage_is_taken_back(tmp_path: Path):
-    objects = cluster_objects(tmp_path)
+def test_a_gang_interrupted_by_an_outage_is_taken_back(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
     gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
-    objects["claims"] = [opt_in_claim(f"w{i}", 2, **gang) for i in range(3)]
-    objects["pods"] = [gated_pod(f"p{i}", f"w{i}") for i in range(3)]
-    controller, api = controller_with(objects)
-    api.failing_writes = {3}  # two members written, the third write fails
+    for i in range(3):
+        api.put("claims", opt_in_claim(f"w{i}", 2, **gang))
+        api.put("pods", gated_pod(f"p{i}", f"w{i}"))
+    api.failing_status_writes = {3}  # two members written, the third write fails
+    controller = replicas(api)
     controller.run_pass()
-    claims = {c["metadata"]["name"]: c for c in controller.informers["claims"].items()}
-    assert all("allocation" not in (c.get("status") or {}) for c in claims.values())  # the two were undone
-    assert not api.gates  # no pod of the gang went ahead
+    assert all(not devices_of(c) for c in claims_in(api).values())  # the two were undone
+    assert not ledger_entries(api)  # and so were their entries
+    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation", "other"] for i in range(3))
     controller.run_pass()
-    claims = {c["metadata"]["name"]: c for c in controller.informers["claims"].items()}
-    assert all(c["status"]["allocation"] for c in claims.values())
-    assert sorted(api.gates) == ["p0", "p1", "p2"]
+    assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
+    assert all(gates(api, f"p{i}") == ["other"] for i in range(3))
+    assert_no_device_given_twice(api)
 
 
-def test_gang_pods_wait_for_the_whole_gang(tmp_path: Path):
-    objects = cluster_objects(tmp_path)
+def test_gang_pods_wait_for_the_whole_gang(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
     gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
     first = opt_in_claim("w0", 2, **gang)
     first["status"] = {"allocation": {"devices": {"results": []}}}  # allocated earlier, its partner is not
-    objects["claims"] = [first, opt_in_claim("w1", 99, **gang)]  # w1 cannot fit
-    objects["pods"] = [gated_pod("p0", "w0")]
-    controller, api = controller_with(objects)
-    controller.run_pass()
-    assert not api.gates  # p0's claim is allocated, but its gang is not whole
-    assert [w["metadata"]["name"] for w in api.status_writes] == ["w0"]  # and w0 was taken back
-    assert "allocation" not in controller.informers["claims"].get("ml/w0").get("status", {})
+    api.put("claims", first)
+    api.put("claims", opt_in_claim("w1", 99, **gang))  # w1 cannot fit
+    api.put("pods", gated_pod("p0", "w0"))
+    replicas(api).run_pass()
+    assert gates(api, "p0") == ["gpu.fgpu.dev/allocation", "other"]  # w0 is allocated, its gang is not whole
+    assert api.status_writes == ["w0"]  # and w0 was taken back
+    assert "allocation" not in claims_in(api)["w0"]["status"]
+
+
+def test_pods_go_as_soon_as_their_unit_is_written(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    for name in ("a", "b"):
+        api.put("claims", opt_in_claim(name, 1))
+        api.put("pods", gated_pod(f"pod-{name}", name))
+    api.failing_status_writes = {2}  # b's write fails: the pass ends early, a's pod went already
+    replicas(api).run_pass()
+    assert gates(api, "pod-a") == ["other"]
+    assert gates(api, "pod-b") == ["gpu.fgpu.dev/allocation", "other"]
