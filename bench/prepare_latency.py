@@ -62,7 +62,7 @@ def device_result(kind: str, caller: int) -> dict:
 def serve_in_memory(root: str, claims_json: str) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
     from driver.plugin.server import PluginProcess
-    from driver.settings import PluginSettings
+    from driver.settings import PluginSettings, default_driver_root
     from driver.sharing import SharingConfig
     from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
 
@@ -76,7 +76,7 @@ def serve_in_memory(root: str, claims_json: str) -> None:
     settings = PluginSettings(
         driver_name="gpu.fgpu.dev", node_name=NODE, registrar_dir=base / "registry", plugin_dir=base / "plugin",
         cdi_dir=base / "cdi", state_dir=base / "plugin", nvml="mock:dgx-h100", kubeconfig=None,
-        driver_root=Path("/nonexistent"), healthcheck_port=-1, sharing=SharingConfig(),
+        driver_root=default_driver_root("mock:dgx-h100", base / "plugin"), healthcheck_port=-1, sharing=SharingConfig(),
     )  # fmt: skip
     PluginProcess(settings, api=api).serve_until_signal()
 

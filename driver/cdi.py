@@ -32,6 +32,7 @@ LIBRARY_PATTERNS = (
     "libnvidia-cfg.so.*",
 )
 TOOLS = ("usr/bin/nvidia-smi", "usr/bin/nvidia-debugdump", "usr/bin/nvidia-cuda-mps-control")
+MOCK_DEVICE_NODE = "/dev/null"  # what mock GPUs' device nodes are on the host (see CdiWriter)
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,15 @@ def cdi_device_name(claim_uid: str, device: str) -> str:
 
 
 class CdiWriter:
-    def __init__(self, cdi_dir: Path, driver: str, driver_files: DriverFiles) -> None:
+    def __init__(self, cdi_dir: Path, driver: str, driver_files: DriverFiles, mock_device_nodes: bool = False) -> None:
+        """`mock_device_nodes`: the GPUs are mocked, so their /dev entries do not exist on the host.
+        A container runtime stats every device node's hostPath and fails the container when it is
+        missing; with `hostPath: /dev/null` the container still gets the node at its path (as the
+        null device, c 1:3), so pods on mock GPUs run on a real kubelet and containerd."""
         self.cdi_dir = cdi_dir
         self.kind = cdi_kind(driver)
         self._files = driver_files
+        self._mock_device_nodes = mock_device_nodes
         self._prefix = f"{self.kind.replace('/', '-')}_"
 
     def qualified_id(self, claim_uid: str, device: str) -> str:
@@ -91,7 +97,7 @@ class CdiWriter:
         root = self._files.root
         common: dict[str, Any] = {
             "env": ["NVIDIA_VISIBLE_DEVICES=void"],  # keeps a legacy nvidia runtime hook from adding GPUs
-            "deviceNodes": [{"path": path} for path in CONTROL_DEVICE_NODES],
+            "deviceNodes": self._device_nodes(CONTROL_DEVICE_NODES),
         }
         if self._files.libraries:
             common["mounts"] = [
@@ -102,7 +108,7 @@ class CdiWriter:
             "cdiVersion": CDI_VERSION,
             "kind": self.kind,
             "devices": [
-                {"name": cdi_device_name(claim_uid, d.name), "containerEdits": _device_edits(d)} for d in devices
+                {"name": cdi_device_name(claim_uid, d.name), "containerEdits": self._device_edits(d)} for d in devices
             ],
             "containerEdits": common,
         }
@@ -125,12 +131,16 @@ class CdiWriter:
     def remove(self, claim_uid: str) -> None:
         self.spec_path(claim_uid).unlink(missing_ok=True)
 
+    def _device_nodes(self, paths: tuple[str, ...]) -> list[dict[str, str]]:
+        # Device nodes are the host's /dev entries; the runtime fills in type, major and minor.
+        if self._mock_device_nodes:
+            return [{"path": path, "hostPath": MOCK_DEVICE_NODE} for path in paths]
+        return [{"path": path} for path in paths]
 
-def _device_edits(device: CdiDevice) -> dict[str, Any]:
-    # Device nodes are the host's /dev entries; the runtime fills in type, major and minor.
-    edits: dict[str, Any] = {"deviceNodes": [{"path": path} for path in device.device_nodes]}
-    if device.env:
-        edits["env"] = list(device.env)
-    if device.mounts:
-        edits["mounts"] = [{"hostPath": h, "containerPath": c, "options": ["rw", "bind"]} for h, c in device.mounts]
-    return edits
+    def _device_edits(self, device: CdiDevice) -> dict[str, Any]:
+        edits: dict[str, Any] = {"deviceNodes": self._device_nodes(device.device_nodes)}
+        if device.env:
+            edits["env"] = list(device.env)
+        if device.mounts:
+            edits["mounts"] = [{"hostPath": h, "containerPath": c, "options": ["rw", "bind"]} for h, c in device.mounts]
+        return edits

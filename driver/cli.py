@@ -15,6 +15,7 @@ from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.kube import KubeConfigError
 from driver.nvml.machine import MachineProfileError
+from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
 from driver.settings import (
     SettingsError,
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (SettingsError, MachineProfileError, NvmlUnavailableError, KubeConfigError) as err:
+    except (SettingsError, MachineProfileError, NvmlUnavailableError, KubeConfigError, MockDriverRootError) as err:
         print(f"fgpu: {err}", file=sys.stderr)
         return 2
 

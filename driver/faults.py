@@ -7,8 +7,19 @@ import os
 import signal
 
 CRASH_ENV = "FGPU_CRASH_AT"
-PREPARE_STEPS = ("prepare:journaled", "prepare:device-ready", "prepare:cdi-written", "prepare:completed")
-UNPREPARE_STEPS = ("unprepare:journaled", "unprepare:devices-released", "unprepare:cdi-removed")
+PREPARE_STEPS = (
+    "prepare:journaled",
+    "prepare:mps-shm-mounted",  # the GPU's MPS tmpfs is mounted, its daemon not started yet
+    "prepare:device-ready",
+    "prepare:cdi-written",
+    "prepare:completed",
+)
+UNPREPARE_STEPS = (
+    "unprepare:journaled",
+    "unprepare:mps-daemon-stopped",  # the MPS daemon has quit, its tmpfs is still mounted
+    "unprepare:devices-released",
+    "unprepare:cdi-removed",
+)
 
 
 def crash_point(step: str) -> None:

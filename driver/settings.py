@@ -8,9 +8,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubernetes.utils import parse_quantity
+
+from driver.nvml.session import is_mock
 from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
+from partitioner.mps import DEFAULT_SHM_BYTES
 
 DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
+MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -34,6 +39,13 @@ class PluginSettings:
     host_driver_root: Path | None = None
     unprepare_grace_s: float = 300.0
     reconcile_interval_s: float = 60.0
+    mps_shm_bytes: int = DEFAULT_SHM_BYTES
+
+    @property
+    def mock_gpus(self) -> bool:
+        """Mock NVML: the GPUs' device nodes, driver libraries and tools do not exist on the host,
+        so the plugin stands in for them (CDI device nodes on /dev/null, a mock driver root)."""
+        return is_mock(self.nvml)
 
     @property
     def registration_socket(self) -> Path:
@@ -97,8 +109,9 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--driver-root",
-        default=_env_default("/", "DRIVER_ROOT"),
-        help="where the NVIDIA driver files are [DRIVER_ROOT]",
+        default=_env_default(None, "DRIVER_ROOT"),
+        help="where the NVIDIA driver files are; default /, or with mock NVML a mock driver root laid out "
+        f"under the state dir ({MOCK_DRIVER_ROOT}) [DRIVER_ROOT]",
     )
     parser.add_argument(
         "--host-driver-root",
@@ -116,6 +129,12 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=float(_env_default("60", "RECONCILE_INTERVAL") or 60),
         help="seconds between checks of prepared claims against the API server [RECONCILE_INTERVAL]",
+    )
+    parser.add_argument(
+        "--mps-shm-size",
+        default=_env_default(None, "MPS_SHM_SIZE"),
+        help=f"size of each GPU's MPS tmpfs, the /dev/shm of its daemon and MPS clients, default "
+        f"{DEFAULT_SHM_BYTES // 2**20}Mi (a limit: pages are used only once written) [MPS_SHM_SIZE]",
     )
     parser.add_argument(
         "--healthcheck-port",
@@ -139,22 +158,38 @@ def sharing_config(args: argparse.Namespace) -> SharingConfig:
         raise SettingsError(str(err)) from err
 
 
+def default_driver_root(nvml: str, state_dir: Path) -> Path:
+    return state_dir / MOCK_DRIVER_ROOT if is_mock(nvml) else Path("/")
+
+
+def size_bytes(flag: str, value: str) -> int:
+    try:
+        size = int(parse_quantity(value))
+    except ValueError as err:
+        raise SettingsError(f"{flag} {value!r} is not a size (e.g. 1Gi, 512Mi)") from err
+    if size < 2**20:
+        raise SettingsError(f"{flag} {value!r} is less than 1Mi")
+    return size
+
+
 def plugin_settings(args: argparse.Namespace) -> PluginSettings:
     validate_names(args)
     plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
+    state_dir = Path(args.state_dir) if args.state_dir else plugin_dir
     return PluginSettings(
         driver_name=args.driver_name,
         node_name=args.node_name,
         registrar_dir=Path(args.registrar_dir),
         plugin_dir=plugin_dir,
         cdi_dir=Path(args.cdi_dir),
-        state_dir=Path(args.state_dir) if args.state_dir else plugin_dir,
+        state_dir=state_dir,
         nvml=args.nvml,
         kubeconfig=args.kubeconfig,
-        driver_root=Path(args.driver_root),
+        driver_root=Path(args.driver_root) if args.driver_root else default_driver_root(args.nvml, state_dir),
         healthcheck_port=args.healthcheck_port,
         sharing=sharing_config(args),
         host_driver_root=Path(args.host_driver_root) if args.host_driver_root else None,
         unprepare_grace_s=args.unprepare_grace,
         reconcile_interval_s=args.reconcile_interval,
+        mps_shm_bytes=size_bytes("--mps-shm-size", args.mps_shm_size) if args.mps_shm_size else DEFAULT_SHM_BYTES,
     )

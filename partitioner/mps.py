@@ -1,5 +1,15 @@
-"""MPS shares: one control daemon per GPU, started with the GPU's first share and stopped with its
-last; each claim's containers get their own limits.
+"""MPS shares: one control daemon per GPU, run as a host service: started with the GPU's first share,
+stopped with its last; each claim's containers get their own limits.
+
+The daemon lives outside the plugin's process lifetime: `nvidia-cuda-mps-control -d` daemonizes
+into a session of its own, so a plugin restart, SIGKILL or rolling update leaves it serving its
+clients; a restarted plugin adopts it by the pid file it keeps in the pipe directory.
+
+Clients reach it through two host directories under `<state-dir>/mps/<gpu-uuid>/`, which each
+share's CDI spec mounts: `pipe` (its control and server sockets) at /tmp/nvidia-mps, and `shm`, a
+tmpfs, at /dev/shm, since the MPS server and its clients exchange data through files in /dev/shm
+(a container's own /dev/shm is its pod's). The daemon is started in a private mount namespace
+where that tmpfs is bind-mounted on /dev/shm; the MPS servers it forks inherit it.
 
 Limits (from the claim's consumedCapacity, lowered by its opaque config): the active thread
 percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and the pinned device memory limit
@@ -11,21 +21,29 @@ CUDA context escapes them. Memory and fault isolation are not what MPS gives; MI
 from __future__ import annotations
 
 import logging
-import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pynvml
 
+from driver.faults import crash_point
 from driver.nvml.session import NvmlSession
-from partitioner.runner import ToolRunner
+from partitioner import tmpfs
+from partitioner.runner import ToolError, ToolRunner
 
 log = logging.getLogger(__name__)
 MPS_CONTROL = "nvidia-cuda-mps-control"
-PID_FILE = "nvidia-cuda-mps-control.pid"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the real daemon's, in its pipe directory
 CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's default CUDA_MPS_PIPE_DIRECTORY
+CONTAINER_SHM_DIR = "/dev/shm"
+DEFAULT_SHM_BYTES = 2**30
+QUIT_TIMEOUT_S = 10.0
 MiB = 2**20
+# Run by util-linux unshare in a new mount namespace, propagation private (nothing leaks back to
+# the host): the GPU's tmpfs over /dev/shm, then the daemon, which forks away and keeps the namespace.
+LAUNCH_SCRIPT = 'mount --bind "$1" /dev/shm && exec "$2" -d'
 
 
 @dataclass(frozen=True)
@@ -40,18 +58,27 @@ class MpsLimits:
             f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={self.memory_bytes // MiB}M",
         )
 
+    def __str__(self) -> str:
+        return f"{self.thread_percentage}% threads, {self.memory_bytes // MiB}Mi pinned memory"
+
 
 class MpsPartitioner:
-    def __init__(self, session: NvmlSession, runner: ToolRunner, state_dir: Path) -> None:
+    def __init__(
+        self, session: NvmlSession, runner: ToolRunner, state_dir: Path, shm_bytes: int = DEFAULT_SHM_BYTES
+    ) -> None:
         self._session = session
         self._runner = runner
         self._root = state_dir / "mps"
+        self._shm_bytes = shm_bytes
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         return self._root / gpu_uuid / "pipe"
 
     def log_dir(self, gpu_uuid: str) -> Path:
         return self._root / gpu_uuid / "log"
+
+    def shm_dir(self, gpu_uuid: str) -> Path:
+        return self._root / gpu_uuid / "shm"
 
     def _env(self, gpu_uuid: str) -> dict[str, str]:
         return {
@@ -60,37 +87,79 @@ class MpsPartitioner:
             "CUDA_VISIBLE_DEVICES": gpu_uuid,
         }
 
-    def running(self, gpu_uuid: str) -> bool:
-        """The control daemon writes its pid to the pipe directory; alive pid, running daemon."""
+    def daemon_pid(self, gpu_uuid: str) -> int | None:
+        """The running control daemon's pid, from its pid file; None when none runs (a stale file,
+        or a pid reused by another process after a reboot)."""
         try:
             pid = int((self.pipe_dir(gpu_uuid) / PID_FILE).read_text())
-            os.kill(pid, 0)
         except (OSError, ValueError):
+            return None
+        return pid if _is_mps_control(pid) else None
+
+    def running(self, gpu_uuid: str) -> bool:
+        return self.daemon_pid(gpu_uuid) is not None
+
+    def start(self, gpu_index: int, gpu_uuid: str) -> bool:
+        """Start the GPU's control daemon unless one runs (then it is adopted); True when started.
+        The GPU goes to EXCLUSIVE_PROCESS so that only the MPS server holds a context on it."""
+        if self.running(gpu_uuid):
             return False
+        for directory in (self.pipe_dir(gpu_uuid), self.log_dir(gpu_uuid), self.shm_dir(gpu_uuid)):
+            directory.mkdir(parents=True, exist_ok=True)
+        shm = self.shm_dir(gpu_uuid)
+        if not tmpfs.is_mounted(shm):  # after a crash between here and the launch it already is
+            tmpfs.mount_tmpfs(self._runner, shm, self._shm_bytes, source=f"fgpu-mps-{gpu_uuid}")
+        crash_point("prepare:mps-shm-mounted")
+        self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        control = self._runner.locate(MPS_CONTROL)
+        self._runner.run(
+            "unshare", "--mount", "--propagation", "private", "--",
+            "sh", "-c", LAUNCH_SCRIPT, "fgpu-mps-launch", str(shm), control,
+            env=self._env(gpu_uuid), new_session=True,
+        )  # fmt: skip
+        log.debug("started the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
         return True
 
-    def start(self, gpu_index: int, gpu_uuid: str) -> None:
-        """Start the GPU's control daemon unless it runs; the GPU goes to EXCLUSIVE_PROCESS so that
-        only the MPS server holds a context on it."""
-        if self.running(gpu_uuid):
-            return
-        self.pipe_dir(gpu_uuid).mkdir(parents=True, exist_ok=True)
-        self.log_dir(gpu_uuid).mkdir(parents=True, exist_ok=True)
-        self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
-        self._runner.run(MPS_CONTROL, "-d", env=self._env(gpu_uuid))
-        log.info("started the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
-
-    def stop(self, gpu_index: int, gpu_uuid: str) -> None:
-        """Stop the daemon (if it runs), put the GPU back to DEFAULT and remove its directories."""
-        if self.running(gpu_uuid):
+    def stop(self, gpu_index: int, gpu_uuid: str) -> bool:
+        """Stop the daemon (if it runs), put the GPU back to DEFAULT, unmount the GPU's tmpfs and
+        remove its directories; True when a daemon was stopped. Safe to repeat after a crash."""
+        pid = self.daemon_pid(gpu_uuid)
+        if pid is not None:
             self._runner.run(MPS_CONTROL, stdin="quit\n", env=self._env(gpu_uuid))
-            log.info("stopped the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
+            _wait_for_exit(pid, gpu_uuid)
+            log.debug("stopped the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
+        crash_point("unprepare:mps-daemon-stopped")
         self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_DEFAULT)
+        if tmpfs.is_mounted(self.shm_dir(gpu_uuid)):
+            tmpfs.unmount(self._runner, self.shm_dir(gpu_uuid))
         shutil.rmtree(self._root / gpu_uuid, ignore_errors=True)
+        return pid is not None
 
     def gpus_with_state(self) -> set[str]:
-        """GPU UUIDs that have MPS directories (a daemon may run there)."""
+        """GPU UUIDs that have MPS directories (a daemon may run there, its tmpfs be mounted)."""
         return {p.name for p in self._root.iterdir()} if self._root.exists() else set()
 
     def mounts(self, gpu_uuid: str) -> tuple[tuple[str, str], ...]:
-        return ((str(self.pipe_dir(gpu_uuid)), CONTAINER_PIPE_DIR),)
+        return (
+            (str(self.pipe_dir(gpu_uuid)), CONTAINER_PIPE_DIR),
+            (str(self.shm_dir(gpu_uuid)), CONTAINER_SHM_DIR),
+        )
+
+
+def _is_mps_control(pid: int) -> bool:
+    """Whether the process runs nvidia-cuda-mps-control (the fake is a script: it is an argument).
+    A zombie has an empty command line: it no longer runs."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(Path(part.decode(errors="replace")).name == MPS_CONTROL for part in command[:2])
+
+
+def _wait_for_exit(pid: int, gpu_uuid: str) -> None:
+    """`quit` returns before the daemon is gone; its pipe directory must outlive it."""
+    deadline = time.monotonic() + QUIT_TIMEOUT_S
+    while _is_mps_control(pid):
+        if time.monotonic() > deadline:
+            raise ToolError(f"the MPS control daemon of GPU {gpu_uuid} (pid {pid}) did not exit after quit")
+        time.sleep(0.02)

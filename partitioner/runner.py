@@ -1,6 +1,8 @@
-"""The one place system tools (nvidia-smi, nvidia-cuda-mps-control) are run.
+"""The one place system tools (nvidia-smi, nvidia-cuda-mps-control, mount, unshare) are run.
 
-A real node runs the real tools from the driver root; tests put faithful fakes first on PATH.
+The driver's tools come from the driver root: the host's driver, or the mock driver root with the
+fakes (driver/nvml/mock_driver_root.py). Everything else comes from PATH: in the plugin's
+container, the host's mount or unshare under the driver root would need the host's libraries.
 """
 
 from __future__ import annotations
@@ -9,28 +11,49 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 TOOL_TIMEOUT_S = 30
+DRIVER_TOOLS = frozenset({"nvidia-smi", "nvidia-cuda-mps-control"})
 
 
 class ToolError(RuntimeError):
-    """A system tool failed; the message has the command and what it printed."""
+    """A system tool failed; the message has the command and what it printed (also in `output`)."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass(frozen=True)
 class ToolRunner:
     driver_root: Path = Path("/")
+    # The tools' environment where the plugin's own has no value (mock GPUs: the fakes' state files).
+    env_defaults: dict[str, str] = field(default_factory=dict)
 
     def locate(self, tool: str) -> str:
-        found = shutil.which(tool) or shutil.which(tool, path=str(self.driver_root / "usr" / "bin"))
+        if tool in DRIVER_TOOLS:
+            path = self.driver_root / "usr" / "bin" / tool
+            if not os.access(path, os.X_OK):
+                raise ToolError(f"{tool} not found under the driver root {self.driver_root}")
+            return str(path)
+        found = shutil.which(tool)
         if found is None:
-            raise ToolError(f"{tool} not found on PATH or under {self.driver_root / 'usr/bin'}")
+            raise ToolError(f"{tool} not found on PATH")
         return found
 
-    def run(self, tool: str, *args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> str:
+    def run(
+        self,
+        tool: str,
+        *args: str,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> str:
+        """Run the tool and return its stdout. `new_session`: in a session of its own, so that what
+        it leaves running is not signalled with the plugin's process group."""
         command = [self.locate(tool), *args]
         try:
             done = subprocess.run(
@@ -39,12 +62,13 @@ class ToolRunner:
                 capture_output=True,
                 text=True,
                 timeout=TOOL_TIMEOUT_S,
-                env={**os.environ, **(env or {})},
+                env={**self.env_defaults, **os.environ, **(env or {})},
+                start_new_session=new_session,
             )
         except subprocess.TimeoutExpired as err:
             raise ToolError(f"{' '.join(command)} timed out after {TOOL_TIMEOUT_S}s") from err
         if done.returncode != 0:
             output = (done.stderr or done.stdout).strip()
-            raise ToolError(f"{' '.join(command)} failed with exit code {done.returncode}: {output}")
+            raise ToolError(f"{' '.join(command)} failed with exit code {done.returncode}: {output}", output)
         log.debug("%s -> %s", " ".join(command), done.stdout.strip())
         return done.stdout

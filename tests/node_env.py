@@ -1,11 +1,14 @@
-"""A node's driver wired in-process for unit tests: mock NVML, fake system tools on PATH, a
-temporary state dir. Integration tests run the same code as a real `fgpu kubelet-plugin`."""
+"""A node's driver wired in-process for unit tests: mock NVML, the mock driver root with the fake
+system tools, a temporary state dir. Integration tests run the same code as a real
+`fgpu kubelet-plugin`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from driver.devices import node_targets
 from driver.discovery import GpuInfo, discover_gpus
 from driver.driver import Driver, Partitioners
 from driver.kube import KubeApi
+from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
 from driver.ownership import InstanceLock
 from driver.sharing import SharingConfig
@@ -24,23 +28,34 @@ from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner
 from partitioner.timeslice import TimeSlicer
 
-FAKEBIN = Path(__file__).resolve().parent / "fakebin"
-
 
 def fake_tools_env(root: Path) -> dict[str, str]:
-    """Environment that puts the fake nvidia-smi and nvidia-cuda-mps-control first on PATH."""
+    """Environment that keeps the fake nvidia-smi's state and the fake tools' log under root
+    (where tests read them)."""
     return {
-        "PATH": f"{FAKEBIN}:{os.environ.get('PATH', '')}",
-        "FGPU_FAKE_SMI_STATE": str(root / "fake-smi.json"),
-        "FGPU_FAKE_TOOLS_LOG": str(root / "fake-tools.log"),
+        mock_driver_root.SMI_STATE_ENV: str(root / "fake-smi.json"),
+        mock_driver_root.TOOLS_LOG_ENV: str(root / "fake-tools.log"),
     }
 
 
+def mount_points_under(root: Path) -> list[Path]:
+    """Mounts at or below root, deepest first (the order to unmount them in)."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]))
+        if point == root.resolve() or root.resolve() in point.parents:
+            found.append(point)
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
 def stop_fake_daemons(root: Path) -> None:
-    """Kill MPS control daemons the fakes started under root (a crashed test leaves none behind)."""
+    """Kill MPS control daemons the fakes started under root and unmount the MPS tmpfs mounts
+    there: the daemons outlive the plugin by design, and a test leaves nothing behind."""
     for pid_file in root.rglob("nvidia-cuda-mps-control.pid"):
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    for point in mount_points_under(root):
+        subprocess.run(["umount", str(point)], check=True)
 
 
 @dataclass
@@ -63,8 +78,10 @@ def build_node(root: Path, api: KubeApi, machine: str = "dgx-h100", session: Nvm
     session = session or NvmlSession.open(f"mock:{machine}")
     gpus = discover_gpus(session)
     claims = PreparedClaims(Checkpoint(state_dir / "checkpoint.json", boot_id="boot"))
-    cdi = CdiWriter(root / "cdi", "gpu.fgpu.dev", DriverFiles(root=Path("/")))
-    runner = ToolRunner()
+    driver_root = root / "driver-root"
+    mock_driver_root.lay_out(driver_root, session.driver_versions()[0])
+    cdi = CdiWriter(root / "cdi", "gpu.fgpu.dev", DriverFiles.discover(driver_root), mock_device_nodes=True)
+    runner = ToolRunner(driver_root)
     mps = MpsPartitioner(session, runner, state_dir)
     driver = Driver(
         "gpu.fgpu.dev",

@@ -69,6 +69,10 @@ def _unless_absent(call: Any, *args: Any) -> Any:
         raise
 
 
+def is_mock(spec: str) -> bool:
+    return spec.startswith(MOCK_PREFIX)
+
+
 def open_backend(spec: str) -> Any:
     """`real` for the NVML library, `mock:<machine name or YAML path>` for the mock.
 
@@ -76,7 +80,7 @@ def open_backend(spec: str) -> Any:
     """
     if spec == "real":
         return pynvml
-    if spec.startswith(MOCK_PREFIX):
+    if is_mock(spec):
         state = os.environ.get(MOCK_STATE_ENV)
         return MockNvml(load_machine(spec[len(MOCK_PREFIX) :]), Path(state) if state else None)
     raise NvmlUnavailableError(f"--nvml must be 'real' or 'mock:<machine|file.yaml>', got {spec!r}")

@@ -19,6 +19,7 @@ from driver.discovery import discover_gpus
 from driver.driver import Driver, Partitioners
 from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
 from driver.ownership import InstanceLock
 from driver.plugin.dra_service import add_dra_services
@@ -44,16 +45,17 @@ class PluginProcess:
         log.info("discovered %d GPU(s): %s", len(self.gpus), ", ".join(g.product_name for g in self.gpus))
         self.api = api or ClientKubeApi(settings.kubeconfig)
         self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
+        runner = self._tool_runner()
         self.cdi = CdiWriter(
             settings.cdi_dir,
             settings.driver_name,
             DriverFiles.discover(settings.driver_root, settings.host_driver_root),
+            mock_device_nodes=settings.mock_gpus,
         )
         self.instance = InstanceLock(settings.state_dir)
-        runner = ToolRunner(settings.driver_root)
         partitioners = Partitioners(
             mig=MigPartitioner(self._nvml),
-            mps=MpsPartitioner(self._nvml, runner, settings.state_dir),
+            mps=MpsPartitioner(self._nvml, runner, settings.state_dir, settings.mps_shm_bytes),
             timeslice=TimeSlicer(runner),
         )
         self.driver = Driver(
@@ -75,6 +77,15 @@ class PluginProcess:
         self.health = health.HealthServicer()
         self._servers: list[grpc.Server] = []
         self._stopped = threading.Event()
+
+    def _tool_runner(self) -> ToolRunner:
+        """Real GPUs: the driver's tools under the driver root. Mock GPUs: the mock driver root is
+        laid out first (the fake tools, placeholder libraries), the fakes' state under the state dir."""
+        settings = self.settings
+        if not settings.mock_gpus:
+            return ToolRunner(settings.driver_root)
+        mock_driver_root.lay_out(settings.driver_root, self._nvml.driver_versions()[0])
+        return ToolRunner(settings.driver_root, mock_driver_root.fake_tools_env(settings.state_dir))
 
     def start(self) -> None:
         settings = self.settings

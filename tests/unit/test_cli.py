@@ -24,3 +24,21 @@ def test_bad_sharing_config_names_the_problem(tmp_path: Path):
     run = run_plugin(tmp_path, "--offer=whole,vgpu")
     assert run.returncode == 2
     assert "unknown kind(s) ['vgpu']" in run.stderr
+
+
+def test_a_driver_root_that_is_not_a_mock_one_is_refused_with_mock_gpus(tmp_path: Path):
+    kubeconfig = tmp_path / "kubeconfig"  # never dialled: the plugin stops before it serves
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    host_like = tmp_path / "host"
+    (host_like / "usr/bin").mkdir(parents=True)
+    (host_like / "usr/bin/nvidia-smi").write_text("not ours")
+    run = run_plugin(tmp_path, f"--kubeconfig={kubeconfig}", f"--driver-root={host_like}")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"fgpu: --driver-root {host_like} is not empty and not a mock driver root; with mock NVML, give an empty "
+        "directory or leave --driver-root unset"
+    )
+    assert (host_like / "usr/bin/nvidia-smi").read_text() == "not ours"

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.cdi import CdiWriter, DriverFiles
+from driver.cdi import CdiDevice, CdiWriter, DriverFiles
 from driver.claims import ClaimRef
 from driver.kube import KubeError
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
@@ -33,7 +33,7 @@ def test_prepare_writes_cdi_and_is_idempotent(env):
     assert spec["kind"] == "k8s.gpu.fgpu.dev/claim"
     nodes = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
     assert nodes == {"uid-1-gpu-3": ["/dev/nvidia3"], "uid-1-gpu-5": ["/dev/nvidia5"]}
-    assert {"path": "/dev/nvidiactl"} in spec["containerEdits"]["deviceNodes"]
+    assert {"path": "/dev/nvidiactl", "hostPath": "/dev/null"} in spec["containerEdits"]["deviceNodes"]
     gets = api.claim_gets
     assert driver.prepare([ref])["uid-1"] == first
     assert api.claim_gets == gets  # answered from the checkpoint
@@ -109,6 +109,23 @@ def test_driver_libraries_are_mounted_from_the_driver_root(tmp_path: Path):
     mounts = spec["containerEdits"]["mounts"]
     assert mounts[0]["hostPath"] == str(root / "usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
     assert mounts[0]["containerPath"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05"
+
+
+def test_device_nodes_stand_on_dev_null_only_for_mock_gpus(tmp_path: Path):
+    device = CdiDevice(name="gpu-0-mig-1g10gb-0", device_nodes=("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap30"))
+    files = DriverFiles(root=Path("/"))
+    real = CdiWriter(tmp_path, "gpu.fgpu.dev", files).spec("u", [device])
+    mock = CdiWriter(tmp_path, "gpu.fgpu.dev", files, mock_device_nodes=True).spec("u", [device])
+    for spec in (real, mock):
+        paths = [
+            n["path"]
+            for n in spec["containerEdits"]["deviceNodes"] + spec["devices"][0]["containerEdits"]["deviceNodes"]
+        ]
+        assert paths == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", *device.device_nodes]
+    every_node = [*mock["containerEdits"]["deviceNodes"], *mock["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert {n["hostPath"] for n in every_node} == {"/dev/null"}  # a host path that exists; the container sees path
+    every_node = [*real["containerEdits"]["deviceNodes"], *real["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert all("hostPath" not in n for n in every_node)  # real GPUs: the runtime uses the host's node at path
 
 
 def test_malformed_references_and_refused_reads_are_per_claim_errors(env):

@@ -11,6 +11,7 @@ import pynvml
 import pytest
 
 from driver.claims import ClaimRef
+from partitioner import tmpfs
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
 from tests.node_env import build_node, fake_tools_env
 
@@ -98,14 +99,22 @@ def test_mps_shares_share_one_daemon_with_their_own_limits(node):
     env_b = spec(env, second.uid)["devices"][0]["containerEdits"]["env"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in env_a and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env_a
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40" in env_b and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in env_b
-    mounts = spec(env, first.uid)["devices"][0]["containerEdits"]["mounts"]
-    assert mounts[0]["hostPath"] == str(env.mps.pipe_dir(uuid))
+    for claim_uid in (first.uid, second.uid):
+        mounts = spec(env, claim_uid)["devices"][0]["containerEdits"]["mounts"]
+        assert [(m["hostPath"], m["containerPath"], m["options"]) for m in mounts] == [
+            (str(env.mps.pipe_dir(uuid)), "/tmp/nvidia-mps", ["rw", "bind"]),
+            (str(env.mps.shm_dir(uuid)), "/dev/shm", ["rw", "bind"]),
+        ]
+    # The container's /dev/shm is the tmpfs the daemon has as its /dev/shm: the daemon's file is there.
+    assert (Path(mounts[1]["hostPath"]) / f"cuda.shm.fgpu-mps-{uuid}").exists()
     env.driver.unprepare([first])
     assert env.mps.running(uuid)  # the other share still uses it
+    assert tmpfs.is_mounted(env.mps.shm_dir(uuid))
     env.driver.unprepare([second])
     assert not env.mps.running(uuid)
     assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_DEFAULT
-    assert not env.mps.pipe_dir(uuid).exists()
+    assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
+    assert not env.mps.pipe_dir(uuid).parent.exists()
 
 
 def test_time_slicing_interval_follows_the_shares(node, tmp_path: Path):

@@ -1,0 +1,144 @@
+"""The MPS control daemon as a host service: detached from whoever started it, with the GPU's tmpfs as
+its /dev/shm, adopted by a later plugin instance, stopped and unmounted with the last share, and
+swept at start-up when no share is left. Real processes, mounts and namespaces (tests run as root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from driver.claims import ClaimRef
+from partitioner import tmpfs
+from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
+from partitioner.runner import ToolError, ToolRunner
+from tests.fakes import InMemoryKubeApi, allocated_claim, result
+from tests.node_env import NodeEnv
+
+# Starts GPU 0's daemon the way the plugin does, then waits to be killed.
+STARTER = """
+import sys, time
+from pathlib import Path
+from driver.nvml.session import NvmlSession
+from partitioner.mps import MpsPartitioner
+from partitioner.runner import ToolRunner
+driver_root, state_dir, uuid = sys.argv[1:]
+MpsPartitioner(NvmlSession.open("mock:dgx-h100"), ToolRunner(Path(driver_root)), Path(state_dir)).start(0, uuid)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def marker(env: NodeEnv, uuid: str) -> Path:
+    """The file the (fake) MPS daemon creates in the /dev/shm it sees."""
+    return env.mps.shm_dir(uuid) / f"cuda.shm.fgpu-mps-{uuid}"
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def tools_log(env: NodeEnv) -> list[dict]:
+    return [json.loads(line) for line in (env.root / "fake-tools.log").read_text().splitlines()]
+
+
+def test_the_daemon_runs_detached_with_the_gpu_tmpfs_as_its_dev_shm(node):
+    _, env = node
+    uuid = env.gpus[0].uuid
+    assert env.mps.start(0, uuid) is True
+    pid = env.mps.daemon_pid(uuid)
+    assert pid is not None
+    assert os.getsid(pid) != os.getsid(0)  # its own session: the plugin's process group is not its
+    assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")  # a private mount namespace
+    shm = env.mps.shm_dir(uuid)
+    assert tmpfs.is_mounted(shm)
+    stats = os.statvfs(shm)
+    assert stats.f_blocks * stats.f_frsize == DEFAULT_SHM_BYTES
+    assert json.loads(marker(env, uuid).read_text())["pid"] == pid  # written to its /dev/shm, seen in the tmpfs
+    assert not Path(f"/dev/shm/cuda.shm.fgpu-mps-{uuid}").exists()  # and not in the host's /dev/shm
+    assert env.session.compute_mode(0) == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+
+
+def test_the_daemon_outlives_a_killed_starter_and_a_new_instance_adopts_it(node):
+    _, env = node
+    uuid = env.gpus[0].uuid
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, str(env.root / "driver-root"), str(env.root / "state"), uuid],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert starter.stdout is not None and starter.stdout.readline() == "started\n"
+    finally:
+        starter.kill()
+        starter.wait()
+    pid = env.mps.daemon_pid(uuid)
+    assert pid is not None and alive(pid)  # SIGKILL of the process that started it left it running
+    assert env.mps.start(0, uuid) is False  # adopted, not started again
+    assert env.mps.daemon_pid(uuid) == pid
+    assert [e["argv"] for e in tools_log(env) if e["tool"] == "nvidia-cuda-mps-control"] == [["-d"]]
+
+
+def test_stop_quits_the_daemon_unmounts_its_tmpfs_and_removes_its_directories(node):
+    _, env = node
+    uuid = env.gpus[1].uuid
+    env.mps.start(1, uuid)
+    pid = env.mps.daemon_pid(uuid)
+    assert pid is not None and alive(pid)
+    assert env.mps.stop(1, uuid) is True
+    assert not alive(pid)
+    assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
+    assert not env.mps.pipe_dir(uuid).parent.exists()
+    assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_DEFAULT
+    assert env.mps.stop(1, uuid) is False  # repeating it (recovery after a crash) is harmless
+
+
+def test_a_refused_mount_is_one_clear_line_and_starts_nothing(node, tmp_path: Path):
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs util-linux setpriv")
+    _, env = node
+    uuid = env.gpus[2].uuid
+    no_sys_admin = tmp_path / "mount-without-cap-sys-admin"
+    no_sys_admin.write_text(f'#!/bin/sh\nexec setpriv --bounding-set -sys_admin {shutil.which("mount")} "$@"\n')
+    no_sys_admin.chmod(0o755)
+
+    class Unprivileged(ToolRunner):
+        def locate(self, tool: str) -> str:
+            return str(no_sys_admin) if tool == "mount" else super().locate(tool)
+
+    mps = MpsPartitioner(env.session, Unprivileged(tmp_path / "driver-root"), tmp_path / "state")
+    with pytest.raises(ToolError) as refused:
+        mps.start(2, uuid)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"cannot mount a tmpfs at {mps.shm_dir(uuid)} (mount: " in message
+    assert "permission denied" in message and "CAP_SYS_ADMIN" in message
+    assert not tmpfs.is_mounted(mps.shm_dir(uuid)) and not mps.running(uuid)
+
+
+def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
+    api, env = node
+    kept, orphan, bare = env.gpus[3].uuid, env.gpus[4].uuid, env.gpus[5].uuid
+    api.claims[("default", "kept")] = allocated_claim(
+        "default", "kept", "uid-kept", [{**result("gpu-3-mps"), "consumedCapacity": {"memory": "1Gi"}}]
+    )
+    assert env.driver.prepare([ClaimRef("default", "kept", "uid-kept")])["uid-kept"].error == ""
+    env.mps.start(4, orphan)  # a daemon and tmpfs whose share's record is gone
+    env.mps.shm_dir(bare).mkdir(parents=True)
+    tmpfs.mount_tmpfs(ToolRunner(), env.mps.shm_dir(bare), 2**20, "leftover")  # a tmpfs left without a daemon
+    kept_pid = env.mps.daemon_pid(kept)
+    env.restart(InMemoryKubeApi()).driver.recover()
+    assert env.mps.daemon_pid(kept) == kept_pid and tmpfs.is_mounted(env.mps.shm_dir(kept))
+    for uuid in (orphan, bare):
+        assert not env.mps.running(uuid)
+        assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
+        assert not env.mps.shm_dir(uuid).parent.exists()
