@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kubernetes.utils import parse_quantity
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 class PrepareResult:
     devices: tuple[PreparedDevice, ...] = ()
     error: str = ""
+    # What was created or destroyed, for the operator's log line; not part of kubelet's answer.
+    summary: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Driver:
     # --- prepare --------------------------------------------------------------------------------
 
     def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
-        return self._each(refs, self._prepare_one)
+        return self._each(refs, self._prepare_one, "prepared")
 
     def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         ref.validate()
@@ -90,7 +93,8 @@ class Driver:
             # Idempotent: the same answer; the spec is rewritten if it went missing (e.g. a reboot).
             if not self._cdi.spec_path(ref.uid).exists():
                 self._cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
-            return PrepareResult(devices=existing.devices)
+            names = ", ".join(d.device for d in existing.devices)
+            return PrepareResult(devices=existing.devices, summary=f"{names}: already prepared, nothing created")
         if existing is not None:
             self._undo(existing)  # a half-done attempt: roll it back and start afresh
         try:
@@ -103,7 +107,8 @@ class Driver:
         crash_point("prepare:journaled")
         try:
             with self._gpu_locks(planned.devices):
-                devices = tuple(self._make_real(ref, device) for device in planned.devices)
+                made = [self._make_real(ref, device) for device in planned.devices]
+            devices = tuple(device for device, _ in made)
             self._cdi.write(ref.uid, [d.cdi_device() for d in devices])
             crash_point("prepare:cdi-written")
             self._claims.commit(prepared=[replace(planned, devices=devices, state="PrepareCompleted")])
@@ -114,7 +119,7 @@ class Driver:
                 log.exception("rolling back claim %s after %r failed", ref, err)
             raise
         crash_point("prepare:completed")
-        return PrepareResult(devices=devices)
+        return PrepareResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
 
     def _plan(self, allocation: ClaimAllocation) -> PreparedClaim:
         """Check every allocated device and config, and describe the work, before any side effect."""
@@ -171,8 +176,8 @@ class Driver:
             return replace(device, timeslice_interval=config.interval or "Default")
         return device
 
-    def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> PreparedDevice:
-        """Create what the device needs on the GPU; returns it with its CDI edits."""
+    def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
+        """Create what the device needs on the GPU; returns it with its CDI edits, and what was done."""
         gpu_node = f"/dev/nvidia{self._targets[device.device].gpu.minor}"
         try:
             if device.kind == "mig":
@@ -183,26 +188,39 @@ class Driver:
                 )
                 nodes = mig_device_nodes(self._targets[device.device].gpu.minor, instance, self._proc_root)
                 device = replace(device, mig_uuid=instance.uuid, device_nodes=nodes)
+                done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
+                done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
             elif device.kind == "mps":
-                assert device.mps_memory_bytes is not None and device.mps_thread_percentage is not None
-                self._parts.mps.start(device.gpu_index, device.gpu_uuid)
-                limits = MpsLimits(device.mps_memory_bytes, device.mps_thread_percentage)
+                started = self._parts.mps.start(device.gpu_index, device.gpu_uuid)
+                limits = _mps_limits(device)
                 device = replace(
                     device, device_nodes=(gpu_node,), env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid)
                 )
+                done = f"MPS share {limits}, daemon {'started' if started else 'already running'}"
             elif device.kind == "timeslice":
                 interval = device.timeslice_interval or "Default"
-                if not self._timeslice_already_set(ref.uid, device.gpu_index, interval):
+                done = f"timeslice {interval}"
+                if self._timeslice_already_set(ref.uid, device.gpu_index, interval):
+                    done += " (already set)"
+                else:
                     self._parts.timeslice.set_interval(device.gpu_uuid, interval)
                 device = replace(device, device_nodes=(gpu_node,))
             else:
-                if self._targets[device.device].gpu.mig_capable:
-                    self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+                released = self._targets[device.device].gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(
+                    device.gpu_index
+                )
+                done = "none, MIG mode disabled" if released else "none"
                 device = replace(device, device_nodes=(gpu_node,))
         except (MigError, ToolError) as err:
             raise ClaimError(str(err)) from err
         crash_point("prepare:device-ready")
-        return device
+        return device, done
+
+    def _profile_name(self, device: PreparedDevice) -> str:
+        target = self._targets.get(device.device)
+        if target is not None and target.placement is not None:
+            return target.placement.profile.name
+        return f"profile {device.mig_profile_id}"  # a device the node no longer publishes
 
     def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
         """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
@@ -217,7 +235,7 @@ class Driver:
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
-        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one).items()}
+        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one, "unprepared").items()}
         with self._locks_guard:
             for ref in refs:
                 if not errors[ref.uid]:
@@ -230,12 +248,12 @@ class Driver:
         existing = self._claims.get(ref.uid)
         if existing is None:
             self._cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
-            return PrepareResult()
-        self._undo(existing)
-        return PrepareResult()
+            return PrepareResult(summary="not prepared on this node, nothing destroyed")
+        return PrepareResult(summary=self._undo(existing))
 
-    def _undo(self, claim: PreparedClaim) -> None:
-        """Release everything the claim may hold, then forget it. Safe to repeat at any point."""
+    def _undo(self, claim: PreparedClaim) -> str:
+        """Release everything the claim may hold, then forget it; returns what was released. Safe
+        to repeat at any point."""
         if _needs_journal(claim):
             self._claims.commit(prepared=[replace(claim, state="UnprepareStarted", owner=self._instance.id)])
         crash_point("unprepare:journaled")
@@ -246,25 +264,37 @@ class Driver:
                 others = [
                     c for uid, c in self._claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"
                 ]
-                for device in claim.devices:
-                    self._release(device, others)
+                released = [f"{device.device}: {self._release(device, others)}" for device in claim.devices]
         except (MigError, ToolError) as err:
             raise ClaimError(f"releasing its devices failed: {err}") from err
         crash_point("unprepare:devices-released")
         self._cdi.remove(claim.uid)
         crash_point("unprepare:cdi-removed")
         self._claims.commit(removed=[claim.uid])
+        return "; ".join(released)
 
-    def _release(self, device: PreparedDevice, others: list[PreparedClaim]) -> None:
+    def _release(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
+        """Undo what the device made on the GPU; returns what was destroyed."""
         still_used = any(d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices)
         if device.kind == "mig":
             record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
-            if record is not None:
-                self._parts.mig.destroy(device.gpu_index, record.gi_id)
-        elif device.kind == "mps" and not still_used:
-            self._parts.mps.stop(device.gpu_index, device.gpu_uuid)
-        elif device.kind == "timeslice" and not still_used:
+            if record is None:
+                return f"MIG {self._profile_name(device)} already gone"
+            self._parts.mig.destroy(device.gpu_index, record.gi_id)
+            cis = ",".join(str(ci) for ci, _ in record.compute_instances)
+            return f"MIG {self._profile_name(device)} gi {record.gi_id} ci {cis} destroyed"
+        if device.kind == "mps":
+            share = f"MPS share {_mps_limits(device)} ended"
+            if still_used:
+                return f"{share}, daemon kept for other shares"
+            stopped = self._parts.mps.stop(device.gpu_index, device.gpu_uuid)
+            return f"{share}, daemon {'stopped' if stopped else 'was not running'}, its tmpfs unmounted"
+        if device.kind == "timeslice":
+            if still_used:
+                return "timeslice kept for other shares"
             self._parts.timeslice.reset(device.gpu_uuid)
+            return "timeslice reset to Default"
+        return "none"
 
     # --- start-up recovery ----------------------------------------------------------------------
 
@@ -301,12 +331,14 @@ class Driver:
         shares = {(d.gpu_index, d.gpu_uuid) for c in prepared.values() for d in c.devices if d.kind == "mps"}
         for index, uuid in sorted(shares):
             with self._lock(f"gpu/{index}"):
-                self._parts.mps.start(index, uuid)  # after a reboot the daemon is gone
+                # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
+                started = self._parts.mps.start(index, uuid)
+            log.info("MPS daemon of GPU %s %s", uuid, "started" if started else "adopted")
         wanted = {uuid for _, uuid in shares}
         gpus = {t.gpu.uuid: t.gpu.index for t in self._targets.values()}
         for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
             if uuid in gpus:
-                log.warning("stopping the MPS daemon of GPU %s: no MPS share is prepared there", uuid)
+                log.warning("stopping the MPS daemon of GPU %s and unmounting its tmpfs: no MPS share there", uuid)
                 with self._lock(f"gpu/{gpus[uuid]}"):
                     self._parts.mps.stop(gpus[uuid], uuid)
 
@@ -319,12 +351,20 @@ class Driver:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _each(self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult]) -> dict[str, PrepareResult]:
-        """Run each claim of a batch under its own lock; claims on different GPUs run in parallel."""
+    def _each(
+        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], verb: str
+    ) -> dict[str, PrepareResult]:
+        """Run each claim of a batch under its own lock; claims on different GPUs run in parallel.
+        Each claim done is one INFO line (a failure is one WARNING line, from _per_claim)."""
 
         def one(ref: ClaimRef) -> PrepareResult:
             with self._lock(f"claim/{ref.uid}"):
-                return self._per_claim(ref, lambda: action(ref))
+                started = time.monotonic()
+                result = self._per_claim(ref, lambda: action(ref))
+            if not result.error:
+                elapsed_ms = (time.monotonic() - started) * 1000
+                log.info("%s claim %s in %.0f ms: %s", verb, ref, elapsed_ms, result.summary)
+            return result
 
         if len(refs) == 1:
             return {refs[0].uid: one(refs[0])}
@@ -358,6 +398,11 @@ class Driver:
             for index in sorted({d.gpu_index for d in devices}):
                 stack.enter_context(self._lock(f"gpu/{index}"))
             yield
+
+
+def _mps_limits(device: PreparedDevice) -> MpsLimits:
+    assert device.mps_memory_bytes is not None and device.mps_thread_percentage is not None
+    return MpsLimits(device.mps_memory_bytes, device.mps_thread_percentage)
 
 
 def _within(limit: int | None, allocated: int, field: str, capacity: str) -> int:

@@ -27,6 +27,7 @@ class MigInstance:
     gi_id: int
     ci_id: int
     uuid: str
+    enabled_mig_mode: bool = False  # MIG mode was switched on to create it
 
 
 def caps_minor(gpu_minor: int, gi_id: int, ci_id: int | None, proc_root: Path) -> int:
@@ -57,15 +58,17 @@ class MigPartitioner:
     def __init__(self, session: NvmlSession) -> None:
         self._session = session
 
-    def ensure_mig_mode(self, gpu_index: int) -> None:
+    def ensure_mig_mode(self, gpu_index: int) -> bool:
+        """True when MIG mode had to be switched on."""
         if self._session.mig_enabled(gpu_index):
-            return
+            return False
         if not self._session.set_mig_mode(gpu_index, True):
             raise MigError(
                 f"MIG mode is off on GPU {gpu_index} and enabling it needs a GPU reset on this GPU "
                 "(Ampere); enable MIG mode on the node (nvidia-smi -mig 1, then reset) first"
             )
-        log.info("enabled MIG mode on GPU %d", gpu_index)
+        log.debug("enabled MIG mode on GPU %d", gpu_index)
+        return True
 
     def find(self, gpu_index: int, profile_id: int, start: int) -> GpuInstanceRecord | None:
         return next(
@@ -75,7 +78,7 @@ class MigPartitioner:
 
     def create(self, gpu_index: int, profile_id: int, start: int, size: int) -> MigInstance:
         """Create the instance at the placement; an existing one there (a retried prepare) is reused."""
-        self.ensure_mig_mode(gpu_index)
+        enabled = self.ensure_mig_mode(gpu_index)
         record = self.find(gpu_index, profile_id, start)
         if record is None:
             try:
@@ -87,7 +90,7 @@ class MigPartitioner:
         if not record.compute_instances:
             raise MigError(f"GPU instance {record.gi_id} on GPU {gpu_index} has no compute instance")
         ci_id, uuid = record.compute_instances[0]
-        return MigInstance(gpu_index, record.gi_id, ci_id, uuid)
+        return MigInstance(gpu_index, record.gi_id, ci_id, uuid, enabled)
 
     def destroy(self, gpu_index: int, gi_id: int) -> None:
         try:
@@ -98,9 +101,12 @@ class MigPartitioner:
     def instances(self, gpu_index: int) -> list[GpuInstanceRecord]:
         return self._session.gpu_instances(gpu_index)
 
-    def release_mig_mode_if_idle(self, gpu_index: int) -> None:
-        """Whole-GPU use needs MIG off; switch it off when no instance is left (Hopper and newer)."""
-        if self._session.mig_enabled(gpu_index) and not self._session.gpu_instances(gpu_index):
-            if not self._session.set_mig_mode(gpu_index, False):
-                raise MigError(f"GPU {gpu_index} is in MIG mode and leaving it needs a GPU reset")
-            log.info("disabled MIG mode on GPU %d for whole-GPU use", gpu_index)
+    def release_mig_mode_if_idle(self, gpu_index: int) -> bool:
+        """Whole-GPU use needs MIG off; switch it off when no instance is left (Hopper and newer).
+        True when it was switched off."""
+        if not self._session.mig_enabled(gpu_index) or self._session.gpu_instances(gpu_index):
+            return False
+        if not self._session.set_mig_mode(gpu_index, False):
+            raise MigError(f"GPU {gpu_index} is in MIG mode and leaving it needs a GPU reset")
+        log.debug("disabled MIG mode on GPU %d for whole-GPU use", gpu_index)
+        return True
