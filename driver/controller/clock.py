@@ -1,19 +1,15 @@
 """Time for the controller. Leases and deadlines are judged on this process's monotonic clock,
 which no other machine's clock can move; the wall clock is only written into objects (renewTime,
-allocationTimestamp), for people to read.
-
-Test hook: FGPU_TEST_CLOCK_OFFSET_S shifts this process's wall clock by that many seconds, to
-play a replica whose clock is wrong. It is read by the end-to-end tests only; never set it in a
-deployment."""
+allocationTimestamp), for people to read. Tests shift the wall clock (testhooks.py)."""
 
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
-OFFSET_ENV = "FGPU_TEST_CLOCK_OFFSET_S"
-_OFFSET = datetime.timedelta(seconds=float(os.environ.get(OFFSET_ENV) or 0))
+from driver.controller.testhooks import clock_offset_s
+
+_OFFSET = datetime.timedelta(seconds=clock_offset_s())
 
 monotonic = time.monotonic
 

@@ -45,6 +45,7 @@ from driver.controller.ledger import (
     entries_of,
     pool_of,
 )
+from driver.controller.testhooks import stop_point
 from driver.kube import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -322,7 +323,11 @@ class Controller:
                 entries[pool][obj["metadata"]["uid"]] = entry
         recorded: dict[PoolId, dict[str, Entry]] = {}
         for pool, added in entries.items():
-            if not self.acting() or not self.ledgers.change(pool, add=added):
+            if not self.acting():
+                self._forget(recorded)
+                return
+            stop_point("ledger", *(entry.claim for entry in added.values()))
+            if not self.ledgers.change(pool, add=added):
                 self._forget(recorded)
                 return
             recorded[pool] = added
@@ -361,6 +366,7 @@ class Controller:
         return self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
 
     def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | None:
+        stop_point("status", placement.claim.key)
         allocation = {**placement.allocation, "allocationTimestamp": timestamp()}
         body = {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
         updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
@@ -374,6 +380,7 @@ class Controller:
         try:
             updated = call(body)
         except ConflictError:
+            log.info("claim %s changed since this replica read it", key)
             metrics.CONFLICTS.inc()
             metrics.ALLOCATIONS.labels("conflict").inc()
             self.stale.set()
