@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Builds the test control plane (kube-apiserver, kube-controller-manager, kube-scheduler from
-# k8s.io/kubernetes, etcd from go.etcd.io/etcd/server/v3/embed) and our Go tools (the reference
-# allocator CLI) into a cache outside the tree, and prints that directory. Stamps of the inputs
-# make a second build free: the Kubernetes binaries depend on go.mod/go.sum only, our tools also
-# on their sources.
+# Builds the test cluster into a cache outside the tree and prints that directory: the control
+# plane (kube-apiserver, kube-controller-manager, kube-scheduler from k8s.io/kubernetes, etcd from
+# go.etcd.io/etcd/server/v3/embed), the node (kubelet from k8s.io/kubernetes; containerd, its runc
+# shim and ctr from their own module in containerd/; runc, the CNI plugins, busybox and iptables
+# from Debian packages) and our Go tools (the reference allocator CLI, a static pause). Stamps of
+# the inputs make a second build free: the upstream binaries depend on go.mod/go.sum only, our
+# tools also on their sources.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
@@ -20,7 +22,7 @@ if ! fresh k8s "$k8s_stamp"; then
   minor="$(echo "$version" | cut -d. -f2)"
   ldflags="-s -w -X k8s.io/component-base/version.gitVersion=${version}"
   ldflags+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor}"
-  for target in kube-apiserver kube-controller-manager kube-scheduler; do
+  for target in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
     echo "building $target ${version} (several minutes from a cold cache) ..." >&2
     # -p 2 keeps memory in check on small machines.
     go build -p 2 -ldflags "$ldflags" -o "$out/$target" "k8s.io/kubernetes/cmd/$target"
@@ -28,9 +30,31 @@ if ! fresh k8s "$k8s_stamp"; then
   echo "$k8s_stamp" > "$out/.stamp-k8s"
 fi
 
+containerd_stamp="$(stamp_of containerd/go.mod containerd/go.sum)"
+if ! fresh containerd "$containerd_stamp"; then
+  for target in containerd containerd-shim-runc-v2 ctr; do
+    echo "building $target (a few minutes from a cold cache) ..." >&2
+    # containerd's own module, not ours: its dependency versions differ from Kubernetes'.
+    (cd containerd && go build -p 2 -tags "no_btrfs no_devmapper no_zfs" -ldflags "-s -w" \
+      -o "$out/$target" "github.com/containerd/containerd/v2/cmd/$target")
+  done
+  echo "$containerd_stamp" > "$out/.stamp-containerd"
+fi
+
+# What the node takes from Debian: runc, the CNI plugins (/usr/lib/cni), busybox for the test
+# image, iptables for kubelet and the CNI bridge.
+packages=(runc containernetworking-plugins busybox-static iptables)
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+missing=()
+for package in "${packages[@]}"; do installed "$package" || missing+=("$package"); done
+if ((${#missing[@]})); then
+  echo "installing ${missing[*]} ..." >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >&2
+fi
+
 tools_stamp="$(stamp_of go.mod go.sum $(find cmd -name '*.go' | sort))"
 if ! fresh tools "$tools_stamp"; then
-  for target in etcd allocate; do
+  for target in etcd allocate pause; do
     echo "building $target ..." >&2
     go build -o "$out/$target" "./cmd/$target"
   done

@@ -55,6 +55,34 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
+def spawn(
+    argv: list[str], log_file: Path, outlive_parent: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """A test-bed daemon in its own process group (stopped as a group), output to log_file."""
+    with open(log_file, "ab") as output:
+        return subprocess.Popen(
+            argv,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=None if outlive_parent else die_with_parent,
+        )
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM to the process group, SIGKILL after grace_s."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -81,10 +109,14 @@ class Pki:
         san = "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc"
         self._sign("apiserver", "/CN=kube-apiserver", extension=san)
         for name, (common_name, organization) in clients.items():
-            subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
-            self._sign(name, subject, extension="extendedKeyUsage=clientAuth")
+            self.sign_client(name, common_name, organization)
         _openssl("genrsa", "-out", self.path("sa.key"), "2048")
         _openssl("rsa", "-in", self.path("sa.key"), "-pubout", "-out", self.path("sa.pub"))
+
+    def sign_client(self, name: str, common_name: str, organization: str = "") -> None:
+        """A client certificate `<name>.crt` signed by the CA (e.g. a node's credentials)."""
+        subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
+        self._sign(name, subject, extension="extendedKeyUsage=clientAuth")
 
     def _sign(self, name: str, subject: str, extension: str) -> None:
         extfile = self.directory / f"{name}.ext"
@@ -137,6 +169,7 @@ class Cluster:
     binaries: Path | None = None
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     kubeconfig: Path | None = None
+    pki: Pki | None = None
     outlive_parent: bool = False  # `harness up` leaves the control plane running after it exits
 
     def start(self) -> Cluster:
@@ -152,12 +185,14 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
-        pki = Pki(self.workdir / "pki")
+        self.binaries = binaries
+        pki = self.pki = Pki(self.workdir / "pki")
         pki.generate(
             {
                 "admin": ("fgpu-admin", "system:masters"),
                 "controller-manager": ("system:kube-controller-manager", ""),
                 "scheduler": ("system:kube-scheduler", ""),
+                "kubelet-client": ("kube-apiserver-kubelet-client", ""),
             }
         )
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
@@ -179,6 +214,10 @@ class Cluster:
             f"--service-account-signing-key-file={pki.path('sa.key')}",
             "--service-account-issuer=https://kubernetes.default.svc",
             "--authorization-mode=Node,RBAC",
+            # kubectl logs/exec: the apiserver reaches a real node's kubelet at its InternalIP.
+            f"--kubelet-client-certificate={pki.path('kubelet-client.crt')}",
+            f"--kubelet-client-key={pki.path('kubelet-client.key')}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--service-cluster-ip-range=10.96.0.0/24",
             f"--feature-gates={FEATURE_GATES}",
             "--enable-priority-and-fairness=false", "--profiling=false", "--endpoint-reconciler-type=none",
@@ -203,14 +242,7 @@ class Cluster:
         return self
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
-        with open(logs / f"{name}.log", "wb") as output:
-            self.processes[name] = subprocess.Popen(
-                argv,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=None if self.outlive_parent else die_with_parent,
-            )
+        self.processes[name] = spawn(argv, logs / f"{name}.log", outlive_parent=self.outlive_parent)
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
@@ -262,14 +294,7 @@ class Cluster:
     def stop(self) -> None:
         # One at a time, in reverse start order: the apiserver shuts down slowly once etcd is gone.
         for name in reversed(list(self.processes)):
-            process = self.processes.pop(name)
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_process(self.processes.pop(name))
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -1,0 +1,196 @@
+"""What a real node changes on the host, recorded before it starts and put back after it stops.
+
+kubelet and containerd change things outside their directories: sysctls (kubelet sets
+vm.overcommit_memory, kernel.panic, ...; the CNI bridge turns on IP forwarding), iptables chains
+(KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT), hard-coded directories
+(/var/lib/kubelet/device-plugins, /run/containerd, /var/lib/cni, /var/log/containers), `kubepods`
+cgroups in every hierarchy, the bridge device. `HostState.take()` records them; `restore()` puts
+back what changed; `differences()` lists what a test bed left behind (the clean-up test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# Every sysctl kubelet (protectKernelDefaults: false) or the CNI bridge plugin may set.
+SYSCTLS = (
+    "vm.overcommit_memory",
+    "vm.panic_on_oom",
+    "kernel.panic",
+    "kernel.panic_on_oops",
+    "kernel.keys.root_maxkeys",
+    "kernel.keys.root_maxbytes",
+    "net.ipv4.ip_forward",
+    "net.ipv6.conf.all.forwarding",
+)
+# Paths kubelet, containerd and the CNI plugins use whatever their root directories say.
+HARD_CODED_PATHS = (
+    Path("/var/lib/kubelet"),
+    Path("/var/lib/cni"),
+    Path("/var/log/containers"),
+    Path("/var/log/pods"),
+    Path("/run/containerd"),
+    Path("/run/netns"),
+    Path("/run/nri"),  # containerd's NRI socket
+    Path("/etc/cni"),
+)
+IPTABLES = ("iptables", "ip6tables")
+OUR_PROGRAMS = ("kubelet", "containerd", "containerd-shim", "etcd", "kube-apiserver", "kube-controller",
+                "kube-scheduler", "pause", "nvidia-cuda-mps")  # fmt: skip
+TEMP_PREFIX = "/tmp/fgpu-"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+OUR_CGROUPS = ("kubepods", "kubepods.slice")
+
+
+def _sysctl_path(name: str) -> Path:
+    return Path("/proc/sys") / name.replace(".", "/")
+
+
+def read_sysctls() -> dict[str, str]:
+    values = {}
+    for name in SYSCTLS:
+        with contextlib.suppress(OSError):
+            values[name] = _sysctl_path(name).read_text().strip()
+    return values
+
+
+def iptables_save(tool: str) -> str | None:
+    """The rules as `<tool>-save` prints them, or None where the tool is not installed."""
+    if shutil.which(f"{tool}-save") is None:
+        return None
+    done = subprocess.run([f"{tool}-save"], capture_output=True, text=True, check=False)
+    # Comments and counters change with every packet; only tables, chains and rules matter.
+    return "\n".join(
+        line.split(" [")[0] if line.startswith(":") else line
+        for line in done.stdout.splitlines()
+        if not line.startswith("#")
+    )
+
+
+def iptables_chains(saved: str | None) -> set[str]:
+    """'table/chain' for every user-defined chain of a saved rule set (built-in chains have a
+    policy instead of '-'; iptables-nft keeps a table's empty built-in chains once it exists)."""
+    chains, table = set(), ""
+    for line in (saved or "").splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+        elif line.startswith(":") and line.split()[1] == "-":
+            chains.add(f"{table}/{line[1:].split()[0]}")
+    return chains
+
+
+def net_devices() -> set[str]:
+    return set(os.listdir("/sys/class/net"))
+
+
+def mount_points() -> set[str]:
+    with open("/proc/self/mountinfo") as handle:
+        return {line.split()[4] for line in handle}
+
+
+def our_cgroups() -> set[str]:
+    """kubepods cgroups in every hierarchy (cgroup v1 has one per controller)."""
+    found = set()
+    for name in OUR_CGROUPS:
+        found.update(str(path) for path in CGROUP_ROOT.glob(f"*/{name}"))
+        found.update(str(path) for path in CGROUP_ROOT.glob(name))
+    return found
+
+
+def our_processes() -> set[str]:
+    """'pid name' of running test-bed programs (comm is cut at 15 characters)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and (comm := (proc / "comm").read_text().strip()).startswith(OUR_PROGRAMS):
+                found.add(f"{proc.name} {comm}")
+    return found
+
+
+def temp_dirs() -> set[str]:
+    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(TEMP_PREFIX).name + "*")}
+
+
+@dataclass(frozen=True)
+class HostState:
+    sysctls: dict[str, str]
+    iptables: dict[str, str | None]
+    existing_paths: frozenset[Path]
+    devices: frozenset[str]
+    mounts: frozenset[str]
+    cgroups: frozenset[str]
+    processes: frozenset[str]
+    temp: frozenset[str]
+
+    @classmethod
+    def take(cls) -> HostState:
+        return cls(
+            sysctls=read_sysctls(),
+            iptables={tool: iptables_save(tool) for tool in IPTABLES},
+            existing_paths=frozenset(path for path in HARD_CODED_PATHS if path.exists()),
+            devices=frozenset(net_devices()),
+            mounts=frozenset(mount_points()),
+            cgroups=frozenset(our_cgroups()),
+            processes=frozenset(our_processes()),
+            temp=frozenset(temp_dirs()),
+        )
+
+    def restore(self) -> None:
+        """Put back what a node changed. Mounts and processes are the node's own to undo first:
+        a cgroup with a process in it, or a directory with a mount on it, cannot go."""
+        for name, value in self.sysctls.items():
+            if read_sysctls().get(name) != value:
+                _sysctl_path(name).write_text(value)
+        for tool, saved in self.iptables.items():
+            _restore_iptables(tool, saved)
+        for device in net_devices() - self.devices:
+            subprocess.run(["ip", "link", "delete", device], capture_output=True, check=False)
+        for cgroup in sorted(our_cgroups() - self.cgroups):
+            remove_cgroup_tree(Path(cgroup))
+        for path in HARD_CODED_PATHS:
+            if path not in self.existing_paths:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def differences(self, now: HostState) -> list[str]:
+        """What `now` has that this state had not, one line each (empty: the host is as it was)."""
+        found = [
+            f"sysctl {k}={now.sysctls.get(k)} (was {v})" for k, v in self.sysctls.items() if now.sysctls.get(k) != v
+        ]
+        for tool in IPTABLES:
+            added = iptables_chains(now.iptables.get(tool)) - iptables_chains(self.iptables.get(tool))
+            found += [f"{tool} chain {chain}" for chain in sorted(added)]
+        found += [f"path {path}" for path in sorted(now.existing_paths - self.existing_paths)]
+        found += [f"network device {device}" for device in sorted(now.devices - self.devices)]
+        found += [f"mount {mount}" for mount in sorted(now.mounts - self.mounts)]
+        found += [f"cgroup {cgroup}" for cgroup in sorted(now.cgroups - self.cgroups)]
+        found += [f"process {process}" for process in sorted(now.processes - self.processes)]
+        found += [f"temporary directory {path}" for path in sorted(now.temp - self.temp)]
+        return found
+
+
+def _restore_iptables(tool: str, saved: str | None) -> None:
+    if saved is None or iptables_save(tool) == saved:
+        return
+    current = iptables_save(tool) or ""
+    tables_before = {line[1:] for line in saved.splitlines() if line.startswith("*")}
+    for table in {line[1:] for line in current.splitlines() if line.startswith("*")} - tables_before:
+        # A table the node brought: empty it (its built-in chains stay, as iptables-nft keeps them).
+        subprocess.run([tool, "-t", table, "-F"], capture_output=True, check=False)
+        subprocess.run([tool, "-t", table, "-X"], capture_output=True, check=False)
+    subprocess.run([f"{tool}-restore"], input=saved + "\n", text=True, capture_output=True, check=True)
+
+
+def remove_cgroup_tree(path: Path) -> None:
+    """rmdir a cgroup and its children, deepest first (a cgroup directory goes with rmdir only)."""
+    if not path.is_dir():
+        return
+    for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            child.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
