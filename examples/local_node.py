@@ -1,6 +1,8 @@
-"""A local fgpu node: the real control plane (tests/cluster), `fgpu kubelet-plugin` on mock GPUs
-(or real NVML), and a kubelet stand-in. Applies examples/pod-one-gpu.yaml, shows what the pod got,
-then serves until Ctrl-C so you can `kubectl --kubeconfig ... apply` your own claims.
+"""A local fgpu cluster on this machine: the real control plane and a real node (kubelet and
+containerd from upstream, tests/cluster), `fgpu kubelet-plugin` on mock GPUs (or real NVML)
+registered with that kubelet, and example pods that really run. Prints what their containers see,
+then serves until Ctrl-C, after which the machine is as it was. Needs root (kubelet and containerd
+manage cgroups, mounts and network namespaces).
 
   python -m examples.local_node [--nvml mock:hgx-h200] [--once]
 """
@@ -8,23 +10,33 @@ then serves until Ctrl-C so you can `kubectl --kubeconfig ... apply` your own cl
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
+import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
 import kubernetes
 import yaml
 
-from driver.nvml.session import MOCK_STATE_ENV
 from tests.cluster.harness import Cluster
-from tests.cluster.kubelet_standin import KubeletStandIn
-from tests.node_env import fake_tools_env, stop_fake_daemons
-from tests.plugin_process import PluginUnderTest, short_tempdir
+from tests.cluster.host_state import short_temp_dir
+from tests.cluster.node import RealNode
+from tests.node_plugin import NodePlugin
+from tests.workloads import claim_template, pod, report, wait_running, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE = "node-0"
+NEEDS_ROOT = "make run needs root: kubelet and containerd manage cgroups, mounts and network namespaces"
+EXAMPLES = {
+    "whole-gpu": ("gpu.fgpu.dev", {}),
+    "mig-1g": ("mig.gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'}),
+    "mps-share": ("mps.gpu.fgpu.dev", {"capacity": {"memory": "10Gi", "compute": "25"}}),
+    "timeslice-share": ("timeslice.gpu.fgpu.dev", {"capacity": {"memory": "4Gi"}}),
+}
+SHOWN_ENV = ("NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")  # fmt: skip
 
 
 def apply_file(client: kubernetes.client.ApiClient, path: Path) -> None:
@@ -32,39 +44,49 @@ def apply_file(client: kubernetes.client.ApiClient, path: Path) -> None:
         kubernetes.utils.create_from_dict(client, document, namespace="default")
 
 
-def main() -> None:
+def run_examples(client: kubernetes.client.ApiClient, node: RealNode) -> None:
+    core = kubernetes.client.CoreV1Api(client)
+    for name, (device_class, args) in EXAMPLES.items():
+        kubernetes.utils.create_from_dict(client, claim_template(name, device_class, **args), namespace="default")
+        kubernetes.utils.create_from_dict(client, pod(name, node.name, name), namespace="default")
+    for name in EXAMPLES:
+        running = wait_running(core, name)
+        seen = report(core, name)
+        print(f"\npod {name}: {running.status.phase} on {running.spec.node_name}")
+        print(f"  devices: {', '.join(f'{path} ({kind})' for path, kind in sorted(seen.devices.items()))}")
+        for key in SHOWN_ENV:
+            if key in seen.env:
+                print(f"  env {key}={seen.env[key]}")
+        gpu_mounts = sorted(m for m in seen.mounts if "nvidia" in m or m in ("/dev/shm", "/tmp/nvidia-mps"))
+        print(f"  mounts: {', '.join(gpu_mounts)}")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nvml", default="mock:dgx-h100")
-    parser.add_argument("--once", action="store_true", help="exit after the example pod ran")
+    parser.add_argument("--once", action="store_true", help="exit after the example pods ran")
     args = parser.parse_args()
+    if os.geteuid() != 0:
+        print(NEEDS_ROOT, file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on SIGTERM as on Ctrl-C
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
 
-    workdir = short_tempdir()
-    cluster = Cluster(workdir / "cluster").start()
-    plugin = kubelet = None
+    workdir = short_temp_dir("run-")
+    cluster = Cluster(workdir / "cluster")
+    node = plugin = None
     try:
-        cluster.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})
+        cluster.start()
         client = cluster.api_client()
         apply_file(client, ROOT / "daemonset" / "deviceclasses.yaml")
-        plugin = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=workdir, nvml=args.nvml)
-        if args.nvml.startswith("mock:"):  # mock GPUs get the fake nvidia-smi and MPS control too
-            plugin.extra_env = {**fake_tools_env(workdir), MOCK_STATE_ENV: str(workdir / "gpus.json")}
-        plugin.start()
-        kubelet = KubeletStandIn(NODE, str(cluster.kubeconfig), plugin.registrar_dir).start()
-        apply_file(client, ROOT / "examples" / "pod-one-gpu.yaml")
-        core = kubernetes.client.CoreV1Api(client)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and core.read_namespaced_pod("cuda-job", "default").status.phase != "Running":
-            time.sleep(0.5)
-        pod = core.read_namespaced_pod("cuda-job", "default")
-        print(f"\npod cuda-job: {pod.status.phase} on {pod.spec.node_name}")
-        for prepared in kubelet.prepared.values():
-            print(f"  CDI devices: {', '.join(prepared.cdi_ids)}")
-        for spec in sorted(plugin.cdi_dir.glob("*.json")):
-            print(f"  CDI spec {spec}:\n{json.dumps(json.loads(spec.read_text()), indent=2)}")
-        print(f"\nkubeconfig: {cluster.kubeconfig}\nplugin log: {plugin.log_path}")
+        node = RealNode(cluster)
+        node.start()
+        plugin = NodePlugin.on(node, nvml=args.nvml).start()
+        resource = kubernetes.client.ResourceV1Api(client)
+        wait_until("the node's ResourceSlices", lambda: resource.list_resource_slice().items)
+        run_examples(client, node)
+        print(f"\nexport KUBECONFIG={cluster.kubeconfig}\nplugin log: {plugin.log_path}\nnode logs: {node.logs}")
         if not args.once:
             print("serving; Ctrl-C to stop")
             while True:
@@ -72,13 +94,14 @@ def main() -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        if kubelet:
-            kubelet.stop()
         if plugin:
             plugin.stop()
+        if node:
+            node.stop()
         cluster.stop()
-        stop_fake_daemons(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

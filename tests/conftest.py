@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import pytest
 import yaml
 
 from tests.cluster.harness import Cluster
+from tests.cluster.host_state import RUN_MARKER, HostState
+from tests.cluster.node import RealNode
 from tests.plugin_process import PluginUnderTest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +33,27 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield control_plane
     finally:
         control_plane.stop()
+
+
+@pytest.fixture(scope="module")
+def real_node(cluster: Cluster) -> Iterator[RealNode]:
+    """kubelet and containerd from upstream, registered with the test control plane. One module at
+    a time: two real nodes on one host would share kubelet's hard-coded paths and cgroups."""
+    node = RealNode(cluster).start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_left_as_found() -> Iterator[None]:
+    """The whole run leaves no sysctl, iptables chain, mount, network device or cgroup behind."""
+    os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
+    before = HostState.take()
+    yield
+    left = before.differences(HostState.take())
+    assert not left, "the test run left this behind on the host:\n" + "\n".join(left)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from tests.cluster.harness import die_with_parent
+from tests.cluster.host_state import short_temp_dir
 
 DRIVER = "gpu.fgpu.dev"
 VERSIONS = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
@@ -35,16 +35,11 @@ def _accepts(path: Path) -> bool:
     return True
 
 
-def short_tempdir() -> Path:
-    """Unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer."""
-    return Path(tempfile.mkdtemp(prefix="fgpu-", dir="/tmp"))
-
-
 @dataclass
 class PluginUnderTest:
     node: str
     kubeconfig: str
-    root: Path = field(default_factory=short_tempdir)
+    root: Path = field(default_factory=short_temp_dir)
     nvml: str = "mock:dgx-h100"
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)

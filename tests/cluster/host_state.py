@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,9 @@ IPTABLES = ("iptables", "ip6tables")
 OUR_PROGRAMS = ("kubelet", "containerd", "containerd-shim", "etcd", "kube-apiserver", "kube-controller",
                 "kube-scheduler", "pause", "nvidia-cuda-mps")  # fmt: skip
 TEMP_PREFIX = "/tmp/fgpu-"
+# Set by a test run for every process it starts (they inherit it): other runs on the same machine
+# are not this run's leftovers.
+RUN_MARKER = "FGPU_TEST_RUN"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 OUR_CGROUPS = ("kubepods", "kubepods.slice")
 
@@ -103,17 +107,31 @@ def our_cgroups() -> set[str]:
 
 
 def our_processes() -> set[str]:
-    """'pid name' of running test-bed programs (comm is cut at 15 characters)."""
+    """'pid name' of running test-bed programs (comm is cut at 15 characters), of this run only
+    where RUN_MARKER is set."""
+    marker = f"{RUN_MARKER}={os.environ[RUN_MARKER]}".encode() if RUN_MARKER in os.environ else None
     found = set()
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
-            if proc.name.isdigit() and (comm := (proc / "comm").read_text().strip()).startswith(OUR_PROGRAMS):
+            if not proc.name.isdigit() or not (comm := (proc / "comm").read_text().strip()).startswith(OUR_PROGRAMS):
+                continue
+            if marker is None or marker in (proc / "environ").read_bytes().split(b"\0"):
                 found.add(f"{proc.name} {comm}")
     return found
 
 
+def _run_prefix() -> str:
+    return TEMP_PREFIX + os.environ.get(RUN_MARKER, "")[:8]
+
+
+def short_temp_dir(purpose: str = "") -> Path:
+    """A directory under /tmp (Unix socket paths are limited to 108 bytes; pytest's tmp_path can be
+    longer), named after this run so that its leftovers can be told from another run's."""
+    return Path(tempfile.mkdtemp(prefix=f"{_run_prefix()}-{purpose}", dir=Path(TEMP_PREFIX).parent))
+
+
 def temp_dirs() -> set[str]:
-    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(TEMP_PREFIX).name + "*")}
+    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(_run_prefix()).name + "*")}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 import kubernetes
 
 from tests.cluster.harness import Cluster, free_port, spawn, stop_process, write_kubeconfig
-from tests.cluster.host_state import HostState, mount_points
+from tests.cluster.host_state import HostState, mount_points, short_temp_dir
 from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class RealNode:
     cluster: Cluster
     name: str = "fgpu-node"
     labels: dict[str, str] = field(default_factory=lambda: {"nvidia.com/gpu.present": "true"})
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fgpu-node-", dir="/tmp")))
+    workdir: Path = field(default_factory=lambda: short_temp_dir("node-"))
     outlive_parent: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     host_before: HostState | None = None

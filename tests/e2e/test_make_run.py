@@ -1,0 +1,52 @@
+"""`make run` as a person uses it: the example pods really run and it says what their containers
+see; Ctrl-C leaves the machine as it was (no process, mount, network device, iptables chain,
+changed sysctl, cgroup or temporary directory of ours)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.local_node import NEEDS_ROOT
+from tests.cluster.harness import die_with_parent
+from tests.cluster.host_state import HostState
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+SERVING_TIMEOUT_S = 240
+
+
+def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
+    before = HostState.take()
+    output = tmp_path / "run.log"
+    with open(output, "wb") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "examples.local_node"], cwd=ROOT, stdout=sink,
+                               stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVING_TIMEOUT_S
+        while "serving; Ctrl-C to stop" not in output.read_text() and run.poll() is None:
+            assert time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.5)
+        assert run.poll() is None, output.read_text()[-4000:]
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.wait(timeout=120)
+    printed = output.read_text()
+    for pod in ("whole-gpu", "mig-1g", "mps-share", "timeslice-share"):
+        assert f"pod {pod}: Running" in printed, printed[-4000:]
+    assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in printed
+    assert "export KUBECONFIG=" in printed
+    assert run.returncode == 0
+    assert before.differences(HostState.take()) == []
+
+
+def test_make_run_refuses_a_non_root_user():
+    as_nobody = "import os, runpy; os.setuid(65534); runpy.run_module('examples.local_node', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", as_nobody], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [NEEDS_ROOT]

@@ -1,0 +1,236 @@
+"""End to end on the real node: kube-scheduler allocates, kubelet (from upstream) calls our plugin
+through its plugin watcher and DRA gRPC, containerd applies our CDI specs, and each test asserts
+what the container itself sees (env, device nodes, mounts, /dev/shm), read through the apiserver's
+logs and exec endpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+from kubernetes.stream import stream
+
+from driver.faults import STALL_ENV, STALL_SECONDS_ENV
+from tests.cluster.node import RealNode
+from tests.integration.test_plugin_process import complete_pool
+from tests.node_plugin import NodePlugin
+from tests.workloads import (
+    claim_template,
+    deployment,
+    pod,
+    pod_events,
+    report,
+    unique,
+    wait_running,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+NS = "default"
+MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/cdi.py)
+
+
+@pytest.fixture(scope="module")
+def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
+    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
+    plugin = NodePlugin.on(real_node).start()
+    try:
+        wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
+        yield plugin
+    finally:
+        plugin.stop()
+        shutil.rmtree(plugin.root, ignore_errors=True)
+
+
+@pytest.fixture
+def workloads(core_api, resource_api, cluster) -> Iterator[list[tuple[str, str]]]:
+    """(kind, name) of what a test created; deleted afterwards, pods waited for."""
+    created: list[tuple[str, str]] = []
+    yield created
+    apps = kubernetes.client.AppsV1Api(cluster.api_client())
+    for kind, name in reversed(created):
+        try:
+            if kind == "Pod":
+                core_api.delete_namespaced_pod(name, NS, grace_period_seconds=1)
+            elif kind == "Deployment":
+                apps.delete_namespaced_deployment(name, NS, propagation_policy="Foreground")
+            elif kind == "ResourceClaimTemplate":
+                resource_api.delete_namespaced_resource_claim_template(name, NS)
+        except kubernetes.client.ApiException as err:
+            if err.status != 404:
+                raise
+    wait_until("test pods gone", lambda: not _pods_with_claims(core_api), timeout_s=120)
+
+
+def _pods_with_claims(core) -> list:
+    return [p for p in core.list_namespaced_pod(NS).items if p.spec.resource_claims]
+
+
+def create(cluster, created: list, *objects: dict) -> None:
+    client = cluster.api_client()
+    for obj in objects:
+        kubernetes.utils.create_from_dict(client, obj, namespace=NS)
+        created.append((obj["kind"], obj["metadata"]["name"]))
+
+
+def claim_of(resource_api, pod_name: str) -> kubernetes.client.V1ResourceClaim:
+    claims = resource_api.list_namespaced_resource_claim(NS).items
+    return next(c for c in claims if any(r.name == pod_name for r in c.status.reserved_for or []))
+
+
+def run_pod(cluster, core_api, workloads, node: RealNode, device_class: str, **template_args) -> str:
+    template = claim_template(unique("tpl"), device_class, **template_args)
+    name = unique("pod")
+    create(cluster, workloads, template, pod(name, node.name, template["metadata"]["name"]))
+    wait_running(core_api, name)
+    return name
+
+
+def test_whole_gpu(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    name = run_pod(cluster, core_api, workloads, real_node, "gpu.fgpu.dev")
+    seen = report(core_api, name)
+    allocated = claim_of(resource_api, name).status.allocation.devices.results
+    assert len(allocated) == 1 and allocated[0].device.startswith("gpu-")
+    index = allocated[0].device.removeprefix("gpu-")
+    assert seen.devices.get(f"/dev/nvidia{index}") == MOCK_NODE
+    assert seen.devices.get("/dev/nvidiactl") == MOCK_NODE
+    assert seen.env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert "/usr/bin/nvidia-smi" in seen.mounts  # the driver root's tools, bind-mounted
+    assert any("libnvidia-ml.so" in m for m in seen.mounts)
+    # kubectl exec reaches the same container through kubelet and containerd's stream server.
+    listing = stream(core_api.connect_get_namespaced_pod_exec, name, NS, command=["ls", "/dev"],
+                     stderr=True, stdin=False, stdout=True, tty=False)  # fmt: skip
+    assert f"nvidia{index}" in listing.split()
+
+
+def test_two_mig_devices_of_one_claim_on_one_gpu(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    name = run_pod(
+        cluster, core_api, workloads, real_node, "mig.gpu.fgpu.dev", count=2,
+        selector='device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"',
+        constraints=[{"requests": ["gpu"], "matchAttribute": "gpu.fgpu.dev/parentUUID"}],
+    )  # fmt: skip
+    seen = report(core_api, name)
+    caps = {path for path in seen.devices if path.startswith("/dev/nvidia-caps/")}
+    assert len(caps) == 4, seen.devices  # a GPU instance and a compute instance per MIG device
+    gpus = {path for path in seen.devices if path.removeprefix("/dev/nvidia").isdigit()}
+    assert len(gpus) == 1, seen.devices
+    instances = node_plugin.gpus().gpu_instances(int(next(iter(gpus)).removeprefix("/dev/nvidia")))
+    assert len(instances) == 2
+
+
+def test_two_mps_shares_with_different_limits_on_one_gpu(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    on_gpu0 = 'device.attributes["gpu.fgpu.dev"].index == 0'
+    small = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", selector=on_gpu0,
+                    capacity={"memory": "4Gi", "compute": "20"})  # fmt: skip
+    large = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", selector=on_gpu0,
+                    capacity={"memory": "10Gi", "compute": "50"})  # fmt: skip
+    seen_small, seen_large = report(core_api, small), report(core_api, large)
+    assert seen_small.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+    assert seen_large.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert seen_small.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert seen_large.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+    for seen in (seen_small, seen_large):
+        assert "/tmp/nvidia-mps" in seen.mounts and "/dev/shm" in seen.mounts
+        assert seen.devices.get("/dev/nvidia0") == MOCK_NODE
+    # One daemon serves both: both containers see the segment it made in the shared /dev/shm.
+    assert seen_small.shm & seen_large.shm, (seen_small.shm, seen_large.shm)
+    assert any(name.startswith("cuda.shm") for name in seen_small.shm & seen_large.shm)
+
+
+def test_time_sliced_share(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    name = run_pod(cluster, core_api, workloads, real_node, "timeslice.gpu.fgpu.dev", capacity={"memory": "2Gi"})
+    seen = report(core_api, name)
+    device = claim_of(resource_api, name).status.allocation.devices.results[0].device
+    index = device.removeprefix("gpu-").split("-")[0]
+    assert seen.devices.get(f"/dev/nvidia{index}") == MOCK_NODE
+
+
+def test_claim_template_shared_by_a_deployment(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", capacity={"memory": "2Gi", "compute": "10"})
+    name = unique("deploy")
+    create(cluster, workloads, template, deployment(name, real_node.name, template["metadata"]["name"], replicas=3))
+
+    def all_running() -> list:
+        pods = core_api.list_namespaced_pod(NS, label_selector=f"app={name}").items
+        return pods if len(pods) == 3 and all(p.status.phase == "Running" for p in pods) else []
+
+    pods = wait_until("3 replicas running", all_running)
+    claims = {claim_of(resource_api, p.metadata.name).metadata.uid for p in pods}
+    assert len(claims) == 3  # a claim per pod from the one template
+    for p in pods:
+        assert report(core_api, p.metadata.name).env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
+
+
+def test_unprepare_on_pod_deletion(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    mig = run_pod(cluster, core_api, workloads, real_node, "mig.gpu.fgpu.dev",
+                  selector='device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"')  # fmt: skip
+    mps = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev",
+                  selector='device.attributes["gpu.fgpu.dev"].index == 7')  # fmt: skip
+    claims = {name: claim_of(resource_api, name) for name in (mig, mps)}
+    specs = {name: node_plugin.cdi_dir.glob(f"*{c.metadata.uid}*") for name, c in claims.items()}
+    assert all(list(found) for found in specs.values())
+    mig_gpu = int(claims[mig].status.allocation.devices.results[0].device.split("-")[1])
+    assert node_plugin.gpus().gpu_instances(mig_gpu)
+    assert mps_daemon_running(node_plugin, 7)
+
+    for name in (mig, mps):
+        core_api.delete_namespaced_pod(name, NS, grace_period_seconds=1)
+    wait_until("CDI specs removed", lambda: not any(node_plugin.cdi_dir.glob("*.json")))
+    wait_until("MIG instance destroyed", lambda: not node_plugin.gpus().gpu_instances(mig_gpu))
+    wait_until("MPS daemon stopped with the last share", lambda: not mps_daemon_running(node_plugin, 7))
+
+
+def mps_daemon_running(plugin: NodePlugin, gpu_index: int) -> bool:
+    uuid = plugin.gpus().describe(gpu_index).uuid
+    pid_file = plugin.state_dir / "mps" / uuid / "pipe" / "nvidia-cuda-mps-control.pid"
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def test_bad_opaque_config_reaches_the_pods_events(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    bad = {"opaque": {"driver": "gpu.fgpu.dev", "parameters": {
+        "apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig",
+        "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 150}}}}}  # fmt: skip
+    template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", config=[bad])
+    name = unique("pod")
+    create(cluster, workloads, template, pod(name, real_node.name, template["metadata"]["name"]))
+
+    def failure() -> list[str]:
+        return [e for e in pod_events(core_api, name) if "activeThreadPercentage" in e]
+
+    events = wait_until("the prepare failure in the pod's events", failure)
+    assert "must be 1..100" in events[0]
+    assert core_api.read_namespaced_pod(name, NS).status.phase == "Pending"
+
+
+def test_pod_deleted_while_its_claim_is_prepared(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    """kubelet is told mid-prepare that the pod is gone; what the prepare made is undone."""
+    restart_with(node_plugin, {STALL_ENV: "prepare:device-ready", STALL_SECONDS_ENV: "8"})
+    try:
+        template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev",
+                                  selector='device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"')  # fmt: skip
+        name = unique("pod")
+        create(cluster, workloads, template, pod(name, real_node.name, template["metadata"]["name"]))
+        wait_until("prepare under way", lambda: "holding 8s at prepare:device-ready" in node_plugin.logs())
+        assert any(node_plugin.gpus().gpu_instances(i) for i in range(8))  # the MIG instance exists
+        core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+        wait_until("pod gone", lambda: name not in {p.metadata.name for p in core_api.list_namespaced_pod(NS).items})
+        wait_until("CDI spec removed", lambda: not any(node_plugin.cdi_dir.glob("*.json")))
+        wait_until("MIG instance destroyed", lambda: not any(node_plugin.gpus().gpu_instances(i) for i in range(8)))
+    finally:
+        restart_with(node_plugin, {})
+
+
+def restart_with(plugin: NodePlugin, fault_env: dict[str, str]) -> None:
+    plugin.stop()
+    plugin.extra_env = {key: value for key, value in plugin.extra_env.items() if not key.startswith("FGPU_STALL")}
+    plugin.extra_env.update(fault_env)
+    plugin.start()

@@ -1,0 +1,58 @@
+"""`fgpu kubelet-plugin` as a real process on the real node: its sockets in kubelet's own plugin
+directories (kubelet's plugin watcher registers it), its CDI specs where containerd reads them,
+mock GPUs whose state a test can read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.nvml.machine import load_machine
+from driver.nvml.mock import MockNvml
+from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
+from tests.cluster.node import RealNode
+from tests.plugin_process import DRIVER, PluginUnderTest
+
+
+@dataclass
+class NodePlugin(PluginUnderTest):
+    real_node: RealNode | None = None
+
+    @property
+    def _node(self) -> RealNode:
+        assert self.real_node is not None
+        return self.real_node
+
+    @property
+    def registrar_dir(self) -> Path:
+        return self._node.registrar_dir
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self._node.plugin_dir(DRIVER)
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self._node.cdi_dir
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def mock_state(self) -> Path:
+        return self.root / "gpus.json"
+
+    @classmethod
+    def on(cls, node: RealNode, nvml: str = "mock:dgx-h100", **kwargs: object) -> NodePlugin:
+        assert node.cluster.kubeconfig is not None
+        plugin = cls(node=node.name, kubeconfig=str(node.cluster.kubeconfig), nvml=nvml, real_node=node)
+        plugin.extra_env = {MOCK_STATE_ENV: str(plugin.mock_state)}
+        plugin.extra_args = [f"--state-dir={plugin.state_dir}", *plugin.extra_args]
+        for name, value in kwargs.items():
+            setattr(plugin, name, value)
+        return plugin
+
+    def gpus(self) -> NvmlSession:
+        """The mock GPUs as the plugin left them (MIG instances, compute modes)."""
+        return NvmlSession(MockNvml(load_machine(self.nvml.removeprefix("mock:")), self.mock_state))

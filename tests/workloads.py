@@ -1,0 +1,151 @@
+"""Pods, claim templates and Deployments for the real node, and reading back what their containers
+saw: each test container prints a report (its env, GPU device nodes, mounts, /dev/shm) and then
+waits, so a test asserts on what the container itself sees, read through `kubectl logs`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+
+from tests.cluster.images import BUSYBOX_IMAGE
+
+REPORT = (
+    "echo '== env'; env | sort; "
+    "echo '== dev'; ls -l /dev/nvidia* /dev/nvidia-caps/* 2>/dev/null; "
+    "echo '== mounts'; cut -d' ' -f5 /proc/self/mountinfo; "
+    "echo '== shm'; ls /dev/shm; "
+    "echo '== end'"
+)
+WAIT_S = 90
+
+
+def claim_template(name: str, device_class: str, *, count: int = 1, selector: str | None = None,
+                   capacity: dict[str, str] | None = None, constraints: list[dict[str, Any]] | None = None,
+                   config: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    exactly: dict[str, Any] = {"deviceClassName": device_class, "count": count}
+    if selector:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
+    devices: dict[str, Any] = {"requests": [{"name": "gpu", "exactly": exactly}]}
+    if constraints:
+        devices["constraints"] = constraints
+    if config:
+        devices["config"] = config
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {"spec": {"devices": devices}},
+    }
+
+
+def pod_spec(node: str, template: str, command: str = REPORT) -> dict[str, Any]:
+    """A pod spec on the real node whose container reports what it sees, then waits."""
+    return {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+        "containers": [
+            {
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", f"{command}; exec sleep 3600"],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }
+        ],
+        "terminationGracePeriodSeconds": 1,
+    }
+
+
+def pod(name: str, node: str, template: str, command: str = REPORT) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": pod_spec(node, template, command)}
+
+
+def deployment(name: str, node: str, template: str, replicas: int) -> dict[str, Any]:
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec(node, template)},
+        },
+    }
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class ContainerReport:
+    """What one container printed about itself, by section."""
+
+    env: dict[str, str]
+    devices: dict[str, str]  # path -> "c 1:3" (type, major:minor)
+    mounts: set[str]
+    shm: set[str]
+
+    @classmethod
+    def parse(cls, text: str) -> ContainerReport:
+        sections: dict[str, list[str]] = {}
+        current = None
+        for line in text.splitlines():
+            if line.startswith("== "):
+                current = line[3:]
+                sections[current] = []
+            elif current:
+                sections[current].append(line)
+        if "end" not in sections:
+            raise AssertionError(f"incomplete container report:\n{text}")
+        env = dict(line.split("=", 1) for line in sections["env"] if "=" in line)
+        devices = {}
+        for line in sections["dev"]:
+            fields = line.split()
+            if len(fields) >= 10 and line.startswith("c"):
+                devices[fields[-1]] = f"c {fields[4].rstrip(',')}:{fields[5]}"
+        return cls(env, devices, set(sections["mounts"]), set(sections["shm"]))
+
+
+def wait_until(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def pod_events(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> list[str]:
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return [f"{e.reason}: {e.message}" for e in events]
+
+
+def wait_running(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> Any:
+    def running() -> Any:
+        found = core.read_namespaced_pod(name, namespace)
+        return found if found.status.phase == "Running" else None
+
+    try:
+        return wait_until(f"pod {name} running", running)
+    except AssertionError as err:
+        raise AssertionError(f"{err}; events: {pod_events(core, name, namespace)}") from None
+
+
+def report(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> ContainerReport:
+    """The container's report, through the apiserver's logs endpoint (kubelet -> containerd)."""
+
+    def complete() -> str | None:
+        text = core.read_namespaced_pod_log(name, namespace)
+        return text if "== end" in text else None
+
+    return ContainerReport.parse(wait_until(f"report of pod {name}", complete))
