@@ -94,10 +94,10 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if plugin:
-            plugin.stop()
         if node:
-            node.stop()
+            node.stop()  # pods first, with the plugin still there to unprepare their claims
+        if plugin:
+            plugin.remove()
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -4,6 +4,7 @@ mock GPUs whose state a test can read."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
 from tests.cluster.node import RealNode
+from tests.node_env import stop_fake_daemons
 from tests.plugin_process import DRIVER, PluginUnderTest
 
 
@@ -52,6 +54,13 @@ class NodePlugin(PluginUnderTest):
         for name, value in kwargs.items():
             setattr(plugin, name, value)
         return plugin
+
+    def remove(self) -> None:
+        """Stop the plugin and remove what it leaves by design (MPS daemons outlive it, their
+        tmpfs stays mounted) and its directory."""
+        self.stop()
+        stop_fake_daemons(self.root)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def gpus(self) -> NvmlSession:
         """The mock GPUs as the plugin left them (MIG instances, compute modes)."""

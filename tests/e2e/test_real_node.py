@@ -6,7 +6,6 @@ logs and exec endpoints."""
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import kubernetes
@@ -41,8 +40,7 @@ def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
         wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
         yield plugin
     finally:
-        plugin.stop()
-        shutil.rmtree(plugin.root, ignore_errors=True)
+        plugin.remove()
 
 
 @pytest.fixture
