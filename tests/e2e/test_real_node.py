@@ -232,3 +232,33 @@ def restart_with(plugin: NodePlugin, fault_env: dict[str, str]) -> None:
     plugin.extra_env = {key: value for key, value in plugin.extra_env.items() if not key.startswith("FGPU_STALL")}
     plugin.extra_env.update(fault_env)
     plugin.start()
+
+
+def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """An A100 with MIG mode off needs a GPU reset to enable it; prepare refuses, and says why."""
+    node_plugin.stop()
+    a100 = NodePlugin.on(real_node, nvml="mock:dgx-a100-40gb").start()
+    try:
+        wait_until("the A100 pool", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA A100-SXM4-40GB")
+        template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev")
+        name = unique("pod")
+        create(cluster, workloads, template, pod(name, real_node.name, template["metadata"]["name"]))
+        events = wait_until("the prepare failure in the pod's events",
+                            lambda: [e for e in pod_events(core_api, name) if "needs a GPU reset" in e])  # fmt: skip
+        assert "enable MIG mode on the node" in events[0]
+        assert core_api.read_namespaced_pod(name, NS).status.phase == "Pending"
+        assert not any(a100.cdi_dir.glob("*.json"))
+        core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+        wait_until("pod gone", lambda: name not in {p.metadata.name for p in core_api.list_namespaced_pod(NS).items})
+    finally:
+        a100.remove()
+        node_plugin.start()
+        wait_until("the H100 pool back", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA H100 80GB HBM3")
+
+
+def _pool_product(resource_api, node: str) -> str | None:
+    devices = [d for s in complete_pool(resource_api, node) or [] for d in s.spec.devices or []]
+    products = {d.attributes["productName"].string for d in devices if "productName" in (d.attributes or {})}
+    return products.pop() if len(products) == 1 else None
