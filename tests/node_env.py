@@ -48,6 +48,14 @@ def mount_points_under(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie (a daemon's exit is seen before its reaper collects it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def stop_fake_daemons(root: Path) -> None:
     """Kill MPS control daemons the fakes started under root and unmount the MPS tmpfs mounts
     there: the daemons outlive the plugin by design, and a test leaves nothing behind."""

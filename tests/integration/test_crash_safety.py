@@ -1,12 +1,13 @@
 """Kill the plugin (SIGKILL) at every step of prepare and unprepare, restart it, and check that it
 completes or rolls back: no MIG instance without a prepared claim, no prepared claim without its
-instance, no orphaned CDI spec or MPS directory, an MPS daemon exactly while a share is prepared,
-and kubelet's retry succeeds."""
+instance, no orphaned CDI spec or MPS directory, an MPS daemon and its shm tmpfs exactly while a
+share is prepared, and kubelet's retry succeeds."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 
 import grpc
@@ -16,6 +17,7 @@ from driver.faults import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
+from partitioner import tmpfs
 from tests.claims_api import create_allocated_claim
 from tests.node_env import fake_tools_env, stop_fake_daemons
 from tests.plugin_process import PluginUnderTest
@@ -36,9 +38,12 @@ def node(cluster) -> Iterator[tuple[PluginUnderTest, NvmlSession]]:
     plugin.extra_env = {**fake_tools_env(plugin.root), MOCK_STATE_ENV: str(state)}
     gpus = MockNvml(load_machine("dgx-h100"), state)
     session = NvmlSession(gpus)  # the test's own view of the same GPUs
-    yield plugin, session
-    plugin.stop()
-    stop_fake_daemons(plugin.root)
+    try:
+        yield plugin, session
+    finally:
+        plugin.stop()
+        stop_fake_daemons(plugin.root)  # the MPS daemons outlive the plugin by design
+        shutil.rmtree(plugin.root, ignore_errors=True)
 
 
 def mps_daemons(plugin: PluginUnderTest) -> set[str]:
@@ -74,6 +79,8 @@ def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
         {p.name for p in (plugin.plugin_dir / "mps").glob("*")} if (plugin.plugin_dir / "mps").exists() else set()
     )
     assert mps_dirs == mps_gpus
+    mounted = {p.parent.name for p in (plugin.plugin_dir / "mps").glob("*/shm") if tmpfs.is_mounted(p)}
+    assert mounted == mps_gpus
     return checkpoint
 
 

@@ -4,6 +4,7 @@ real kube-apiserver behind it."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 
@@ -159,6 +160,7 @@ def test_unreachable_api_server_is_not_a_crash_loop(tmp_path, cluster):
         assert "retrying" in plugin.logs()
     finally:
         plugin.stop()
+        shutil.rmtree(plugin.root, ignore_errors=True)
 
 
 def test_stale_sockets_are_replaced_and_sigterm_keeps_state(start_plugin, resource_api):

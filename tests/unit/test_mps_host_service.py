@@ -19,7 +19,7 @@ from partitioner import tmpfs
 from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
-from tests.node_env import NodeEnv
+from tests.node_env import NodeEnv, process_alive
 
 # Starts GPU 0's daemon the way the plugin does, then waits to be killed.
 STARTER = """
@@ -38,13 +38,6 @@ time.sleep(600)
 def marker(env: NodeEnv, uuid: str) -> Path:
     """The file the (fake) MPS daemon creates in the /dev/shm it sees."""
     return env.mps.shm_dir(uuid) / f"cuda.shm.fgpu-mps-{uuid}"
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def tools_log(env: NodeEnv) -> list[dict]:
@@ -82,7 +75,7 @@ def test_the_daemon_outlives_a_killed_starter_and_a_new_instance_adopts_it(node)
         starter.kill()
         starter.wait()
     pid = env.mps.daemon_pid(uuid)
-    assert pid is not None and alive(pid)  # SIGKILL of the process that started it left it running
+    assert pid is not None and process_alive(pid)  # SIGKILL of the process that started it left it running
     assert env.mps.start(0, uuid) is False  # adopted, not started again
     assert env.mps.daemon_pid(uuid) == pid
     assert [e["argv"] for e in tools_log(env) if e["tool"] == "nvidia-cuda-mps-control"] == [["-d"]]
@@ -93,9 +86,9 @@ def test_stop_quits_the_daemon_unmounts_its_tmpfs_and_removes_its_directories(no
     uuid = env.gpus[1].uuid
     env.mps.start(1, uuid)
     pid = env.mps.daemon_pid(uuid)
-    assert pid is not None and alive(pid)
+    assert pid is not None and process_alive(pid)
     assert env.mps.stop(1, uuid) is True
-    assert not alive(pid)
+    assert not process_alive(pid)
     assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
     assert not env.mps.pipe_dir(uuid).parent.exists()
     assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_DEFAULT
