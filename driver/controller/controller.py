@@ -163,6 +163,7 @@ class Controller:
         self.leader.release()  # after the last write: the standby may start at once
 
     def stop(self) -> None:
+        log.info("stopping")
         self.stop_event.set()
         self.changed.set()
         for informer in self.informers.values():
