@@ -55,6 +55,10 @@ class NodePlugin(PluginUnderTest):
             setattr(plugin, name, value)
         return plugin
 
+    def registrations(self) -> int:
+        """How often kubelet has completed the registration handshake with this plugin."""
+        return self.logs().count("registered with kubelet")
+
     def remove(self) -> None:
         """Stop the plugin and remove what it leaves by design (MPS daemons outlive it, their
         tmpfs stays mounted) and its directory."""

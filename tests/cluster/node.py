@@ -167,6 +167,13 @@ class RealNode:
             outlive_parent=self.outlive_parent,
         )
 
+    def restart_kubelet(self) -> None:
+        """Stop kubelet (SIGTERM) and start it again, as an operator's restart or upgrade does;
+        containers keep running under containerd meanwhile."""
+        stop_process(self.processes.pop("kubelet"))
+        self._start_kubelet()
+        self._wait_ready()
+
     def _wait_ready(self) -> None:
         core = kubernetes.client.CoreV1Api(self.cluster.api_client())
 

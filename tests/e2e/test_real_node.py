@@ -6,7 +6,8 @@ logs and exec endpoints."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 
 import kubernetes
 import pytest
@@ -228,10 +229,13 @@ def test_pod_deleted_while_its_claim_is_prepared(cluster, core_api, resource_api
 
 
 def restart_with(plugin: NodePlugin, fault_env: dict[str, str]) -> None:
-    plugin.stop()
-    plugin.extra_env = {key: value for key, value in plugin.extra_env.items() if not key.startswith("FGPU_STALL")}
-    plugin.extra_env.update(fault_env)
-    plugin.start()
+    def restart() -> None:
+        plugin.stop()
+        plugin.extra_env = {k: v for k, v in plugin.extra_env.items() if not k.startswith("FGPU_STALL")}
+        plugin.extra_env.update(fault_env)
+        plugin.start()
+
+    restart_and_wait_for_registration(plugin, restart)
 
 
 def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
@@ -239,8 +243,9 @@ def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
 ):
     """An A100 with MIG mode off needs a GPU reset to enable it; prepare refuses, and says why."""
     node_plugin.stop()
-    a100 = NodePlugin.on(real_node, nvml="mock:dgx-a100-40gb").start()
+    a100 = NodePlugin.on(real_node, nvml="mock:dgx-a100-40gb")
     try:
+        restart_and_wait_for_registration(a100, a100.start)
         wait_until("the A100 pool", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA A100-SXM4-40GB")
         template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev")
         name = unique("pod")
@@ -254,7 +259,7 @@ def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
         wait_until("pod gone", lambda: name not in {p.metadata.name for p in core_api.list_namespaced_pod(NS).items})
     finally:
         a100.remove()
-        node_plugin.start()
+        restart_and_wait_for_registration(node_plugin, node_plugin.start)
         wait_until("the H100 pool back", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA H100 80GB HBM3")
 
 
@@ -262,3 +267,40 @@ def _pool_product(resource_api, node: str) -> str | None:
     devices = [d for s in complete_pool(resource_api, node) or [] for d in s.spec.devices or []]
     products = {d.attributes["productName"].string for d in devices if "productName" in (d.attributes or {})}
     return products.pop() if len(products) == 1 else None
+
+
+def test_plugin_and_kubelet_restarts_keep_pods_running(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """Pods keep running through plugin restarts (SIGKILL, SIGTERM) and a kubelet restart, and new
+    claims are prepared after each; the plugin is registered again every time."""
+    first = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", capacity={"memory": "2Gi"})
+    started = _container_started(core_api, first)
+    for restart in (lambda: _restart_plugin(node_plugin, signal.SIGKILL),
+                    lambda: _restart_plugin(node_plugin, signal.SIGTERM),
+                    real_node.restart_kubelet):  # fmt: skip
+        restart_and_wait_for_registration(node_plugin, restart)
+        after = run_pod(cluster, core_api, workloads, real_node, "timeslice.gpu.fgpu.dev")
+        assert report(core_api, after).devices
+        assert _container_started(core_api, first) == started  # the same container, never restarted
+    uid = claim_of(resource_api, first).metadata.uid
+    core_api.delete_namespaced_pod(first, NS, grace_period_seconds=1)
+    wait_until("the MPS share unprepared after the restarts", lambda: not list(node_plugin.cdi_dir.glob(f"*{uid}*")))
+
+
+def restart_and_wait_for_registration(plugin: NodePlugin, restart: Callable[[], None]) -> None:
+    """kubelet retries a pod whose driver was not registered only at its next periodic sync (a
+    minute or more), so a test's next pod comes once kubelet has registered the plugin again."""
+    before = plugin.registrations()
+    restart()
+    wait_until("kubelet registered the plugin again", lambda: plugin.registrations() > before)
+
+
+def _restart_plugin(plugin: NodePlugin, sig: int) -> None:
+    plugin.stop(sig)
+    plugin.start()
+
+
+def _container_started(core_api, name: str) -> tuple[str, int]:
+    status = core_api.read_namespaced_pod(name, NS).status.container_statuses[0]
+    return status.container_id, status.restart_count
