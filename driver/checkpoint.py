@@ -1,7 +1,7 @@
 """The prepared-claims checkpoint file: versioned, checksummed, atomic, and locked.
 
 Every change runs under an exclusive file lock and re-reads the file first (a parse is cached
-while the file is unchanged), so two plugin instances on one node (a rolling update) serialise
+while the file's bytes are unchanged), so two plugin instances on one node (a rolling update) serialise
 on it instead of overwriting each other. Concurrent changes are written together (group commit). A
 write goes to a temp file that is fsynced and renamed over the old one, then the directory is
 fsynced. A file that is corrupt or of an unknown version is moved aside with a clear log line
@@ -48,6 +48,10 @@ def _checksum(payload: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+class _UnusableError(ValueError):
+    """The file is corrupt or of another version: it is moved aside."""
+
+
 @dataclass
 class _Change:
     """A queued mutation and its outcome (group commit)."""
@@ -65,7 +69,7 @@ class Checkpoint:
         self._writer = threading.Lock()  # one thread writes at a time, for all queued changes
         self._queue_lock = threading.Lock()
         self._queue: list[_Change] = []
-        self._cache: tuple[tuple[int, int, int], CheckpointData] | None = None
+        self._cache: tuple[bytes, CheckpointData] | None = None  # the file's bytes and their parse
         path.parent.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
@@ -111,41 +115,35 @@ class Checkpoint:
             for change in batch:
                 change.done = True
 
-    def _stat_key(self) -> tuple[int, int, int] | None:
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
-            return None
-        return stat.st_ino, stat.st_mtime_ns, stat.st_size
-
     def _load(self) -> CheckpointData:
-        """Parse the file, or reuse the last parse while the file is unchanged (the hot path:
-        every prepare reads the checkpoint)."""
-        key = self._stat_key()
-        if key is None:
-            return CheckpointData(boot_id=self._boot_id)
-        cached = self._cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        data = self._parse()
-        self._cache = (key, data) if self._stat_key() == key else None
-        return data
-
-    def _parse(self) -> CheckpointData:
+        """Parse the file, or reuse the last parse while its bytes are unchanged (the hot path:
+        every prepare reads the checkpoint). The bytes decide, not the file's stat: with two
+        instances writing, a new file can get a freed inode back within one timestamp tick."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return CheckpointData(boot_id=self._boot_id)
+        cached = self._cache
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        try:
+            data = self._parse(raw)
+        except _UnusableError as err:
+            return self._reset(str(err))
+        self._cache = (raw, data)
+        return data
+
+    def _parse(self, raw: bytes) -> CheckpointData:
         try:
             document = json.loads(raw)
             version = document["version"]
             payload = {"version": version, "bootId": document["bootId"], "claims": document["claims"]}
         except (ValueError, KeyError, TypeError) as err:
-            return self._reset(f"unreadable ({err})")
+            raise _UnusableError(f"unreadable ({err})") from err
         if version != CHECKPOINT_VERSION:
-            return self._reset(f"version {version} is not the version {CHECKPOINT_VERSION} this fgpu understands")
+            raise _UnusableError(f"version {version} is not the version {CHECKPOINT_VERSION} this fgpu understands")
         if document.get("checksum") != _checksum(payload):
-            return self._reset("checksum mismatch (the file was modified or partly written)")
+            raise _UnusableError("checksum mismatch (the file was modified or partly written)")
         if payload["bootId"] != self._boot_id:
             log.warning(
                 "checkpoint %s was written during boot %s, this is boot %s: claims prepared before the "
@@ -166,9 +164,10 @@ class Checkpoint:
     def _store(self, data: CheckpointData) -> None:
         payload = {"version": CHECKPOINT_VERSION, "bootId": data.boot_id, "claims": data.claims}
         document = {**payload, "checksum": _checksum(payload)}
+        raw = json.dumps(document, sort_keys=True).encode()
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         with open(tmp, "wb") as handle:
-            handle.write(json.dumps(document, sort_keys=True).encode())
+            handle.write(raw)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, self.path)
@@ -177,5 +176,4 @@ class Checkpoint:
             os.fsync(directory)
         finally:
             os.close(directory)
-        key = self._stat_key()
-        self._cache = (key, data) if key is not None else None
+        self._cache = (raw, data)

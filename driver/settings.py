@@ -11,11 +11,13 @@ from pathlib import Path
 from kubernetes.utils import parse_quantity
 
 from driver.nvml.session import is_mock
+from driver.plugin.sockets import rolling_update_registrar_socket_file
 from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
 DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
 MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver
+POD_UID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")  # it becomes part of two socket file names
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -40,6 +42,9 @@ class PluginSettings:
     unprepare_grace_s: float = 300.0
     reconcile_interval_s: float = 60.0
     mps_shm_bytes: int = DEFAULT_SHM_BYTES
+    # This pod's UID: per-instance socket names, so that two instances serve during a rolling update.
+    rolling_update_uid: str = ""
+    registration_grace_s: float = 60.0
 
     @property
     def mock_gpus(self) -> bool:
@@ -49,11 +54,15 @@ class PluginSettings:
 
     @property
     def registration_socket(self) -> Path:
+        if self.rolling_update_uid:
+            name = rolling_update_registrar_socket_file(self.registrar_dir, self.driver_name, self.rolling_update_uid)
+            return self.registrar_dir / name
         return self.registrar_dir / f"{self.driver_name}-reg.sock"
 
     @property
     def dra_socket(self) -> Path:
-        return self.plugin_dir / "dra.sock"
+        # Kubelet refuses a second registration of one endpoint, so each instance needs its own.
+        return self.plugin_dir / (f"dra-{self.rolling_update_uid}.sock" if self.rolling_update_uid else "dra.sock")
 
     @property
     def checkpoint_path(self) -> Path:
@@ -142,6 +151,20 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         default=int(_env_default("-1", "HEALTHCHECK_PORT") or -1),
         help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
     )
+    parser.add_argument(
+        "--rolling-update-uid",
+        default=_env_default("", "POD_UID"),
+        help="this pod's UID (downward API metadata.uid): sockets <driver>-<uid>-reg.sock and dra-<uid>.sock, "
+        "so that two instances serve side by side during a rolling update; empty: <driver>-reg.sock and "
+        "dra.sock [POD_UID]",
+    )
+    parser.add_argument(
+        "--registration-grace",
+        type=float,
+        default=float(_env_default("60", "REGISTRATION_GRACE") or 60),
+        help="seconds the health service says SERVING without kubelet's registration, after the socket is "
+        "created or a registration failed [REGISTRATION_GRACE]",
+    )
 
 
 def validate_names(args: argparse.Namespace) -> None:
@@ -149,6 +172,12 @@ def validate_names(args: argparse.Namespace) -> None:
         raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
     if not args.node_name:
         raise SettingsError("--node-name (or NODE_NAME) is required")
+
+
+def validate_pod_uid(uid: str) -> str:
+    if uid and not POD_UID.match(uid):
+        raise SettingsError(f"--rolling-update-uid {uid!r} is not a pod UID (letters, digits, '-', '_', '.')")
+    return uid
 
 
 def sharing_config(args: argparse.Namespace) -> SharingConfig:
@@ -192,4 +221,6 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         unprepare_grace_s=args.unprepare_grace,
         reconcile_interval_s=args.reconcile_interval,
         mps_shm_bytes=size_bytes("--mps-shm-size", args.mps_shm_size) if args.mps_shm_size else DEFAULT_SHM_BYTES,
+        rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
+        registration_grace_s=args.registration_grace,
     )

@@ -1,14 +1,14 @@
-"""The plugin-watcher registration service kubelet calls on `<registrar-dir>/<driver>-reg.sock`."""
+"""The plugin-watcher registration service kubelet calls on the registration socket."""
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.plugin.liveness import RegistrationState
 
 log = logging.getLogger(__name__)
 
@@ -17,10 +17,10 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
-    def __init__(self, driver_name: str, endpoint: str) -> None:
+    def __init__(self, driver_name: str, endpoint: str, state: RegistrationState) -> None:
         self._driver_name = driver_name
         self._endpoint = endpoint
-        self.registered = threading.Event()
+        self._state = state
 
     def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
         return reg_pb.PluginInfo(
@@ -35,8 +35,7 @@ class RegistrationService(reg_grpc.RegistrationServicer):
     ) -> reg_pb.RegistrationStatusResponse:
         if request.plugin_registered:
             log.info("registered with kubelet")
-            self.registered.set()
         else:
             log.error("kubelet rejected the registration: %s", request.error)
-            self.registered.clear()
+        self._state.record(request.plugin_registered, request.error)
         return reg_pb.RegistrationStatusResponse()

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -16,15 +17,17 @@ from driver.cdi import CdiWriter, DriverFiles
 from driver.checkpoint import Checkpoint
 from driver.devices import node_inventory, node_targets
 from driver.discovery import discover_gpus
-from driver.driver import Driver, Partitioners
+from driver.driver import Partitioners
 from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
 from driver.ownership import InstanceLock
 from driver.plugin.dra_service import add_dra_services
+from driver.plugin.liveness import LivenessMonitor, RegistrationState, self_probe
+from driver.plugin.node_lock import NodeClaimLock, SerializedDriver
 from driver.plugin.registration import RegistrationService
-from driver.plugin.sockets import prepare_socket_path, remove_socket
+from driver.plugin.sockets import BoundSocket, prepare_socket_path
 from driver.publisher import SlicePublisher
 from driver.reconcile import ClaimReconciler
 from driver.settings import PluginSettings
@@ -58,7 +61,8 @@ class PluginProcess:
             mps=MpsPartitioner(self._nvml, runner, settings.state_dir, settings.mps_shm_bytes),
             timeslice=TimeSlicer(runner),
         )
-        self.driver = Driver(
+        self.driver = SerializedDriver(
+            NodeClaimLock(settings.state_dir),
             settings.driver_name,
             settings.node_name,
             node_targets(self.gpus, settings.sharing),
@@ -75,7 +79,10 @@ class PluginProcess:
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
         self.health = health.HealthServicer()
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the first liveness check
+        self.liveness: LivenessMonitor | None = None
         self._servers: list[grpc.Server] = []
+        self._sockets: list[BoundSocket] = []
         self._stopped = threading.Event()
 
     def _tool_runner(self) -> ToolRunner:
@@ -96,35 +103,51 @@ class PluginProcess:
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
         add_dra_services(dra_server, self.driver)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
-        dra_server.add_insecure_port(prepare_socket_path(settings.dra_socket))
+        self._bind(dra_server, settings.dra_socket)
         if settings.healthcheck_port >= 0:
             dra_server.add_insecure_port(f"[::]:{settings.healthcheck_port}")
         dra_server.start()
         self._servers.append(dra_server)
         log.info("DRA service on %s", settings.dra_socket)
 
-        registration = RegistrationService(settings.driver_name, str(settings.dra_socket.absolute()))
+        registration_state = RegistrationState()  # the grace period starts with the registration socket
+        registration = RegistrationService(
+            settings.driver_name, str(settings.dra_socket.absolute()), registration_state
+        )
         reg_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration"))
         reg_grpc.add_RegistrationServicer_to_server(registration, reg_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, reg_server)
-        reg_server.add_insecure_port(prepare_socket_path(settings.registration_socket))
+        self._bind(reg_server, settings.registration_socket)
         reg_server.start()
         self._servers.append(reg_server)
         log.info("registration service on %s", settings.registration_socket)
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+        probe = partial(self_probe, settings.registration_socket, settings.dra_socket)
+        self.liveness = LivenessMonitor(
+            self.health, tuple(self._sockets), registration_state, settings.registration_grace_s, probe
+        )
+        self.liveness.check_once()
+        self.liveness.start()
+
+    def _bind(self, server: grpc.Server, path: Path) -> None:
+        """Listen on `path` (replacing a stale socket of our own name) and remember the file we bound."""
+        server.add_insecure_port(prepare_socket_path(path))
+        self._sockets.append(BoundSocket.at(path))
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.liveness is not None:
+            self.liveness.stop()
         self.health.enter_graceful_shutdown()
         self.api.close()  # unblocks the publisher's watch
         self.publisher.stop()
         self.reconciler.stop()
         for server in self._servers:
             server.stop(grace=5).wait()
-        for path in (self.settings.registration_socket, self.settings.dra_socket):
-            remove_socket(path)
+        for bound in self._sockets:
+            bound.remove()  # ours only: another instance's socket at this path stays
         self._nvml.close()
         self.instance.release()
         log.info("stopped; sockets removed, state kept in %s", self.settings.state_dir)

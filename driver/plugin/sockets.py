@@ -1,20 +1,50 @@
-"""Unix socket paths: validation, stale-file removal and clean-up."""
+"""Unix socket paths: their names, validation, stale-file removal, and telling our own socket
+file from one that replaced it."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
-MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+# sun_path is 108 bytes including the terminating NUL, which gRPC insists on; upstream's helper
+# compares against 108 without it, so only a path of exactly 108 bytes is named differently here.
+MAX_SOCKET_PATH = 107
+# Upstream's RollingUpdateRegistrarSocketFile: how much of each SHA-256 digest goes into a name.
+UID_HASH_BYTES = 8
+DRIVER_UID_HASH_BYTES = 16
 
 
 class SocketPathError(ValueError):
     pass
 
 
+def _digest(text: str, length: int) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()[:length]).rstrip(b"=").decode()
+
+
+def rolling_update_registrar_socket_file(registrar_dir: Path, driver_name: str, pod_uid: str) -> str:
+    """The registration socket's name of the instance in pod `pod_uid`, as upstream's
+    kubeletplugin.RollingUpdateRegistrarSocketFile names it: the first of `<driver>-<uid>-reg.sock`,
+    `<driver>-<hash(uid)>-reg.sock`, `dra-<hash(driver, uid)>-reg.sock` whose path fits."""
+    driver_and_uid = f"{driver_name}\0{pod_uid}"
+    candidates = (
+        f"{driver_name}-{pod_uid}-reg.sock",
+        f"{driver_name}-{_digest(pod_uid, UID_HASH_BYTES)}-reg.sock",
+        f"dra-{_digest(driver_and_uid, DRIVER_UID_HASH_BYTES)}-reg.sock",
+    )
+    for name in candidates:
+        if len(str(registrar_dir / name).encode()) <= MAX_SOCKET_PATH:
+            return name
+    return candidates[-1]
+
+
 def prepare_socket_path(path: Path) -> str:
-    """Create the parent directory, remove a stale socket, and return the gRPC address."""
+    """Create the parent directory, remove a stale socket, and return the gRPC address. Only this
+    instance's own name is replaced: with a pod UID no other instance uses it."""
     if len(str(path).encode()) > MAX_SOCKET_PATH:
         raise SocketPathError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes")
     if path.name.startswith("."):
@@ -31,9 +61,34 @@ def prepare_socket_path(path: Path) -> str:
     return f"unix://{path}"
 
 
-def remove_socket(path: Path) -> None:
-    try:
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+@dataclass(frozen=True)
+class BoundSocket:
+    """A socket file as this process bound it. Kubelet finds us by path, so a file deleted or
+    replaced (by another instance or a clean-up) means kubelet no longer reaches this process."""
+
+    path: Path
+    device: int
+    inode: int
+
+    @classmethod
+    def at(cls, path: Path) -> BoundSocket:
+        """Record the socket just bound at `path`."""
+        info = path.lstat()
+        if not stat.S_ISSOCK(info.st_mode):
+            raise SocketPathError(f"{path} is not a socket")
+        return cls(path, info.st_dev, info.st_ino)
+
+    def problem(self) -> str:
+        """Why the path no longer leads to this socket, or "" while it does."""
+        try:
+            info = self.path.lstat()
+        except FileNotFoundError:
+            return f"socket {self.path} was deleted"
+        if (info.st_dev, info.st_ino) != (self.device, self.inode):
+            return f"socket {self.path} was replaced by another file"
+        return ""
+
+    def remove(self) -> None:
+        """Remove the file if it is still ours: never another instance's socket at our path."""
+        if not self.problem():
+            os.unlink(self.path)

@@ -1,0 +1,75 @@
+"""The health service of a real `fgpu kubelet-plugin` process, as a DaemonSet's livenessProbe
+(grpc, on the TCP health port) and kubelet's socket see it: SERVING only while kubelet can reach
+and use the plugin."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
+from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.plugin.liveness import CHECK_INTERVAL_S
+from tests.integration.test_plugin_process import wait_for
+from tests.plugin_process import PluginUnderTest
+
+pytestmark = pytest.mark.e2e
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def check(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def statuses(plugin: PluginUnderTest, port: int) -> tuple[int, int]:
+    """What kubelet's side (the DRA socket) and the livenessProbe (the TCP port) are told."""
+    return check(f"unix://{plugin.dra_socket}"), check(f"127.0.0.1:{port}")
+
+
+def start(start_plugin, grace_s: float) -> tuple[PluginUnderTest, int]:
+    port = free_port()
+    plugin = start_plugin(extra_args=[f"--registration-grace={grace_s}", f"--healthcheck-port={port}"])
+    return plugin, port
+
+
+def test_serving_once_registered_and_after_the_grace(start_plugin):
+    plugin, port = start(start_plugin, grace_s=1)
+    plugin.register()
+    plugin.register()  # kubelet restarted and registered the plugin again
+    time.sleep(1 + 2 * CHECK_INTERVAL_S)  # past the grace, evaluated since
+    assert statuses(plugin, port) == (SERVING, SERVING)
+    assert "NOT_SERVING" not in plugin.logs()
+
+
+def test_not_serving_once_the_registration_socket_is_deleted(start_plugin):
+    plugin, port = start(start_plugin, grace_s=60)
+    plugin.register()
+    assert statuses(plugin, port) == (SERVING, SERVING)
+    plugin.registration_socket.unlink()  # kubelet can no longer find the plugin
+    wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)
+    assert f"socket {plugin.registration_socket} was deleted" in plugin.logs()
+    assert plugin.process is not None and plugin.process.poll() is None  # the probe, not the plugin, decides
+
+
+def test_not_serving_after_the_grace_until_kubelet_registers(start_plugin):
+    plugin, port = start(start_plugin, grace_s=2)
+    with grpc.insecure_channel(f"unix://{plugin.registration_socket}") as channel:
+        failed = reg_pb.RegistrationStatus(plugin_registered=False, error="endpoint already registered")
+        reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(failed, timeout=5)
+    wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)
+    assert "(last failure: endpoint already registered)" in plugin.logs()
+    plugin.register()
+    wait_for(lambda: statuses(plugin, port) == (SERVING, SERVING), timeout=15)

@@ -1,0 +1,173 @@
+"""A DaemonSet rolling update with maxSurge 1: two `fgpu kubelet-plugin` processes on one node,
+each with its pod UID, sharing the registrar dir, the plugin dir and the state in it. Kubelet may
+call either: they must both register, hand claims over, share a GPU, leave each other's sockets
+alone and agree on the ResourceSlices."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from driver.nvml.session import MOCK_STATE_ENV
+from driver.plugin.sockets import rolling_update_registrar_socket_file
+from tests.claims_api import create_allocated_claim
+from tests.cluster.host_state import short_temp_dir
+from tests.integration.test_plugin_process import complete_pool, wait_for
+from tests.node_env import process_alive, stop_fake_daemons
+from tests.plugin_process import DRIVER, PluginUnderTest
+
+pytestmark = pytest.mark.e2e
+
+SHARE = [{"request": "mps", "device": "gpu-2-mps", "consumedCapacity": {"memory": "8Gi", "compute": "10"}}]
+WHOLE = [{"request": "gpu", "device": "gpu-1"}]
+
+
+@dataclass
+class Instance(PluginUnderTest):
+    """One pod of the DaemonSet: its sockets are named after its pod UID."""
+
+    uid: str = ""
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.registrar_dir / rolling_update_registrar_socket_file(self.registrar_dir, DRIVER, self.uid)
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin_dir / f"dra-{self.uid}.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"plugin-{self.uid}.log"
+
+    def health(self) -> int:
+        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+@pytest.fixture
+def pair(cluster) -> Iterator[tuple[Instance, Instance]]:
+    """Old and new pod; the old gets its UID by flag, the new one from POD_UID (the downward API)."""
+    root = short_temp_dir("rolling")
+    shared_gpus = {MOCK_STATE_ENV: str(root / "gpus.json")}  # one node: both see the same mock GPUs
+    old_uid, new_uid = str(uuid.uuid4()), str(uuid.uuid4())
+    old = Instance(
+        node="node-a", kubeconfig=str(cluster.kubeconfig), root=root, uid=old_uid, extra_env=shared_gpus,
+        extra_args=[f"--rolling-update-uid={old_uid}"],
+    )  # fmt: skip
+    new = Instance(
+        node="node-a", kubeconfig=str(cluster.kubeconfig), root=root, uid=new_uid,
+        extra_env={**shared_gpus, "POD_UID": new_uid},
+    )  # fmt: skip
+    try:
+        yield old.start(), new.start()
+    finally:
+        for instance in (old, new):
+            instance.stop()
+        stop_fake_daemons(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def checkpoint(instance: Instance) -> dict:
+    return json.loads((instance.plugin_dir / "checkpoint.json").read_text())
+
+
+def spec_path(instance: Instance, claim: dict[str, str]) -> Path:
+    return instance.cdi_dir / f"k8s.gpu.fgpu.dev-claim_{claim['uid']}.json"
+
+
+def daemon_pid_file(instance: Instance) -> Path:
+    return next((instance.plugin_dir / "mps").glob("*/pipe/nvidia-cuda-mps-control.pid"))
+
+
+def daemon_starts(instance: Instance) -> int:
+    tools_log = instance.plugin_dir / "mock-tools" / "tools.log"
+    return sum(1 for e in map(json.loads, tools_log.read_text().splitlines()) if e["argv"] == ["-d"])
+
+
+def test_both_register_with_their_own_sockets(pair):
+    old, new = pair
+    old_info, new_info = old.register(), new.register()
+    assert old_info.endpoint == str(old.dra_socket) and new_info.endpoint == str(new.dra_socket)
+    assert old.registration_socket.name == f"{DRIVER}-{old.uid}-reg.sock"
+    assert sorted(p.name for p in old.registrar_dir.iterdir()) == sorted(
+        [old.registration_socket.name, new.registration_socket.name]
+    )
+    assert not (old.plugin_dir / "dra.sock").exists()  # the name without a UID is not used
+    assert old.health() == new.health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_claim_prepared_through_one_is_unprepared_through_the_other(pair, resource_api):
+    old, new = pair
+    whole, share = create_allocated_claim(resource_api, WHOLE), create_allocated_claim(resource_api, SHARE)
+    results = old.prepare([whole, share])
+    assert [results[c["uid"]].error for c in (whole, share)] == ["", ""]
+    pid = int(daemon_pid_file(old).read_text())
+
+    assert new.prepare([share])[share["uid"]] == results[share["uid"]]  # the other's claim, answered the same
+    assert new.unprepare([whole, share]) == {whole["uid"]: "", share["uid"]: ""}
+    assert not spec_path(new, whole).exists() and not spec_path(new, share).exists()
+    assert not process_alive(pid)  # the daemon the old instance started, stopped by the new one
+    assert checkpoint(new)["claims"] == {}
+    assert old.unprepare([whole, share]) == {whole["uid"]: "", share["uid"]: ""}  # nothing left to do
+
+
+def test_concurrent_prepares_through_both_share_one_gpu(pair, resource_api):
+    old, new = pair
+    claims = [create_allocated_claim(resource_api, SHARE) for _ in range(6)]
+    via = [old, new] * 3
+    with ThreadPoolExecutor(len(claims)) as pool:
+        results = list(pool.map(lambda job: job[0].prepare([job[1]])[job[1]["uid"]], zip(via, claims, strict=True)))
+    assert [r.error for r in results] == [""] * len(claims)
+    recorded = checkpoint(old)["claims"]
+    assert set(recorded) == {c["uid"] for c in claims}
+    assert {r["state"] for r in recorded.values()} == {"PrepareCompleted"}
+    assert all(spec_path(old, c).exists() for c in claims)
+    assert daemon_starts(old) == 1  # one daemon for the GPU, whichever instance came first
+    pid = int(daemon_pid_file(old).read_text())
+
+    with ThreadPoolExecutor(len(claims)) as pool:
+        errors = list(pool.map(lambda job: job[0].unprepare([job[1]]), zip(reversed(via), claims, strict=True)))
+    assert errors == [{c["uid"]: ""} for c in claims]
+    assert checkpoint(old)["claims"] == {}
+    assert not process_alive(pid)  # the last share's unprepare, in either instance, stopped it
+
+
+def test_sigterm_of_one_leaves_the_other_serving(pair, resource_api):
+    old, new = pair
+    old.register()
+    new.register()
+    claim = create_allocated_claim(resource_api, WHOLE)
+    assert old.prepare([claim])[claim["uid"]].error == ""
+
+    assert old.stop(signal.SIGTERM) == 0
+    assert not old.registration_socket.exists() and not old.dra_socket.exists()
+    assert new.registration_socket.exists() and new.dra_socket.exists()
+    assert new.health() == health_pb2.HealthCheckResponse.SERVING
+    assert new.unprepare([claim]) == {claim["uid"]: ""}
+    assert new.prepare([claim])[claim["uid"]].error == ""
+    assert "stopped; sockets removed" in old.logs()
+
+
+def test_the_pool_generation_settles_while_both_publish(pair, resource_api):
+    slices = wait_for(lambda: complete_pool(resource_api, "node-a"))
+    resource_api.delete_resource_slice(slices[0].metadata.name)  # as kubelet does at its start
+    wait_for(lambda: len(complete_pool(resource_api, "node-a")) == len(slices))
+    # Both instances saw the deletion and republished; now neither may write again.
+    time.sleep(2)
+    settled = {s.metadata.name: s.metadata.resource_version for s in complete_pool(resource_api, "node-a")}
+    time.sleep(3)
+    later = {s.metadata.name: s.metadata.resource_version for s in complete_pool(resource_api, "node-a")}
+    assert later == settled
+    assert len(settled) == len(slices)
