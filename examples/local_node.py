@@ -82,7 +82,7 @@ def main() -> int:
         apply_file(client, ROOT / "daemonset" / "deviceclasses.yaml")
         node = RealNode(cluster)
         node.start()
-        plugin = NodePlugin.on(node, nvml=args.nvml).start()
+        plugin = NodePlugin.on(node, nvml=args.nvml).start_registered()
         resource = kubernetes.client.ResourceV1Api(client)
         wait_until("the node's ResourceSlices", lambda: resource.list_resource_slice().items)
         run_examples(client, node)

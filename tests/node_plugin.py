@@ -5,6 +5,8 @@ mock GPUs whose state a test can read."""
 from __future__ import annotations
 
 import shutil
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
 from tests.cluster.node import RealNode
 from tests.node_env import stop_fake_daemons
 from tests.plugin_process import DRIVER, PluginUnderTest
+from tests.workloads import wait_until
 
 
 @dataclass
@@ -58,6 +61,25 @@ class NodePlugin(PluginUnderTest):
     def registrations(self) -> int:
         """How often kubelet has completed the registration handshake with this plugin."""
         return self.logs().count("registered with kubelet")
+
+    def registered_after(self, action: Callable[[], object]) -> None:
+        """Run action (a plugin or kubelet restart) and wait until kubelet has registered the plugin
+        again: kubelet retries a pod that met an unregistered driver only at its next periodic sync
+        (a minute or more), so a test's next pod should come after that."""
+        before = self.registrations()
+        action()
+        wait_until("kubelet registered the plugin again", lambda: self.registrations() > before)
+
+    def start_registered(self) -> NodePlugin:
+        self.registered_after(self.start)
+        return self
+
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        def stop_and_start() -> None:
+            self.stop(sig)
+            self.start()
+
+        self.registered_after(stop_and_start)
 
     def remove(self) -> None:
         """Stop the plugin and remove what it leaves by design (MPS daemons outlive it, their

@@ -51,6 +51,11 @@ class PluginUnderTest:
         return self.root / "registry"
 
     @property
+    def state_dir(self) -> Path:
+        """Where the checkpoint and MPS directories are: the plugin dir unless --state-dir says."""
+        return self.plugin_dir
+
+    @property
     def plugin_dir(self) -> Path:
         return self.root / "plugin"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import kubernetes
 import pytest
@@ -36,7 +36,7 @@ MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/c
 @pytest.fixture(scope="module")
 def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
     resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
-    plugin = NodePlugin.on(real_node).start()
+    plugin = NodePlugin.on(real_node).start_registered()
     try:
         wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
         yield plugin
@@ -235,7 +235,7 @@ def restart_with(plugin: NodePlugin, fault_env: dict[str, str]) -> None:
         plugin.extra_env.update(fault_env)
         plugin.start()
 
-    restart_and_wait_for_registration(plugin, restart)
+    plugin.registered_after(restart)
 
 
 def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
@@ -245,7 +245,7 @@ def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
     node_plugin.stop()
     a100 = NodePlugin.on(real_node, nvml="mock:dgx-a100-40gb")
     try:
-        restart_and_wait_for_registration(a100, a100.start)
+        a100.start_registered()
         wait_until("the A100 pool", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA A100-SXM4-40GB")
         template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev")
         name = unique("pod")
@@ -259,7 +259,7 @@ def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
         wait_until("pod gone", lambda: name not in {p.metadata.name for p in core_api.list_namespaced_pod(NS).items})
     finally:
         a100.remove()
-        restart_and_wait_for_registration(node_plugin, node_plugin.start)
+        node_plugin.start_registered()
         wait_until("the H100 pool back", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA H100 80GB HBM3")
 
 
@@ -276,29 +276,16 @@ def test_plugin_and_kubelet_restarts_keep_pods_running(
     claims are prepared after each; the plugin is registered again every time."""
     first = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", capacity={"memory": "2Gi"})
     started = _container_started(core_api, first)
-    for restart in (lambda: _restart_plugin(node_plugin, signal.SIGKILL),
-                    lambda: _restart_plugin(node_plugin, signal.SIGTERM),
-                    real_node.restart_kubelet):  # fmt: skip
-        restart_and_wait_for_registration(node_plugin, restart)
+    for restart in (lambda: node_plugin.restart(signal.SIGKILL),
+                    lambda: node_plugin.restart(signal.SIGTERM),
+                    lambda: node_plugin.registered_after(real_node.restart_kubelet)):  # fmt: skip
+        restart()
         after = run_pod(cluster, core_api, workloads, real_node, "timeslice.gpu.fgpu.dev")
         assert report(core_api, after).devices
         assert _container_started(core_api, first) == started  # the same container, never restarted
     uid = claim_of(resource_api, first).metadata.uid
     core_api.delete_namespaced_pod(first, NS, grace_period_seconds=1)
     wait_until("the MPS share unprepared after the restarts", lambda: not list(node_plugin.cdi_dir.glob(f"*{uid}*")))
-
-
-def restart_and_wait_for_registration(plugin: NodePlugin, restart: Callable[[], None]) -> None:
-    """kubelet retries a pod whose driver was not registered only at its next periodic sync (a
-    minute or more), so a test's next pod comes once kubelet has registered the plugin again."""
-    before = plugin.registrations()
-    restart()
-    wait_until("kubelet registered the plugin again", lambda: plugin.registrations() > before)
-
-
-def _restart_plugin(plugin: NodePlugin, sig: int) -> None:
-    plugin.stop(sig)
-    plugin.start()
 
 
 def _container_started(core_api, name: str) -> tuple[str, int]:

@@ -48,7 +48,7 @@ def node(cluster) -> Iterator[tuple[PluginUnderTest, NvmlSession]]:
 
 def mps_daemons(plugin: PluginUnderTest) -> set[str]:
     running = set()
-    for pid_file in (plugin.plugin_dir / "mps").glob("*/pipe/nvidia-cuda-mps-control.pid"):
+    for pid_file in (plugin.state_dir / "mps").glob("*/pipe/nvidia-cuda-mps-control.pid"):
         try:
             os.kill(int(pid_file.read_text()), 0)
         except (ProcessLookupError, ValueError):
@@ -59,7 +59,7 @@ def mps_daemons(plugin: PluginUnderTest) -> set[str]:
 
 def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
     """The invariants; returns the prepared claims."""
-    checkpoint = json.loads((plugin.plugin_dir / "checkpoint.json").read_text())["claims"]
+    checkpoint = json.loads((plugin.state_dir / "checkpoint.json").read_text())["claims"]
     assert all(c["state"] == "PrepareCompleted" for c in checkpoint.values()), checkpoint
     owned_mig = {
         (d["gpu_index"], d["mig_profile_id"], d["mig_start"])
@@ -75,11 +75,9 @@ def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
     assert specs == set(checkpoint)
     mps_gpus = {d["gpu_uuid"] for c in checkpoint.values() for d in c["devices"] if d["kind"] == "mps"}
     assert mps_daemons(plugin) == mps_gpus
-    mps_dirs = (
-        {p.name for p in (plugin.plugin_dir / "mps").glob("*")} if (plugin.plugin_dir / "mps").exists() else set()
-    )
+    mps_dirs = {p.name for p in (plugin.state_dir / "mps").glob("*")} if (plugin.state_dir / "mps").exists() else set()
     assert mps_dirs == mps_gpus
-    mounted = {p.parent.name for p in (plugin.plugin_dir / "mps").glob("*/shm") if tmpfs.is_mounted(p)}
+    mounted = {p.parent.name for p in (plugin.state_dir / "mps").glob("*/shm") if tmpfs.is_mounted(p)}
     assert mounted == mps_gpus
     return checkpoint
 
