@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 3.0  # each call of the self-probe; a loaded node answers an empty call in milliseconds
+FIRST_VERDICT_WAIT_S = 2 * PROBE_TIMEOUT_S + 1  # the longest the first evaluation can take
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,24 @@ def decide(facts: LivenessFacts, grace_s: float) -> Verdict:
     return Verdict(False, f"kubelet has not registered the plugin for {registration.unregistered_for_s:.0f}s{failed}")
 
 
+class GatedHealthServicer(health.HealthServicer):
+    """grpc's health service, whose Check waits for the monitor's first verdict: the sockets
+    accept calls before the first self-probe through them can run, and a client that asks at once
+    should get the verdict, not the placeholder. Watch needs no gate: it streams the verdict when it
+    comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # should the first verdict not come in time
+        self.decided = threading.Event()
+
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        self.decided.wait(FIRST_VERDICT_WAIT_S)
+        return super().Check(request, context)
+
+
 def self_probe(registration_socket: Path, dra_socket: Path, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """Call each socket the way kubelet does, without side effects; "" when both answer."""
     try:
@@ -132,7 +151,7 @@ class LivenessMonitor(BackgroundWorker):
 
     def __init__(
         self,
-        health_servicer: health.HealthServicer,
+        health_servicer: GatedHealthServicer,
         sockets: tuple[BoundSocket, ...],
         registration: RegistrationState,
         grace_s: float,
@@ -155,6 +174,7 @@ class LivenessMonitor(BackgroundWorker):
     def check_once(self) -> Verdict:
         verdict = decide(self.facts(), self._grace_s)
         self._health.set("", verdict.status)
+        self._health.decided.set()
         if self._last is None or verdict.serving != self._last.serving:  # transitions only, not every second
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(verdict.status)
             log.log(logging.INFO if verdict.serving else logging.WARNING, "health: %s (%s)", name, verdict.reason)

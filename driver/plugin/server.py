@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from driver.cdi import CdiWriter, DriverFiles
 from driver.checkpoint import Checkpoint
@@ -24,7 +24,7 @@ from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
 from driver.ownership import InstanceLock
 from driver.plugin.dra_service import add_dra_services
-from driver.plugin.liveness import LivenessMonitor, RegistrationState, self_probe
+from driver.plugin.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.plugin.node_lock import NodeClaimLock, SerializedDriver
 from driver.plugin.registration import RegistrationService
 from driver.plugin.sockets import BoundSocket, prepare_socket_path
@@ -78,8 +78,7 @@ class PluginProcess:
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
-        self.health = health.HealthServicer()
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until the first liveness check
+        self.health = GatedHealthServicer()
         self.liveness: LivenessMonitor | None = None
         self._servers: list[grpc.Server] = []
         self._sockets: list[BoundSocket] = []

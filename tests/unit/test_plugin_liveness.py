@@ -4,13 +4,15 @@ the grace period; and the monitor that turns it into the health service's status
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from driver.plugin.liveness import (
+    GatedHealthServicer,
     LivenessFacts,
     LivenessMonitor,
     RegistrationSnapshot,
@@ -110,12 +112,12 @@ class Probe:
         return self.error
 
 
-def status(servicer: health.HealthServicer) -> int:
+def status(servicer: GatedHealthServicer) -> int:
     return servicer.Check(health_pb2.HealthCheckRequest(), None).status
 
 
 def test_the_monitor_sets_the_health_status(sockets: tuple[BoundSocket, BoundSocket]):
-    clock, probe, servicer = Clock(), Probe(), health.HealthServicer()
+    clock, probe, servicer = Clock(), Probe(), GatedHealthServicer()
     registration = RegistrationState(clock)
     monitor = LivenessMonitor(servicer, sockets, registration, GRACE, probe)
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -137,6 +139,21 @@ def test_the_monitor_sets_the_health_status(sockets: tuple[BoundSocket, BoundSoc
     assert monitor.check_once() == Verdict(False, f"socket {sockets[0].path} was deleted")
     assert status(servicer) == not_serving
     assert probe.calls == calls  # a socket that is gone is not probed
+
+
+def test_the_first_check_waits_for_the_first_verdict(sockets: tuple[BoundSocket, BoundSocket]):
+    """The sockets accept calls a moment before the first evaluation: a client asking then must
+    not be told the placeholder NOT_SERVING."""
+    servicer = GatedHealthServicer()
+    monitor = LivenessMonitor(servicer, sockets, RegistrationState(Clock()), GRACE, Probe())
+    answers: list[int] = []
+    early = threading.Thread(target=lambda: answers.append(status(servicer)))
+    early.start()
+    early.join(0.3)
+    assert early.is_alive() and answers == []
+    monitor.check_once()
+    early.join(10)
+    assert answers == [health_pb2.HealthCheckResponse.SERVING]
 
 
 def test_the_self_probe_names_what_did_not_answer(tmp_path: Path):
