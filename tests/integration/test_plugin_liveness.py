@@ -66,10 +66,13 @@ def test_not_serving_once_the_registration_socket_is_deleted(start_plugin):
 
 def test_not_serving_after_the_grace_until_kubelet_registers(start_plugin):
     plugin, port = start(start_plugin, grace_s=2)
+    wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)  # nobody registered it
+    assert "kubelet has not registered the plugin for" in plugin.logs()
+    plugin.register()
+    wait_for(lambda: statuses(plugin, port) == (SERVING, SERVING), timeout=15)
+
     with grpc.insecure_channel(f"unix://{plugin.registration_socket}") as channel:
         failed = reg_pb.RegistrationStatus(plugin_registered=False, error="endpoint already registered")
         reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(failed, timeout=5)
-    wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)
+    wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)  # a new grace, expired
     assert "(last failure: endpoint already registered)" in plugin.logs()
-    plugin.register()
-    wait_for(lambda: statuses(plugin, port) == (SERVING, SERVING), timeout=15)
