@@ -178,8 +178,13 @@ class ClusterAllocator:
         return Failure(claim, explain(self, claim))
 
     def commit(self, placement: Placement) -> None:
-        self.state.add_allocation(placement.allocation)
-        self._changed(placement.node, placement.allocation)
+        self.add(placement.node, placement.allocation)
+
+    def add(self, node: str, allocation: dict[str, Any]) -> None:
+        """Count an allocation (one of ours, or one made elsewhere: node "" re-measures every node
+        that sees its pools); release is the reverse."""
+        self.state.add_allocation(allocation)
+        self._changed(node, allocation)
 
     def release(self, node: str, allocation: dict[str, Any]) -> None:
         self.state.remove_allocation(allocation)

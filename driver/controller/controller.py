@@ -20,8 +20,8 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
@@ -39,11 +39,13 @@ from driver.controller.ledger import (
     Entry,
     Ledgers,
     PoolId,
+    ResultKey,
     allocated_results,
     backs,
     entries_for,
     entries_of,
     pool_of,
+    results_of,
 )
 from driver.controller.testhooks import stop_point
 from driver.kube import ConflictError, KubeError, NotFoundError
@@ -57,6 +59,7 @@ SCHEDULING_GATE = "gpu.fgpu.dev/allocation"
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
 COMPONENT = "fgpu-controller"
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency
+ABSORB_S = 2.0  # how long a pass goes on placing lone claims that arrive while its writes are out
 
 
 def opted_in(claim: dict[str, Any]) -> bool:
@@ -92,8 +95,21 @@ def gang_of(claim: Claim) -> tuple[str, int] | None:
         return f"{claim.namespace}/{name}", 0  # a size that is not a number: reported, never placed
 
 
+def _gang_label(claim: dict[str, Any]) -> str | None:
+    return (claim["metadata"].get("labels") or {}).get(GANG_LABEL)
+
+
 def gated(pod: dict[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
+
+
+@dataclass
+class Counted:
+    """The allocator kept between passes and the results its state counts."""
+
+    allocator: ClusterAllocator
+    key: tuple[int, int]  # the snapshot and the classes it was built on
+    results: dict[ResultKey, dict[str, Any]]
 
 
 @dataclass
@@ -102,7 +118,6 @@ class Unit:
 
     placements: list[Placement]
     objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
-    pods: set[str] = field(default_factory=set)  # gated pods that use these claims
 
 
 class Controller:
@@ -134,6 +149,9 @@ class Controller:
         self.ledgers = Ledgers(api, lease_namespace, self.informers["ledgers"].update, self.stale.set)
         self._writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
         self._snapshot: Snapshot | None = None
+        self._counted: Counted | None = None
+        self._pods_lock = threading.Lock()
+        self._pods_of: tuple[int, dict[str, list[str]]] = (-1, {})
         self._snapshot_version: tuple[int, int] = (-1, -1)
         self._reported: dict[str, str] = {}  # claim uid -> last failure reported as an Event
         self.stop_event = threading.Event()
@@ -176,7 +194,14 @@ class Controller:
     # --- one pass -----------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        version = (self.informers["slices"].version, self.informers["nodes"].version)
+        """Slices and nodes as the allocator sees them, rebuilt only when a slice or a node's labels
+        change: other node updates (status, annotations) come often and would drop the selector
+        results cached on the devices."""
+        nodes = sorted(
+            (n["metadata"]["name"], tuple(sorted((n["metadata"].get("labels") or {}).items())))
+            for n in self.informers["nodes"].items()
+        )
+        version = (self.informers["slices"].version, hash(tuple(nodes)))
         if self._snapshot is None or version != self._snapshot_version:
             slices = []
             for obj in self.informers["slices"].items():
@@ -184,35 +209,51 @@ class Controller:
                     slices.append(slice_from_object(obj))
                 except ObjectError as error:
                     log.warning("ignoring ResourceSlice: %s", error)
-            nodes = [
-                Node(n["metadata"]["name"], n["metadata"].get("labels") or {}) for n in self.informers["nodes"].items()
-            ]
-            self._snapshot, self._snapshot_version = Snapshot.from_slices(slices, nodes), version
+            self._snapshot = Snapshot.from_slices(slices, [Node(name, dict(labels)) for name, labels in nodes])
+            self._snapshot_version = version
         return self._snapshot
 
     def allocator(self) -> ClusterAllocator:
-        """Everything the claims hold and the ledgers record, as of the ledgers' versions that the
-        pass's writes are conditioned on."""
-        classes = {}
-        for obj in self.informers["classes"].items():
-            cls = class_from_object(obj)
-            classes[cls.name] = cls
-        state = AllocatedState()
-        for result in allocated_results(self.informers["claims"].items(), self.ledgers.objects()):
-            state.add_result(result)
-        return ClusterAllocator(self.snapshot(), classes, state, self.policy)
+        """Everything the claims hold and the ledgers record (as of the ledger versions the pass's
+        writes are conditioned on). The allocator is kept from pass to pass and told only what
+        changed, so its per-node caches survive for the nodes nothing touched."""
+        snapshot = self.snapshot()
+        results = allocated_results(self.informers["claims"].items(), self.ledgers.objects())
+        key = (id(snapshot), self.informers["classes"].version)
+        counted = self._counted
+        if counted is None or counted.key != key:
+            classes = {}
+            for obj in self.informers["classes"].items():
+                cls = class_from_object(obj)
+                classes[cls.name] = cls
+            state = AllocatedState()
+            for result in results.values():
+                state.add_result(result)
+            self._counted = Counted(ClusterAllocator(snapshot, classes, state, self.policy), key, results)
+            return self._counted.allocator
+        gone = [counted.results[k] for k in counted.results.keys() - results.keys()]
+        new = [results[k] for k in results.keys() - counted.results.keys()]
+        counted.allocator.release("", {"devices": {"results": gone}})
+        counted.allocator.add("", {"devices": {"results": new}})
+        counted.results = results
+        return counted.allocator
+
+    def _count(self, placements: Iterable[tuple[dict[str, Any], Placement]]) -> None:
+        """Placements just committed to the allocator: counted, so the next pass does not add them
+        again when it finds them in the claims (or takes them out if they were never written)."""
+        if self._counted is not None:
+            for obj, placement in placements:
+                self._counted.results.update(results_of(obj["metadata"].get("uid", ""), placement.allocation))
 
     def run_pass(self) -> None:
         self.stale.clear()
         self.ledgers.begin(self.informers["ledgers"].items())
         self._resolve_undecided()
-        waiting = sorted(
-            (c for c in self.informers["claims"].items() if pending(c)),
-            key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
-        )
+        allocator = self.allocator()  # also when nothing waits: ready for the next burst
+        waiting = self._waiting()
         metrics.PENDING.set(len(waiting))
         if waiting and not self.stale.is_set():
-            self._allocate(waiting)
+            self._allocate(allocator, waiting)
         if self.stale.is_set():
             self.refresh()
             return
@@ -224,21 +265,42 @@ class Controller:
         metrics.REFRESHES.inc()
         for kind in ("claims", "ledgers"):
             self.informers[kind].relist()
+        self._counted = None
         self.stale.clear()
         self.changed.set()
 
-    def _allocate(self, waiting: list[dict[str, Any]]) -> None:
-        allocator = self.allocator()
-        pods_of = self._gated_pods_by_claim()
-        in_flight = []
-        for unit in self._units(allocator, waiting):
-            unit.pods = {pod for key in unit.objects for pod in pods_of.get(key, ())}
-            in_flight.append(self._writers.submit(self._write_unit, unit))
+    def _waiting(self) -> list[dict[str, Any]]:
+        return sorted(
+            (c for c in self.informers["claims"].items() if pending(c)),
+            key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
+        )
+
+    def _allocate(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> None:
+        """Place and hand out the waiting claims; while their writes are out (up to ABSORB_S), lone
+        claims that arrive are placed too, on the same allocator and ledger versions, instead of
+        waiting for the next pass. Gang members that arrive wait for it."""
+        started = time.perf_counter()
+        handled = {object_key(c) for c in waiting}
+        in_flight = self._submit(allocator, waiting)
+        version = self.informers["claims"].version
+        while time.perf_counter() - started < ABSORB_S and not self.stale.is_set() and self.acting():
+            if not wait(in_flight, timeout=0.02, return_when=FIRST_COMPLETED).not_done:
+                break
+            if self.informers["claims"].version == version:
+                continue
+            version = self.informers["claims"].version
+            arrived = [c for c in self._waiting() if object_key(c) not in handled and not _gang_label(c)]
+            handled.update(object_key(c) for c in arrived)
+            in_flight += self._submit(allocator, arrived)
         wait(in_flight)
+        log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)
         for future in in_flight:
             if future.exception() is not None:
                 log.error("writing a unit failed", exc_info=future.exception())
                 self.stale.set()
+
+    def _submit(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> list[Future[None]]:
+        return [self._writers.submit(self._write_unit, unit) for unit in self._units(allocator, waiting)]
 
     def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> Iterator[Unit]:
         """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
@@ -272,6 +334,7 @@ class Controller:
             self._report(obj, outcome.reason)
             return None
         allocator.commit(outcome)
+        self._count([(obj, outcome)])
         return outcome
 
     def _place_gang(self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim]) -> Unit | None:
@@ -298,6 +361,7 @@ class Controller:
                 # Members left allocated by an interrupted pass: all or none, so give them back.
                 self._take_back(allocated)
             return None
+        self._count((present[p.claim.key], p) for p in outcome)
         return Unit(outcome, present)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
@@ -347,7 +411,7 @@ class Controller:
             written.append(result)
         if len(decided) > 1:
             metrics.GANGS.labels("allocated").inc()
-        self._lift_pods(unit.pods)
+        self._lift_pods(unit.objects)
 
     def _forget(self, entries: dict[PoolId, dict[str, Entry]]) -> None:
         """Drop entries whose claims were never written; what cannot be dropped now is dropped by a
@@ -384,6 +448,10 @@ class Controller:
             log.info("claim %s changed since this replica read it", key)
             metrics.CONFLICTS.inc()
             metrics.ALLOCATIONS.labels("conflict").inc()
+            self.stale.set()
+            return None
+        except NotFoundError:
+            log.info("claim %s is gone", key)
             self.stale.set()
             return None
         except KubeError as error:  # an outage: nothing lost, a later pass tries again
@@ -462,12 +530,18 @@ class Controller:
     # --- gates --------------------------------------------------------------------------------
 
     def _gated_pods_by_claim(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = defaultdict(list)
-        for pod in self.informers["pods"].items():
-            if gated(pod) and (names := pod_claim_names(pod)) is not None:
-                for name in names:
-                    out[f"{pod['metadata']['namespace']}/{name}"].append(object_key(pod))
-        return out
+        """Claim key -> gated pods that use it, rebuilt when the pods change (kube-controller-manager
+        names a pod's claims in its status after it makes them, so this is read when a unit is written)."""
+        with self._pods_lock:
+            version = self.informers["pods"].version
+            if self._pods_of[0] != version:
+                out: dict[str, list[str]] = defaultdict(list)
+                for pod in self.informers["pods"].items():
+                    if gated(pod) and (names := pod_claim_names(pod)) is not None:
+                        for name in names:
+                            out[f"{pod['metadata']['namespace']}/{name}"].append(object_key(pod))
+                self._pods_of = (version, out)
+            return self._pods_of[1]
 
     def _whole_gangs(self) -> dict[str, bool]:
         """Gang -> whether every one of its claims exists and is allocated."""
@@ -480,7 +554,9 @@ class Controller:
             for (gang, size), claims in members.items()
         }
 
-    def _lift_pods(self, keys: Iterable[str]) -> None:
+    def _lift_pods(self, claims: Iterable[str]) -> None:
+        pods_of = self._gated_pods_by_claim()
+        keys = {pod for claim in claims for pod in pods_of.get(claim, ())}
         pods = [p for key in keys if (p := self.informers["pods"].get(key)) is not None]
         if pods:
             whole = self._whole_gangs()
@@ -488,10 +564,11 @@ class Controller:
                 self._lift(pod, whole)
 
     def _lift_gates(self) -> None:
+        """Every gated pod whose claims are allocated, the patches sent concurrently."""
         whole = self._whole_gangs()
-        for pod in self.informers["pods"].items():
-            if self.acting():
-                self._lift(pod, whole)
+        pods = [p for p in self.informers["pods"].items() if gated(p)]
+        if pods and self.acting():
+            wait([self._writers.submit(self._lift, pod, whole) for pod in pods])
 
     def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool]) -> None:
         """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole."""

@@ -113,15 +113,26 @@ def backs(entry: Entry, uid: str, claim: dict[str, Any] | None, pool: PoolId) ->
     )
 
 
-def allocated_results(claims: Iterable[dict[str, Any]], ledgers: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+ResultKey = tuple[str, str, str, str, str]  # claim uid, driver, pool, device, shareID
+
+
+def results_of(uid: str, allocation: dict[str, Any]) -> dict[ResultKey, dict[str, Any]]:
+    return {
+        (uid, r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID") or ""): r
+        for r in (allocation.get("devices") or {}).get("results") or ()
+    }
+
+
+def allocated_results(
+    claims: Iterable[dict[str, Any]], ledgers: Iterable[dict[str, Any]]
+) -> dict[ResultKey, dict[str, Any]]:
     """Every device result held by a claim or recorded in a ledger, each once (a claim's own
     allocation and its entry are the same devices; any other difference counts both ways)."""
-    seen: dict[tuple[str, str, str, str, str], dict[str, Any]] = {}
+    seen: dict[ResultKey, dict[str, Any]] = {}
     for claim in claims:
-        uid = claim["metadata"].get("uid", "")
         allocation = (claim.get("status") or {}).get("allocation") or {}
-        for r in (allocation.get("devices") or {}).get("results") or ():
-            seen.setdefault((uid, r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID") or ""), r)
+        for key, result in results_of(claim["metadata"].get("uid", ""), allocation).items():
+            seen.setdefault(key, result)
     for ledger in ledgers:
         driver, pool = pool_of(ledger)
         for uid, entry in entries_of(ledger).items():
@@ -130,7 +141,7 @@ def allocated_results(claims: Iterable[dict[str, Any]], ledgers: Iterable[dict[s
                 if share:
                     result |= {"shareID": share, "consumedCapacity": consumed}
                 seen.setdefault((uid, driver, pool, device, share), result)
-    return list(seen.values())
+    return seen
 
 
 @dataclass

@@ -1,0 +1,242 @@
+"""kube-scheduler allocating vs `fgpu controller` allocating, on the real control plane, same run,
+same mix: N pods, each with a claim from a ResourceClaimTemplate (whole GPUs, MIG profiles, MPS
+shares: bench/allocator.py's mix), on M fake nodes x 8 mock H100 (slices published through the
+API; no kubelet, so "bound" is where it ends). First the scheduler allocates (plain templates),
+then, after everything is deleted, the controller (templates labelled for it, pods gated).
+
+kube-controller-manager (which makes the claims from the templates) and kube-scheduler get
+--kube-api-qps=1000 --kube-api-burst=2000, so neither path waits on their client rate limits
+(defaults: 20/30 and 50/100); the controller's client has no rate limit.
+
+  python -m bench.controller --nodes 50 --pods 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from kubernetes.watch.watch import iter_resp_lines
+
+from bench.allocator import classes, cluster_slices, mixed_stream, percentile
+from driver.controller.controller import OPT_IN_LABEL, SCHEDULING_GATE
+from tests.cluster.harness import Cluster
+
+CLIENT_LIMITS = ["--kube-api-qps=1000", "--kube-api-burst=2000"]
+WATCHED = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler")
+
+
+class UnthrottledCluster(Cluster):
+    """The test control plane, with kube-controller-manager's and kube-scheduler's client rate
+    limits raised (the harness starts them with upstream's defaults)."""
+
+    def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
+        extra = CLIENT_LIMITS if name in ("kube-controller-manager", "kube-scheduler") else []
+        super()._spawn(name, [*argv, *extra], logs)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Observed:
+    """When this process saw things happen (time.monotonic), from watches on the namespace."""
+
+    pod_created: dict[str, float] = field(default_factory=dict)
+    pod_bound: dict[str, float] = field(default_factory=dict)
+    claim_created: dict[str, float] = field(default_factory=dict)
+    claim_allocated: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_pod(self, obj: dict[str, Any]) -> None:
+        if (obj.get("spec") or {}).get("nodeName"):
+            with self.lock:
+                self.pod_bound.setdefault(obj["metadata"]["name"], time.monotonic())
+
+    def on_claim(self, obj: dict[str, Any]) -> None:
+        name, now = obj["metadata"]["name"], time.monotonic()
+        with self.lock:
+            self.claim_created.setdefault(name, now)
+            if (obj.get("status") or {}).get("allocation"):
+                self.claim_allocated.setdefault(name, now)
+
+
+def watch(
+    lister: Callable[..., Any], namespace: str, handle: Callable[[dict[str, Any]], None], stop: threading.Event
+) -> None:
+    """Raw JSON events (no model objects: the bench shares the CPUs with what it measures)."""
+    while not stop.is_set():
+        response = lister(namespace, watch=True, timeout_seconds=30, _preload_content=False)
+        for line in iter_resp_lines(response):
+            if stop.is_set():
+                break
+            event = json.loads(line)
+            if event.get("type") in ("ADDED", "MODIFIED"):
+                handle(event["object"])
+        response.release_conn()
+
+
+def templates(namespace: str, requests: list[dict[str, Any]], opt_in: bool) -> dict[str, dict[str, Any]]:
+    """One ResourceClaimTemplate per distinct request, by the request's JSON."""
+    out: dict[str, dict[str, Any]] = {}
+    for request in requests:
+        key = json.dumps(request, sort_keys=True)
+        if key not in out:
+            meta = {"labels": {OPT_IN_LABEL: "fgpu"}} if opt_in else {}
+            spec = {"metadata": meta, "spec": {"devices": {"requests": [{"name": "r", "exactly": request}]}}}
+            out[key] = {"metadata": {"name": f"t{len(out)}", "namespace": namespace}, "spec": spec}
+    return out
+
+
+def pod(name: str, template: str, gated: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+        "containers": [
+            {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
+        ],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if gated:
+        spec["schedulingGates"] = [{"name": SCHEDULING_GATE}]
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def run_phase(cluster: Cluster, label: str, requests: list[dict[str, Any]], controller: int | None) -> dict[str, Any]:
+    client = cluster.api_client()
+    core, resource = kubernetes.client.CoreV1Api(client), kubernetes.client.ResourceV1Api(client)
+    namespace = f"bench-{label}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    wait_until(lambda: bool(core.list_namespaced_service_account(namespace).items), 60, "default service account")
+    made = templates(namespace, requests, opt_in=controller is not None)
+    for body in made.values():
+        resource.create_namespaced_resource_claim_template(namespace, body)
+    observed, stop = Observed(), threading.Event()
+    for lister, handle in (
+        (core.list_namespaced_pod, observed.on_pod),
+        (resource.list_namespaced_resource_claim, observed.on_claim),
+    ):
+        threading.Thread(target=watch, args=(lister, namespace, handle, stop), daemon=True).start()
+    time.sleep(1.0)  # the watches are open before the first pod
+    pids = {name: cluster.processes[name].pid for name in WATCHED}
+    if controller is not None:
+        pids["fgpu controller"] = controller
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    load_before = os.getloadavg()
+
+    def create(i: int) -> None:
+        name = f"p{i:04d}"
+        observed.pod_created[name] = time.monotonic()
+        template = made[json.dumps(requests[i], sort_keys=True)]["metadata"]["name"]
+        core.create_namespaced_pod(namespace, pod(name, template, gated=controller is not None))
+
+    with ThreadPoolExecutor(8) as creators:
+        list(creators.map(create, range(len(requests))))
+    wait_until(lambda: len(observed.pod_bound) >= len(requests), 600, f"{label}: pods bound")
+    cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()}
+    stop.set()
+    first, last = min(observed.pod_created.values()), max(observed.pod_bound.values())
+    bound = [observed.pod_bound[p] - observed.pod_created[p] for p in observed.pod_created]
+    allocated = [observed.claim_allocated[c] - observed.claim_created[c] for c in observed.claim_allocated]
+    result = {
+        "path": label,
+        "pods": len(requests),
+        "pods_per_s": round(len(requests) / (last - first), 1),
+        "create_to_bound_p50_s": round(percentile(bound, 0.5), 2),
+        "create_to_bound_p99_s": round(percentile(bound, 0.99), 2),
+        "claim_created_to_allocated_p50_s": round(percentile(allocated, 0.5), 2),
+        "claim_created_to_allocated_p99_s": round(percentile(allocated, 0.99), 2),
+        "cpu_s": cpu,
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 300, f"{label}: claims deleted")
+    return result
+
+
+def start_controller(cluster: Cluster, log: Path | None) -> subprocess.Popen[bytes]:
+    level = "DEBUG" if log else "WARNING"
+    argv = [sys.executable, "-m", "driver.cli", f"--log-level={level}", "controller"]
+    argv += [f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--identity=bench"]
+    with open(log or os.devnull, "wb") as output:  # the child keeps its own descriptor
+        process = subprocess.Popen(argv, stderr=output if log else None)
+    lease = kubernetes.client.CoordinationV1Api(cluster.api_client())
+
+    def leads() -> bool:
+        try:
+            return lease.read_namespaced_lease("fgpu-controller", "default").spec.holder_identity == "bench"
+        except kubernetes.client.ApiException:
+            return False
+
+    wait_until(leads, 60, "controller leads")
+    time.sleep(2.0)  # its informers have listed the 50 nodes' slices
+    return process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=50)
+    parser.add_argument("--pods", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--controller-log", type=Path, help="the controller's log, at INFO (default: warnings on stderr)"
+    )
+    args = parser.parse_args()
+    requests = [
+        c["spec"]["devices"]["requests"][0]["exactly"] for c in mixed_stream(args.pods, random.Random(args.seed))
+    ]
+    with tempfile.TemporaryDirectory() as workdir:
+        cluster = UnthrottledCluster(Path(workdir)).start()
+        controller = None
+        try:
+            client = cluster.api_client()
+            for document in classes():
+                kubernetes.utils.create_from_dict(client, document)
+            resource = kubernetes.client.ResourceV1Api(client)
+            for i in range(args.nodes):
+                cluster.add_node(f"node-{i:04d}")
+            for body in cluster_slices(args.nodes):
+                resource.create_resource_slice(body)
+            results = [run_phase(cluster, "scheduler", requests, None)]
+            controller = start_controller(cluster, args.controller_log)
+            results.append(run_phase(cluster, "controller", requests, controller.pid))
+        finally:
+            if controller is not None:
+                controller.send_signal(signal.SIGTERM)
+                controller.wait(timeout=30)
+            cluster.stop()
+    for result in results:
+        print(json.dumps(result))
+    print(
+        json.dumps(
+            {"ratio_pods_per_s": round(results[1]["pods_per_s"] / results[0]["pods_per_s"], 2), "cores": os.cpu_count()}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
