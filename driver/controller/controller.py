@@ -382,20 +382,10 @@ class Controller:
         decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
         if len(decided) < len(unit.placements):
             return
-        entries: dict[PoolId, dict[str, Entry]] = defaultdict(dict)
-        for placement, obj in decided:
-            for pool, entry in entries_for(obj, placement.allocation).items():
-                entries[pool][obj["metadata"]["uid"]] = entry
-        recorded: dict[PoolId, dict[str, Entry]] = {}
-        for pool, added in entries.items():
-            if not self.acting():
-                self._forget(recorded)
-                return
-            stop_point("ledger", *(entry.claim for entry in added.values()))
-            if not self.ledgers.change(pool, add=added):
-                self._forget(recorded)
-                return
-            recorded[pool] = added
+        recorded = self._record(decided)
+        if recorded is None:
+            return
+        gang = len(decided) > 1
         written: list[dict[str, Any]] = []
         for index, (placement, obj) in enumerate(decided):
             result = self._write_status(obj, placement) if self.acting() else None
@@ -405,13 +395,30 @@ class Controller:
                     {pool: {u: e for u, e in added.items() if u in unwritten} for pool, added in recorded.items()}
                 )
                 self._take_back(written)
-                if len(decided) > 1:
+                if gang:
                     metrics.GANGS.labels("interrupted").inc()
                 return
             written.append(result)
-        if len(decided) > 1:
+        if gang:
             metrics.GANGS.labels("allocated").inc()
         self._lift_pods(unit.objects)
+
+    def _record(self, decided: list[tuple[Placement, dict[str, Any]]]) -> dict[PoolId, dict[str, Entry]] | None:
+        """The unit's ledger entries, pool by pool; None (and what was recorded forgotten) on failure."""
+        entries: dict[PoolId, dict[str, Entry]] = defaultdict(dict)
+        for placement, obj in decided:
+            for pool, entry in entries_for(obj, placement.allocation).items():
+                entries[pool][obj["metadata"]["uid"]] = entry
+        recorded: dict[PoolId, dict[str, Entry]] = {}
+        for pool, added in entries.items():
+            if self.acting():
+                stop_point("ledger", *(entry.claim for entry in added.values()))
+                if self.ledgers.change(pool, add=added):
+                    recorded[pool] = added
+                    continue
+            self._forget(recorded)
+            return None
+        return recorded
 
     def _forget(self, entries: dict[PoolId, dict[str, Entry]]) -> None:
         """Drop entries whose claims were never written; what cannot be dropped now is dropped by a
