@@ -3,9 +3,9 @@
 # plane (kube-apiserver, kube-controller-manager, kube-scheduler from k8s.io/kubernetes, etcd from
 # go.etcd.io/etcd/server/v3/embed), the node (kubelet from k8s.io/kubernetes; containerd, its runc
 # shim and ctr from their own module in containerd/; runc, the CNI plugins, busybox and iptables
-# from Debian packages) and our Go tools (the reference allocator CLI, a static pause). Stamps of
-# the inputs make a second build free: the upstream binaries depend on go.mod/go.sum only, our
-# tools also on their sources.
+# from Debian packages), helm (its own module in helm/) and our Go tools (the reference allocator
+# CLI, a static pause). Stamps of the inputs make a second build free: the upstream binaries depend
+# on go.mod/go.sum only, our tools also on their sources.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
@@ -59,5 +59,15 @@ if ! fresh tools "$tools_stamp"; then
     go build -o "$out/$target" "./cmd/$target"
   done
   echo "$tools_stamp" > "$out/.stamp-tools"
+fi
+# helm, for the chart's tests (daemonset/chart): its own module in helm/, since its Kubernetes
+# client libraries are not the versions the control plane above is built from.
+helm_stamp="$(stamp_of helm/go.mod helm/go.sum)"
+if ! fresh helm "$helm_stamp"; then
+  helm_version="$(cd helm && go list -m -f '{{.Version}}' helm.sh/helm/v3)"
+  echo "building helm ${helm_version} (a few minutes from a cold cache) ..." >&2
+  (cd helm && go build -p 2 -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=${helm_version}" \
+    -o "$out/helm" helm.sh/helm/v3/cmd/helm)
+  echo "$helm_stamp" > "$out/.stamp-helm"
 fi
 echo "$out"

@@ -220,6 +220,8 @@ class Cluster:
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--service-cluster-ip-range=10.96.0.0/24",
             f"--feature-gates={FEATURE_GATES}",
+            # As kubeadm and managed clusters do: DRA drivers (fgpu's DaemonSet) run privileged.
+            "--allow-privileged=true",
             "--enable-priority-and-fairness=false", "--profiling=false", "--endpoint-reconciler-type=none",
         ], logs)  # fmt: skip
         self._wait_for_apiserver()

@@ -1,0 +1,54 @@
+{{/* The release's base name: fgpu unless overridden. */}}
+{{- define "fgpu.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fgpu.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- include "fgpu.name" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "fgpu.labels" -}}
+app.kubernetes.io/name: {{ include "fgpu.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component (kubelet-plugin, controller): never change across upgrades. */}}
+{{- define "fgpu.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "fgpu.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "fgpu.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "fgpu.pluginServiceAccount" -}}
+{{- printf "%s-kubelet-plugin" (include "fgpu.fullname" .) -}}
+{{- end -}}
+
+{{- define "fgpu.controllerServiceAccount" -}}
+{{- printf "%s-controller" (include "fgpu.fullname" .) -}}
+{{- end -}}
+
+{{/* The API server address for host-network pods without a service network (values apiServer). */}}
+{{- define "fgpu.apiServerEnv" -}}
+{{- if or .Values.apiServer.host .Values.apiServer.port }}
+{{- if not (and .Values.apiServer.host .Values.apiServer.port) }}
+{{- fail "apiServer.host and apiServer.port go together" }}
+{{- end }}
+- {name: KUBERNETES_SERVICE_HOST, value: {{ .Values.apiServer.host | quote }}}
+- {name: KUBERNETES_SERVICE_PORT, value: {{ .Values.apiServer.port | quote }}}
+{{- end }}
+{{- end -}}
+
+{{- define "fgpu.mockNvml" -}}
+{{- hasPrefix "mock:" .Values.nvml -}}
+{{- end -}}

@@ -1,0 +1,143 @@
+"""The Helm chart: lint, what it renders for the values users set, and the rendered manifests under
+daemonset/ match it (daemonset/render.sh). The apiserver's verdict on them: tests/e2e/test_install_manifests.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
+
+MOCK = {"nvml": "mock:dgx-h100"}
+
+
+def test_lint_default_and_mock_values() -> None:
+    helm("lint", "--strict", str(CHART))
+    helm("lint", "--strict", str(CHART), "--set", "nvml=mock:dgx-h100", "--set", "controller.enabled=false")
+
+
+def test_rendered_manifests_match_the_chart(tmp_path: Path) -> None:
+    subprocess.run([str(RENDER), str(tmp_path)], check=True, env={**os.environ, "HELM": str(helm_binary())})
+    for name in ("plugin.yaml", "controller.yaml", "deviceclasses.yaml"):
+        checked_in = (ROOT / "daemonset" / name).read_text()
+        assert checked_in == (tmp_path / name).read_text(), f"daemonset/{name} is stale: run daemonset/render.sh"
+
+
+def test_rendered_manifests_parse_without_empty_documents() -> None:
+    for path in sorted((ROOT / "daemonset").glob("*.yaml")):
+        documents = list(yaml.safe_load_all(path.read_text()))
+        assert documents and all(isinstance(d, dict) and d.get("kind") for d in documents), path
+
+
+def test_daemonset_for_rolling_updates_and_kubelet() -> None:
+    daemonset = find(render(), "DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert daemonset["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    env = container_env(daemonset)
+    assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert spec["hostPID"] is True and "hostNetwork" not in spec
+    container = spec["containers"][0]
+    assert container["securityContext"]["privileged"] is True
+    assert container["livenessProbe"]["grpc"]["port"] == int(env["HEALTHCHECK_PORT"])
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    # kubelet dials the socket path the plugin registers: mounted where the host has it.
+    for name in ("plugins-registry", "plugins", "cdi", "state"):
+        assert mounts[name]["mountPath"] == volumes[name]
+    assert mounts["state"]["mountPropagation"] == "Bidirectional"
+    assert env["PLUGIN_DIR"] == "/var/lib/kubelet/plugins/gpu.fgpu.dev"
+    assert (env["DRIVER_ROOT"], env["HOST_DRIVER_ROOT"]) == ("/driver-root", "/")
+    assert volumes["driver-root"] == "/"
+
+
+def test_default_affinity_takes_gfd_or_nfd_labelled_nodes() -> None:
+    terms = find(render(), "DaemonSet")["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    keys = [
+        t["matchExpressions"][0]["key"]
+        for t in terms["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    ]
+    assert keys == ["nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"]
+
+
+def test_mock_nvml_has_no_driver_root_mount() -> None:
+    daemonset = find(render(MOCK), "DaemonSet")
+    env = container_env(daemonset)
+    assert env["NVML"] == "mock:dgx-h100" and "DRIVER_ROOT" not in env
+    assert "driver-root" not in {v["name"] for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_one_image_for_plugin_and_controller() -> None:
+    objects = render({"image.repository": "registry.example/fgpu", "image.tag": "1.2.3"})
+    images = {
+        find(objects, kind)["spec"]["template"]["spec"]["containers"][0]["image"]
+        for kind in ("DaemonSet", "Deployment")
+    }
+    assert images == {"registry.example/fgpu:1.2.3"}
+    default = render()
+    assert find(default, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
+
+
+def test_api_server_address_for_host_network_pods() -> None:
+    objects = render({"apiServer.host": "127.0.0.1", "apiServer.port": "6443", "kubeletPlugin.hostNetwork": True})
+    for kind in ("DaemonSet", "Deployment"):
+        env = container_env(find(objects, kind))
+        assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
+    assert find(objects, "DaemonSet")["spec"]["template"]["spec"]["hostNetwork"] is True
+    with pytest.raises(AssertionError, match="go together"):
+        render({"apiServer.host": "127.0.0.1"})
+
+
+def test_sharing_config_becomes_a_mounted_file() -> None:
+    sharing = {"gpus": [{"index": 0, "offer": ["mig"]}]}
+    objects = render({"sharing": sharing, "offer": ["whole", "mps"]})
+    config = find(objects, "ConfigMap", "sharing")
+    assert yaml.safe_load(config["data"]["sharing.yaml"]) == sharing
+    env = container_env(find(objects, "DaemonSet"))
+    assert (env["SHARING_CONFIG"], env["OFFER"]) == ("/etc/fgpu/sharing.yaml", "whole,mps")
+    plain = find(render(), "DaemonSet")["spec"]["template"]["metadata"]["annotations"]["checksum/sharing"]
+    assert find(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]["checksum/sharing"] != plain
+
+
+def test_controller_non_root_with_lease_in_release_namespace() -> None:
+    objects = render({"controller.policy": "spread"}, namespace="gpus")
+    deployment = find(objects, "Deployment", "controller")
+    spec = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 2
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    args = spec["containers"][0]["args"]
+    assert "--lease-namespace=gpus" in args and "--policy=spread" in args
+    assert find(objects, "Role", "controller")["metadata"]["namespace"] == "gpus"
+    without = render({"controller.enabled": False})
+    assert not [o for o in without if "controller" in o["metadata"]["name"]]
+
+
+def test_plugin_rbac_is_least_privilege() -> None:
+    role = find(render(), "ClusterRole", "kubelet-plugin")
+    rules = {
+        (rule["apiGroups"][0], resource): set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]
+    }
+    assert rules == {
+        ("resource.k8s.io", "resourceclaims"): {"get"},
+        ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
+        ("", "nodes"): {"get"},
+    }
+    policy = find(render(namespace="gpus"), "ValidatingAdmissionPolicy")
+    condition = policy["spec"]["matchConditions"][0]["expression"]
+    assert '"system:serviceaccount:gpus:fgpu-kubelet-plugin"' in condition
+
+
+def test_device_classes_follow_the_driver_name() -> None:
+    classes = [o for o in render({"driverName": "gpu.example.com"}) if o["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == [
+        "gpu.example.com",
+        "mig.gpu.example.com",
+        "mps.gpu.example.com",
+        "timeslice.gpu.example.com",
+    ]
+    assert all('device.driver == "gpu.example.com"' in c["spec"]["selectors"][0]["cel"]["expression"] for c in classes)
