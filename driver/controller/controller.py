@@ -24,6 +24,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from driver.allocator.allocate import AllocationError, NodeAllocator
+from driver.allocator.cel import SelectorError, compile_selector
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import Claim, ObjectError, claim_from_object, class_from_object, slice_from_object
 from driver.allocator.pools import Node
@@ -230,6 +232,7 @@ class Controller:
             for result in results.values():
                 state.add_result(result)
             self._counted = Counted(ClusterAllocator(snapshot, classes, state, self.policy), key, results)
+            _warm(self._counted.allocator)
             return self._counted.allocator
         gone = [counted.results[k] for k in counted.results.keys() - results.keys()]
         new = [results[k] for k in results.keys() - counted.results.keys()]
@@ -630,6 +633,24 @@ class Controller:
             self.api.create_event(meta["namespace"], event)
         except KubeError as error:
             log.warning("cannot record an event for %s/%s: %s", meta["namespace"], meta["name"], error)
+
+
+def _warm(allocator: ClusterAllocator) -> None:
+    """Evaluate every class's selectors on every device once, when the slices or classes are new
+    (a pass runs as soon as this replica leads, before any burst): the results stay cached on the
+    devices, so the first claims of a burst do not pay for them."""
+    for node, pools in allocator.snapshot.pools.items():
+        checker = NodeAllocator(allocator.nodes[node], pools, allocator.state, allocator.classes)
+        for cls in allocator.classes.values():
+            try:
+                selectors = [(f"class {cls.name}", compile_selector(e)) for e in cls.selectors]
+            except SelectorError:
+                continue  # reported when a claim asks for the class
+            for device in (d for pool in pools for d in pool.devices):
+                try:
+                    checker.selectable(device, selectors)
+                except AllocationError:
+                    continue
 
 
 def _size(labels: dict[str, str]) -> int:
