@@ -28,20 +28,23 @@ def helm_binary() -> Path:
     return build_binaries() / "helm"
 
 
-def helm(*args: str, kubeconfig: Path | None = None, timeout_s: float = 300) -> str:
-    """Runs helm; its state (repositories, cache, config) in a directory of its own, not ~."""
-    home = HELM_HOME
+def helm_command(*args: str, kubeconfig: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for helm; its state (repositories, cache, config) in a directory of
+    its own, not ~."""
     env = {
         **os.environ,
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
+        "HELM_CACHE_HOME": str(HELM_HOME / "cache"),
+        "HELM_CONFIG_HOME": str(HELM_HOME / "config"),
+        "HELM_DATA_HOME": str(HELM_HOME / "data"),
     }
     if kubeconfig is not None:
         env["KUBECONFIG"] = str(kubeconfig)
-    done = subprocess.run(
-        [str(helm_binary()), *args], capture_output=True, text=True, env=env, timeout=timeout_s, check=False
-    )
+    return [str(helm_binary()), *args], env
+
+
+def helm(*args: str, kubeconfig: Path | None = None, timeout_s: float = 300) -> str:
+    argv, env = helm_command(*args, kubeconfig=kubeconfig)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done.stdout

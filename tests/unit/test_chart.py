@@ -112,6 +112,9 @@ def test_controller_non_root_with_lease_in_release_namespace() -> None:
     assert spec["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     args = spec["containers"][0]["args"]
     assert "--lease-namespace=gpus" in args and "--policy=spread" in args
+    # Replicas on one node's network share host name and pid: the Lease needs the pod's name.
+    assert "--identity=$(POD_NAME)" in args
+    assert container_env(deployment)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert find(objects, "Role", "controller")["metadata"]["namespace"] == "gpus"
     without = render({"controller.enabled": False})
     assert not [o for o in without if "controller" in o["metadata"]["name"]]

@@ -1,0 +1,316 @@
+"""fgpu installed the way an operator installs it, on the real node: the image built from the
+Dockerfile (tests/cluster/image_build.py) and imported into the node's containerd, `helm install`
+of the chart with mock NVML, then the plugin DaemonSet registered with the real kubelet, the
+controller Deployment, the plugin's service account held to its own node, `helm upgrade` to a new
+image tag under running MIG, MPS and time-sliced pods, and `helm uninstall`.
+
+Test-bed specifics, all chart values a user would set on such a cluster: the apiserver binds
+127.0.0.1 and there is no service network, so the pods use the node's network (hostNetwork) and
+`apiServer.host/port`; kubelet's root, the CDI dir and the state dir are the real node's, and the
+state dir is made a shared mount (systemd does that for / on real hosts) for the MPS tmpfs's
+Bidirectional propagation."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from tests.chart import CHART, NAMESPACE, helm, helm_command, set_flags
+from tests.cluster.harness import Cluster, free_port
+from tests.cluster.image_build import build_image
+from tests.cluster.node import RealNode
+from tests.integration.test_plugin_process import complete_pool
+from tests.workloads import claim_template, pod, pod_events, unique, wait_running, wait_until
+
+# The first run builds the image (about 80 s) before the node is set up.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+REPOSITORY = "fgpu.test/fgpu"
+TAGS = ("dev", "next")  # the same image under two tags: an upgrade changes the pod template's image
+RELEASE = "fgpu"
+NS = "default"
+ON_GPU = 'device.attributes["gpu.fgpu.dev"].index == {}'
+
+
+@dataclass
+class Release:
+    cluster: Cluster
+    node: RealNode
+    values: dict[str, object]
+
+    def helm(self, *args: str, timeout_s: float = 300) -> str:
+        return helm(*args, "--namespace", NAMESPACE, kubeconfig=self.cluster.kubeconfig, timeout_s=timeout_s)
+
+    def start_helm(self, *args: str) -> subprocess.Popen[str]:
+        """helm in the background, e.g. an upgrade to watch while it rolls."""
+        argv, env = helm_command(*args, "--namespace", NAMESPACE, kubeconfig=self.cluster.kubeconfig)
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def install(self) -> None:
+        self.helm("install", RELEASE, str(CHART), "--create-namespace", *set_flags(self.values),
+                  "--wait", "--timeout=4m")  # fmt: skip
+
+    def upgrade_command(self, tag: str) -> list[str]:
+        return ["upgrade", RELEASE, str(CHART), "--reuse-values", f"--set=image.tag={tag}", "--wait", "--timeout=4m"]
+
+    def plugin_pods(self) -> list[Any]:
+        core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+        selector = "app.kubernetes.io/component=kubelet-plugin"
+        return core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+
+    def diagnosis(self) -> str:
+        """The release's pods: phase, container states, events and log tails."""
+        core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+        lines = []
+        for item in core.list_namespaced_pod(NAMESPACE).items:
+            name = item.metadata.name
+            lines.append(f"{name} on {item.spec.node_name}: {item.status.phase} {item.status.container_statuses}")
+            lines += [f"  event: {line}" for line in pod_events(core, name, NAMESPACE)]
+            with contextlib.suppress(kubernetes.client.ApiException):
+                lines.append(core.read_namespaced_pod_log(name, NAMESPACE, tail_lines=30))
+        return "\n".join(lines)
+
+
+def api_port(cluster: Cluster) -> str:
+    assert cluster.kubeconfig is not None
+    server = json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    return server.rsplit(":", 1)[1]
+
+
+def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> dict[str, object]:
+    on_node = {"kubernetes.io/hostname": node.name}  # the fake nodes have no kubelet to run pods
+    return {
+        "image.repository": REPOSITORY,
+        "image.tag": TAGS[0],
+        "image.pullPolicy": "Never",
+        "nvml": "mock:dgx-h100",
+        "apiServer.host": "127.0.0.1",
+        "apiServer.port": api_port(cluster),
+        "kubeletPlugin.hostNetwork": True,
+        "kubeletPlugin.healthcheckPort": free_port(),
+        "kubeletPlugin.kubeletRegistrarDirectoryPath": str(node.registrar_dir),
+        # kubelet dials the DRA socket at the path the plugin registers, anywhere; a short one,
+        # since the node's temp dir and a pod UID in the name would pass a socket path's 107 bytes.
+        "kubeletPlugin.kubeletPluginsDirectoryPath": str(node.workdir / "p"),
+        "kubeletPlugin.cdiDir": str(node.cdi_dir),
+        "kubeletPlugin.stateDir": str(state_dir),
+        "kubeletPlugin.nodeSelector": on_node,
+        "controller.hostNetwork": True,
+        # On the node's network a container port is a host port: two replicas on one node need none.
+        "controller.metricsPort": 0,
+        "controller.nodeSelector": on_node,
+        # The session's cluster fixture already made the DeviceClasses, for every test.
+        "deviceClasses.create": False,
+    }
+
+
+def shared_mount(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    subprocess.run(["mount", "--make-shared", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def release(cluster: Cluster, real_node: RealNode) -> Iterator[Release]:
+    archive = build_image(f"{REPOSITORY}:{TAGS[0]}")
+    real_node.import_image(archive)
+    tagged = real_node.ctr("images", "tag", "--force", f"{REPOSITORY}:{TAGS[0]}", f"{REPOSITORY}:{TAGS[1]}")
+    assert tagged.returncode == 0, tagged.stderr
+    state_dir = real_node.workdir / "fgpu-state"
+    shared_mount(state_dir)
+    installed = Release(cluster, real_node, values_for_test_bed(cluster, real_node, state_dir))
+    try:
+        installed.install()
+        resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
+        try:
+            wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{installed.diagnosis()}") from None
+        yield installed
+    finally:
+        cleanup(installed)
+
+
+def cleanup(installed: Release) -> None:
+    """Pods with claims go while a plugin still serves (kubelet unprepares through it), then the
+    release and its namespace; the node's stop unmounts the state dir."""
+    core = kubernetes.client.CoreV1Api(installed.cluster.api_client())
+    for item in core.list_namespaced_pod(NS).items:
+        core.delete_namespaced_pod(item.metadata.name, NS, grace_period_seconds=1)
+    wait_until("test pods gone", lambda: not core.list_namespaced_pod(NS).items, timeout_s=120)
+    with contextlib.suppress(AssertionError):  # a test may have uninstalled it
+        installed.helm("uninstall", RELEASE, "--wait", "--timeout=2m")
+    core.delete_namespace(NAMESPACE)
+
+
+def claim_pod(cluster: Cluster, node: RealNode, device_class: str, wait: bool = True, **template_args: Any) -> str:
+    """A pod on the real node with a claim from a new template; returns its name (once Running)."""
+    client = cluster.api_client()
+    template = claim_template(unique("tpl"), device_class, **template_args)
+    name = unique("pod")
+    kubernetes.utils.create_from_dict(client, template, namespace=NS)
+    kubernetes.utils.create_from_dict(client, pod(name, node.name, template["metadata"]["name"]), namespace=NS)
+    if wait:
+        wait_running(kubernetes.client.CoreV1Api(client), name)
+    return name
+
+
+def container_ids(core: kubernetes.client.CoreV1Api, names: list[str]) -> dict[str, str]:
+    """pod -> its container's ID, while Running (a restart or a new container changes it)."""
+    found = {}
+    for name in names:
+        item = core.read_namespaced_pod(name, NS)
+        assert item.status.phase == "Running", f"{name}: {item.status.phase}"
+        found[name] = item.status.container_statuses[0].container_id
+    return found
+
+
+# --- installed --------------------------------------------------------------------------------
+
+
+def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: Release) -> None:
+    (plugin,) = release.plugin_pods()
+    assert plugin.spec.node_name == real_node.name and plugin.status.phase == "Running"
+    assert plugin.spec.containers[0].image == f"{REPOSITORY}:{TAGS[0]}"
+    # Slices from the pod (the fixture waited for them); kubelet prepares through it:
+    claim_pod(cluster, real_node, "gpu.fgpu.dev")
+
+
+def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None:
+    apps = kubernetes.client.AppsV1Api(cluster.api_client())
+    deployment = apps.read_namespaced_deployment(f"{RELEASE}-controller", NAMESPACE)
+    assert deployment.status.ready_replicas == 2
+    coordination = kubernetes.client.CoordinationV1Api(cluster.api_client())
+    leases = wait_until("a leader", lambda: coordination.list_namespaced_lease(NAMESPACE).items)
+    assert leases[0].spec.holder_identity
+
+
+# --- the plugin's service account ---------------------------------------------------------------
+
+
+def plugin_client(cluster: Cluster, release: Release) -> kubernetes.client.ApiClient:
+    """A client with the token kubelet gives the plugin pod: bound to that pod, so it carries the
+    pod's node (extra authentication.kubernetes.io/node-name)."""
+    (plugin,) = release.plugin_pods()
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    request = {
+        "spec": {
+            "audiences": ["https://kubernetes.default.svc"],
+            "expirationSeconds": 600,
+            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": plugin.metadata.name,
+                               "uid": plugin.metadata.uid},
+        }
+    }  # fmt: skip
+    token = core.create_namespaced_service_account_token(plugin.spec.service_account_name, NAMESPACE, request)
+    client = cluster.api_client()
+    client.configuration.cert_file = client.configuration.key_file = None
+    client.configuration.api_key = {"authorization": f"Bearer {token.status.token}"}
+    return kubernetes.client.ApiClient(client.configuration)
+
+
+def slice_of(node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": unique(f"probe-{node}")},
+        "spec": {
+            "driver": "gpu.fgpu.dev",
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [],
+        },
+    }
+
+
+def outcome(call: Any) -> tuple[int, str]:
+    """(HTTP status, message) of an API call."""
+    try:
+        call()
+    except kubernetes.client.ApiException as err:
+        return err.status, json.loads(err.body).get("message", "")
+    return 200, ""
+
+
+def test_plugin_service_account_is_held_to_its_node(cluster, real_node, release: Release) -> None:
+    client = plugin_client(cluster, release)
+    resource = kubernetes.client.ResourceV1Api(client)
+    core = kubernetes.client.CoreV1Api(client)
+    assert outcome(lambda: resource.create_resource_slice(slice_of(real_node.name), dry_run="All")) == (200, "")
+    # The admission policy, on the node the pod-bound token names (a policy's denial is 422 Invalid):
+    status, message = outcome(lambda: resource.create_resource_slice(slice_of("node-a"), dry_run="All"))
+    assert status == 422 and f"node '{real_node.name}' may not write ResourceSlices of node 'node-a'" in message
+    # Reads it does not need, and writes to anything but slices (RBAC):
+    for call in (
+        core.list_secret_for_all_namespaces,
+        core.list_pod_for_all_namespaces,
+        resource.list_resource_claim_for_all_namespaces,
+        lambda: core.patch_node(real_node.name, {"metadata": {"labels": {"x": "y"}}}),
+        lambda: core.create_namespaced_config_map(NS, {"metadata": {"name": "x"}}),
+    ):
+        assert outcome(call)[0] == 403
+    assert outcome(lambda: core.read_node(real_node.name))[0] == 200
+
+
+# --- upgrade and uninstall ----------------------------------------------------------------------
+
+
+def shared_pods(cluster: Cluster, node: RealNode) -> list[str]:
+    """A MIG, an MPS and a time-sliced pod on GPUs of their own."""
+    return [
+        claim_pod(cluster, node, "mig.gpu.fgpu.dev", selector='device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'),
+        claim_pod(cluster, node, "mps.gpu.fgpu.dev", selector=ON_GPU.format(6), capacity={"memory": "4Gi"}),
+        claim_pod(cluster, node, "timeslice.gpu.fgpu.dev", selector=ON_GPU.format(7)),
+    ]
+
+
+def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_node, release: Release) -> None:
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    running = shared_pods(cluster, real_node)
+    before = container_ids(core, running)
+    (old,) = release.plugin_pods()
+    upgrade = release.start_helm(*release.upgrade_command(TAGS[1]))
+    try:
+        # During the rollout: a new plugin pod beside the old one, and a claim prepared meanwhile.
+        wait_until("a second plugin pod", lambda: len(release.plugin_pods()) == 2)
+        during = claim_pod(cluster, real_node, "mps.gpu.fgpu.dev", wait=False, selector=ON_GPU.format(6))
+        output, _ = upgrade.communicate(timeout=300)
+    finally:
+        if upgrade.poll() is None:
+            upgrade.kill()
+    assert upgrade.returncode == 0, output
+    (new,) = release.plugin_pods()
+    assert new.metadata.uid != old.metadata.uid and new.spec.containers[0].image == f"{REPOSITORY}:{TAGS[1]}"
+    assert container_ids(core, running) == before  # not restarted, not replaced
+    after = claim_pod(cluster, real_node, "mig.gpu.fgpu.dev", selector=ON_GPU.format(5))
+    # A prepare that reached the old plugin as it stopped fails ("broken pipe" on its socket) and
+    # kubelet retries it only at the pod's next periodic sync, a minute or two later: the plugin
+    # stops serving before kubelet has dropped its registration (no drain on SIGTERM yet).
+    wait_until(f"pod {during} running", lambda: core.read_namespaced_pod(during, NS).status.phase == "Running",
+               timeout_s=240)  # fmt: skip
+    container_ids(core, [during, after])
+
+
+def test_uninstall_leaves_prepared_pods_alone(cluster, real_node, release: Release) -> None:
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    running = shared_pods(cluster, real_node)
+    before = container_ids(core, running)
+    specs = sorted(p.name for p in real_node.cdi_dir.glob("*.json"))
+    release.helm("uninstall", RELEASE, "--wait", "--timeout=2m")
+    wait_until("the plugin gone", lambda: not release.plugin_pods())
+    time.sleep(5)  # long enough for anything the plugin's exit might have undone to show
+    assert container_ids(core, running) == before
+    assert sorted(p.name for p in real_node.cdi_dir.glob("*.json")) == specs
+    # Installed again, the plugin takes the prepared claims over and unprepares them as pods go.
+    release.install()
+    for name in running:
+        core.delete_namespaced_pod(name, NS, grace_period_seconds=1)
+    wait_until("pods gone", lambda: not any(p.metadata.name in running for p in core.list_namespaced_pod(NS).items))
+    wait_until("their CDI specs removed", lambda: len(list(real_node.cdi_dir.glob("*.json"))) < len(specs))
