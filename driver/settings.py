@@ -11,7 +11,12 @@ from pathlib import Path
 from kubernetes.utils import parse_quantity
 
 from driver.nvml.session import is_mock
-from driver.plugin.sockets import rolling_update_registrar_socket_file
+from driver.plugin.sockets import (
+    SocketPathError,
+    check_socket_path,
+    rolling_update_dra_socket_file,
+    rolling_update_registrar_socket_file,
+)
 from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
@@ -62,7 +67,9 @@ class PluginSettings:
     @property
     def dra_socket(self) -> Path:
         # Kubelet refuses a second registration of one endpoint, so each instance needs its own.
-        return self.plugin_dir / (f"dra-{self.rolling_update_uid}.sock" if self.rolling_update_uid else "dra.sock")
+        if self.rolling_update_uid:
+            return self.plugin_dir / rolling_update_dra_socket_file(self.plugin_dir, self.rolling_update_uid)
+        return self.plugin_dir / "dra.sock"
 
     @property
     def checkpoint_path(self) -> Path:
@@ -205,7 +212,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
     validate_names(args)
     plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
     state_dir = Path(args.state_dir) if args.state_dir else plugin_dir
-    return PluginSettings(
+    settings = PluginSettings(
         driver_name=args.driver_name,
         node_name=args.node_name,
         registrar_dir=Path(args.registrar_dir),
@@ -224,3 +231,9 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
     )
+    for socket in (settings.registration_socket, settings.dra_socket):
+        try:
+            check_socket_path(socket)
+        except SocketPathError as err:
+            raise SettingsError(f"{err}: use a shorter --registrar-dir or --plugin-dir") from err
+    return settings

@@ -22,6 +22,7 @@ from tests.workloads import wait_until
 @dataclass
 class NodePlugin(PluginUnderTest):
     real_node: RealNode | None = None
+    state_root: Path | None = None  # another instance's root: a DaemonSet's pods share the node's state
 
     @property
     def _node(self) -> RealNode:
@@ -42,20 +43,23 @@ class NodePlugin(PluginUnderTest):
 
     @property
     def state_dir(self) -> Path:
-        return self.root / "state"
+        return (self.state_root or self.root) / "state"
 
     @property
     def mock_state(self) -> Path:
-        return self.root / "gpus.json"
+        return (self.state_root or self.root) / "gpus.json"
 
     @classmethod
-    def on(cls, node: RealNode, nvml: str = "mock:dgx-h100", **kwargs: object) -> NodePlugin:
+    def on(
+        cls, node: RealNode, nvml: str = "mock:dgx-h100", uid: str = "", sharing_state_of: NodePlugin | None = None
+    ) -> NodePlugin:
+        """A plugin on the node; with a pod UID, as one pod of a rolling update that shares the
+        state of another instance."""
         assert node.cluster.kubeconfig is not None
-        plugin = cls(node=node.name, kubeconfig=str(node.cluster.kubeconfig), nvml=nvml, real_node=node)
+        plugin = cls(node=node.name, kubeconfig=str(node.cluster.kubeconfig), nvml=nvml, real_node=node, uid=uid)
+        plugin.state_root = sharing_state_of.root if sharing_state_of else None
         plugin.extra_env = {MOCK_STATE_ENV: str(plugin.mock_state)}
-        plugin.extra_args = [f"--state-dir={plugin.state_dir}", *plugin.extra_args]
-        for name, value in kwargs.items():
-            setattr(plugin, name, value)
+        plugin.extra_args = [f"--state-dir={plugin.state_dir}", *([f"--rolling-update-uid={uid}"] if uid else [])]
         return plugin
 
     def registrations(self) -> int:

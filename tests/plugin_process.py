@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.plugin.sockets import rolling_update_dra_socket_file, rolling_update_registrar_socket_file
 from tests.cluster.harness import die_with_parent
 from tests.cluster.host_state import short_temp_dir
 
@@ -43,6 +45,7 @@ class PluginUnderTest:
     nvml: str = "mock:dgx-h100"
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    uid: str = ""  # a DaemonSet pod's UID (--rolling-update-uid or POD_UID): sockets named after it
     process: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = field(default=None, repr=False)
 
@@ -65,15 +68,22 @@ class PluginUnderTest:
 
     @property
     def registration_socket(self) -> Path:
+        if self.uid:
+            return self.registrar_dir / rolling_update_registrar_socket_file(self.registrar_dir, DRIVER, self.uid)
         return self.registrar_dir / f"{DRIVER}-reg.sock"
 
     @property
     def dra_socket(self) -> Path:
-        return self.plugin_dir / "dra.sock"
+        return self.plugin_dir / (rolling_update_dra_socket_file(self.plugin_dir, self.uid) if self.uid else "dra.sock")
 
     @property
     def log_path(self) -> Path:
-        return self.root / "plugin.log"
+        return self.root / (f"plugin-{self.uid}.log" if self.uid else "plugin.log")
+
+    def health(self) -> int:
+        """The gRPC health status the plugin reports (what a liveness probe sees)."""
+        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
     def start(self, wait: bool = True) -> PluginUnderTest:
         argv = [

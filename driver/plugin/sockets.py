@@ -10,9 +10,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-# sun_path is 108 bytes including the terminating NUL, which gRPC insists on; upstream's helper
-# compares against 108 without it, so only a path of exactly 108 bytes is named differently here.
-MAX_SOCKET_PATH = 107
+# sun_path is 108 bytes with its terminating NUL, but gRPC's C core refuses a unix: path of more
+# than 105 (measured with grpcio 1.85: 106 fails). Upstream's Go helper compares against 108, so a
+# path of 106 to 108 bytes is named differently here than there (kubelet finds either).
+MAX_SOCKET_PATH = 105
 # Upstream's RollingUpdateRegistrarSocketFile: how much of each SHA-256 digest goes into a name.
 UID_HASH_BYTES = 8
 DRIVER_UID_HASH_BYTES = 16
@@ -42,11 +43,26 @@ def rolling_update_registrar_socket_file(registrar_dir: Path, driver_name: str, 
     return candidates[-1]
 
 
+def rolling_update_dra_socket_file(plugin_dir: Path, pod_uid: str) -> str:
+    """The DRA socket's name of the instance in pod `pod_uid`: `dra-<uid>.sock` as upstream names
+    it, or `dra-<hash(uid)>.sock` where that path would not fit."""
+    name = f"dra-{pod_uid}.sock"
+    if len(str(plugin_dir / name).encode()) <= MAX_SOCKET_PATH:
+        return name
+    return f"dra-{_digest(pod_uid, UID_HASH_BYTES)}.sock"
+
+
+def check_socket_path(path: Path) -> None:
+    if len(str(path).encode()) > MAX_SOCKET_PATH:
+        raise SocketPathError(
+            f"socket path {path} is {len(str(path).encode())} bytes; gRPC allows at most {MAX_SOCKET_PATH}"
+        )
+
+
 def prepare_socket_path(path: Path) -> str:
     """Create the parent directory, remove a stale socket, and return the gRPC address. Only this
     instance's own name is replaced: with a pod UID no other instance uses it."""
-    if len(str(path).encode()) > MAX_SOCKET_PATH:
-        raise SocketPathError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes")
+    check_socket_path(path)
     if path.name.startswith("."):
         raise SocketPathError(f"socket {path} starts with '.', which kubelet ignores")
     path.parent.mkdir(parents=True, exist_ok=True)

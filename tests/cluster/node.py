@@ -11,6 +11,7 @@ CAP_SYS_RESOURCE (`restrict_oom_score_adj`), no swap check, loose eviction thres
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -37,6 +38,11 @@ RUNC = "/usr/sbin/runc"
 BRIDGE = "fgpu-cni0"
 POD_SUBNET = "10.244.250.0/24"  # on a bridge of this machine only; nothing routes it anywhere
 READY_TIMEOUT_S = 120
+# One real node per host at a time: kubelet's cgroups, hard-coded directories, iptables chains and
+# sysctls are the host's, and a node's teardown puts them back. An flock on this directory (nothing
+# is created in it) makes a second test run wait for the first instead of trampling it.
+HOST_LOCK = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
+HOST_LOCK_TIMEOUT_S = 1800
 KUBELET_FEATURE_GATES = {"DRAConsumableCapacity": True, "ResourceHealthStatus": True}
 
 
@@ -63,6 +69,7 @@ class RealNode:
     outlive_parent: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     host_before: HostState | None = None
+    _host_lock: int | None = None
 
     # --- where things are ------------------------------------------------------------------------
 
@@ -98,6 +105,7 @@ class RealNode:
     # --- start ------------------------------------------------------------------------------------
 
     def start(self) -> RealNode:
+        self._lock_host()
         self.host_before = HostState.take()
         try:
             started = time.monotonic()
@@ -112,6 +120,27 @@ class RealNode:
         except BaseException:
             self.stop()
             raise
+
+    def _lock_host(self) -> None:
+        self._host_lock = os.open(HOST_LOCK, os.O_RDONLY)
+        deadline = time.monotonic() + HOST_LOCK_TIMEOUT_S
+        waited = False
+        while True:
+            try:
+                fcntl.flock(self._host_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another test node held this host for {HOST_LOCK_TIMEOUT_S}s") from None
+                if not waited:
+                    log.warning("another test node runs on this host; waiting for it to stop")
+                    waited = True
+                time.sleep(1)
+
+    def _unlock_host(self) -> None:
+        if self._host_lock is not None:
+            os.close(self._host_lock)  # closing the descriptor releases the flock
+            self._host_lock = None
 
     def _start_containerd(self) -> None:
         config = self.workdir / "containerd" / "config.toml"
@@ -211,6 +240,7 @@ class RealNode:
         if self.host_before is not None:
             self.host_before.restore()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        self._unlock_host()
         with contextlib.suppress(Exception):
             kubernetes.client.CoreV1Api(self.cluster.api_client()).delete_node(self.name)
 

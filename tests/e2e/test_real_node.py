@@ -6,13 +6,17 @@ logs and exec endpoints."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import uuid
 from collections.abc import Iterator
 
 import kubernetes
 import pytest
+from grpc_health.v1 import health_pb2
 from kubernetes.stream import stream
 
+from bench import pod_start
 from driver.faults import STALL_ENV, STALL_SECONDS_ENV
 from tests.cluster.node import RealNode
 from tests.integration.test_plugin_process import complete_pool
@@ -184,14 +188,20 @@ def test_unprepare_on_pod_deletion(cluster, core_api, resource_api, real_node, n
     wait_until("MPS daemon stopped with the last share", lambda: not mps_daemon_running(node_plugin, 7))
 
 
-def mps_daemon_running(plugin: NodePlugin, gpu_index: int) -> bool:
+def mps_daemon_pid(plugin: NodePlugin, gpu_index: int) -> int | None:
+    """The GPU's running MPS control daemon, if any."""
     uuid = plugin.gpus().describe(gpu_index).uuid
     pid_file = plugin.state_dir / "mps" / uuid / "pipe" / "nvidia-cuda-mps-control.pid"
     try:
-        os.kill(int(pid_file.read_text()), 0)
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)
     except (OSError, ValueError):
-        return False
-    return True
+        return None
+    return pid
+
+
+def mps_daemon_running(plugin: NodePlugin, gpu_index: int) -> bool:
+    return mps_daemon_pid(plugin, gpu_index) is not None
 
 
 def test_bad_opaque_config_reaches_the_pods_events(cluster, core_api, resource_api, real_node, node_plugin, workloads):
@@ -276,6 +286,8 @@ def test_plugin_and_kubelet_restarts_keep_pods_running(
     claims are prepared after each; the plugin is registered again every time."""
     first = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", capacity={"memory": "2Gi"})
     started = _container_started(core_api, first)
+    mps_gpu = int(claim_of(resource_api, first).status.allocation.devices.results[0].device.split("-")[1])
+    daemon = mps_daemon_pid(node_plugin, mps_gpu)
     for restart in (lambda: node_plugin.restart(signal.SIGKILL),
                     lambda: node_plugin.restart(signal.SIGTERM),
                     lambda: node_plugin.registered_after(real_node.restart_kubelet)):  # fmt: skip
@@ -283,6 +295,7 @@ def test_plugin_and_kubelet_restarts_keep_pods_running(
         after = run_pod(cluster, core_api, workloads, real_node, "timeslice.gpu.fgpu.dev")
         assert report(core_api, after).devices
         assert _container_started(core_api, first) == started  # the same container, never restarted
+        assert mps_daemon_pid(node_plugin, mps_gpu) == daemon  # its MPS server outlives the plugin
     uid = claim_of(resource_api, first).metadata.uid
     core_api.delete_namespaced_pod(first, NS, grace_period_seconds=1)
     wait_until("the MPS share unprepared after the restarts", lambda: not list(node_plugin.cdi_dir.glob(f"*{uid}*")))
@@ -291,3 +304,41 @@ def test_plugin_and_kubelet_restarts_keep_pods_running(
 def _container_started(core_api, name: str) -> tuple[str, int]:
     status = core_api.read_namespaced_pod(name, NS).status.container_statuses[0]
     return status.container_id, status.restart_count
+
+
+def test_the_pod_start_benchmark_measures_a_pod(cluster, real_node, node_plugin):
+    result = pod_start.measure(cluster.api_client(), real_node, node_plugin, "mig", pods=1)
+    assert result["pods"] == 1 and 0 < result["start_p50_s"] < 90
+    assert result["kubelet_prepare_mean_ms"] > 0  # kubelet's own histogram moved
+    assert result["plugin_prepare_p50_ms"] is not None  # and the plugin logged its prepare
+
+
+def test_rolling_update_with_two_instances_on_the_node(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """maxSurge 1: the new pod's plugin registers beside the old one (sockets named after each pod's
+    UID), kubelet uses either, and the old one's exit leaves no moment without a registered driver."""
+    node_plugin.stop()
+    old = NodePlugin.on(real_node, uid=str(uuid.uuid4()), sharing_state_of=node_plugin).start_registered()
+    new = NodePlugin.on(real_node, uid=str(uuid.uuid4()), sharing_state_of=node_plugin)
+    try:
+        before = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", capacity={"memory": "2Gi"})
+        new.start_registered()
+        assert old.registration_socket.exists() and new.registration_socket.exists()
+        during = run_pod(cluster, core_api, workloads, real_node, "mig.gpu.fgpu.dev")
+        old.stop()  # SIGTERM: it removes only its own sockets
+        after = run_pod(cluster, core_api, workloads, real_node, "gpu.fgpu.dev")
+        assert not [e for e in pod_events(core_api, after) if "not registered" in e]
+        assert new.health() == health_pb2.HealthCheckResponse.SERVING
+        for name in (before, during, after):
+            assert core_api.read_namespaced_pod(name, NS).status.phase == "Running"
+        # The old instance prepared `before`; the new one unprepares it, and stops the MPS daemon.
+        uid = claim_of(resource_api, before).metadata.uid
+        core_api.delete_namespaced_pod(before, NS, grace_period_seconds=1)
+        wait_until("the old instance's claim unprepared by the new", lambda: not list(new.cdi_dir.glob(f"*{uid}*")))
+        assert f"unprepared claim default/{before}" in new.logs()
+    finally:
+        for instance in (old, new):
+            instance.stop()
+            shutil.rmtree(instance.root, ignore_errors=True)  # the state stays in node_plugin's root
+        node_plugin.start_registered()

@@ -12,15 +12,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from driver.nvml.session import MOCK_STATE_ENV
-from driver.plugin.sockets import rolling_update_registrar_socket_file
 from tests.claims_api import create_allocated_claim
 from tests.cluster.host_state import short_temp_dir
 from tests.integration.test_plugin_process import complete_pool, wait_for
@@ -33,40 +30,17 @@ SHARE = [{"request": "mps", "device": "gpu-2-mps", "consumedCapacity": {"memory"
 WHOLE = [{"request": "gpu", "device": "gpu-1"}]
 
 
-@dataclass
-class Instance(PluginUnderTest):
-    """One pod of the DaemonSet: its sockets are named after its pod UID."""
-
-    uid: str = ""
-
-    @property
-    def registration_socket(self) -> Path:
-        return self.registrar_dir / rolling_update_registrar_socket_file(self.registrar_dir, DRIVER, self.uid)
-
-    @property
-    def dra_socket(self) -> Path:
-        return self.plugin_dir / f"dra-{self.uid}.sock"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / f"plugin-{self.uid}.log"
-
-    def health(self) -> int:
-        with grpc.insecure_channel(f"unix://{self.dra_socket}") as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
 @pytest.fixture
-def pair(cluster) -> Iterator[tuple[Instance, Instance]]:
+def pair(cluster) -> Iterator[tuple[PluginUnderTest, PluginUnderTest]]:
     """Old and new pod; the old gets its UID by flag, the new one from POD_UID (the downward API)."""
     root = short_temp_dir("rolling")
     shared_gpus = {MOCK_STATE_ENV: str(root / "gpus.json")}  # one node: both see the same mock GPUs
     old_uid, new_uid = str(uuid.uuid4()), str(uuid.uuid4())
-    old = Instance(
+    old = PluginUnderTest(
         node="node-a", kubeconfig=str(cluster.kubeconfig), root=root, uid=old_uid, extra_env=shared_gpus,
         extra_args=[f"--rolling-update-uid={old_uid}"],
     )  # fmt: skip
-    new = Instance(
+    new = PluginUnderTest(
         node="node-a", kubeconfig=str(cluster.kubeconfig), root=root, uid=new_uid,
         extra_env={**shared_gpus, "POD_UID": new_uid},
     )  # fmt: skip
@@ -79,19 +53,19 @@ def pair(cluster) -> Iterator[tuple[Instance, Instance]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def checkpoint(instance: Instance) -> dict:
+def checkpoint(instance: PluginUnderTest) -> dict:
     return json.loads((instance.plugin_dir / "checkpoint.json").read_text())
 
 
-def spec_path(instance: Instance, claim: dict[str, str]) -> Path:
+def spec_path(instance: PluginUnderTest, claim: dict[str, str]) -> Path:
     return instance.cdi_dir / f"k8s.gpu.fgpu.dev-claim_{claim['uid']}.json"
 
 
-def daemon_pid_file(instance: Instance) -> Path:
+def daemon_pid_file(instance: PluginUnderTest) -> Path:
     return next((instance.plugin_dir / "mps").glob("*/pipe/nvidia-cuda-mps-control.pid"))
 
 
-def daemon_starts(instance: Instance) -> int:
+def daemon_starts(instance: PluginUnderTest) -> int:
     tools_log = instance.plugin_dir / "mock-tools" / "tools.log"
     return sum(1 for e in map(json.loads, tools_log.read_text().splitlines()) if e["argv"] == ["-d"])
 

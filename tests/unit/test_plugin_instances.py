@@ -20,7 +20,7 @@ from driver.claims import ClaimRef
 from driver.cli import build_parser
 from driver.plugin.node_lock import NodeClaimLock
 from driver.plugin.server import PluginProcess
-from driver.plugin.sockets import BoundSocket, rolling_update_registrar_socket_file
+from driver.plugin.sockets import BoundSocket, rolling_update_dra_socket_file, rolling_update_registrar_socket_file
 from driver.settings import PluginSettings, SettingsError, plugin_settings
 from tests.fakes import InMemoryKubeApi, allocated_claim, node_object, result
 
@@ -41,8 +41,8 @@ def directory(length: int) -> Path:
     ("driver", "dir_length", "expected"),
     [
         ("gpu.fgpu.dev", 20, f"gpu.fgpu.dev-{UID}-reg.sock"),
-        ("gpu.fgpu.dev", 48, f"gpu.fgpu.dev-{UID}-reg.sock"),  # 48 + 1 + 58 = 107: fits exactly
-        ("gpu.fgpu.dev", 49, f"gpu.fgpu.dev-{UID_HASH}-reg.sock"),
+        ("gpu.fgpu.dev", 46, f"gpu.fgpu.dev-{UID}-reg.sock"),  # 46 + 1 + 58 = 105: fits exactly
+        ("gpu.fgpu.dev", 47, f"gpu.fgpu.dev-{UID_HASH}-reg.sock"),
         (LONG_DRIVER, 20, f"{LONG_DRIVER}-{UID_HASH}-reg.sock"),
         (LONG_DRIVER, 30, f"dra-{LONG_DRIVER_UID_HASH}-reg.sock"),
         (LONG_DRIVER, 90, f"dra-{LONG_DRIVER_UID_HASH}-reg.sock"),  # nothing fits: upstream's last resort
@@ -66,15 +66,16 @@ def settings(tmp_path: Path, *flags: str) -> PluginSettings:
 
 
 def test_sockets_are_named_after_the_pod_uid(tmp_path: Path, no_uid_from_the_environment: pytest.MonkeyPatch):
-    registrar = "--registrar-dir=/var/lib/kubelet/plugins_registry"  # short enough for the full UID
-    plain = settings(tmp_path, registrar)
+    # kubelet's own directories: short enough for the full UID
+    dirs = ("--registrar-dir=/var/lib/kubelet/plugins_registry", "--plugin-dir=/var/lib/kubelet/plugins/gpu.fgpu.dev")
+    plain = settings(tmp_path, *dirs)
     assert plain.registration_socket == Path("/var/lib/kubelet/plugins_registry/gpu.fgpu.dev-reg.sock")
-    assert plain.dra_socket == tmp_path / "plugin" / "dra.sock"
-    flagged = settings(tmp_path, registrar, f"--rolling-update-uid={UID}")
+    assert plain.dra_socket == Path("/var/lib/kubelet/plugins/gpu.fgpu.dev/dra.sock")
+    flagged = settings(tmp_path, *dirs, f"--rolling-update-uid={UID}")
     assert flagged.registration_socket == Path(f"/var/lib/kubelet/plugins_registry/gpu.fgpu.dev-{UID}-reg.sock")
-    assert flagged.dra_socket == tmp_path / "plugin" / f"dra-{UID}.sock"
+    assert flagged.dra_socket == Path(f"/var/lib/kubelet/plugins/gpu.fgpu.dev/dra-{UID}.sock")
     no_uid_from_the_environment.setenv("POD_UID", UID)  # the downward API's metadata.uid
-    assert settings(tmp_path, registrar) == flagged
+    assert settings(tmp_path, *dirs) == flagged
     with pytest.raises(SettingsError, match="is not a pod UID"):
         settings(tmp_path, "--rolling-update-uid=../../etc")
     assert plain.registration_grace_s == 60
@@ -205,3 +206,17 @@ def test_the_checkpoint_cache_sees_a_write_that_keeps_inode_size_and_time(tmp_pa
         before.st_mtime_ns,
     )
     assert set(ours.read().claims) == {"uid-2"}
+
+
+@pytest.mark.parametrize(
+    ("dir_length", "expected"),
+    [(59, f"dra-{UID}.sock"), (60, f"dra-{UID_HASH}.sock")],  # 59 + 1 + 45 = 105: fits exactly
+)
+def test_dra_socket_names_fall_back_to_a_hash_where_the_uid_does_not_fit(dir_length: int, expected: str):
+    assert rolling_update_dra_socket_file(directory(dir_length), UID) == expected
+
+
+def test_a_socket_path_grpc_cannot_bind_is_a_one_line_settings_error(tmp_path: Path):
+    deep = tmp_path / ("d" * 100)
+    with pytest.raises(SettingsError, match=r"gRPC allows at most 105: use a shorter --registrar-dir or --plugin-dir$"):
+        settings(tmp_path, f"--plugin-dir={deep}")
