@@ -1,6 +1,9 @@
 """End to end: `fgpu controller` (two replicas, one leads) allocates opt-in claims and gangs on
 the real control plane; kube-scheduler binds the gated pods once it lifts the gate, and the
-plugin prepares them."""
+plugin prepares them.
+
+The kubelet stand-in prepares here, not a real kubelet: gangs need several nodes, and a machine
+holds one real node (kubelet's cgroups and hard-coded paths are the host's)."""
 
 from __future__ import annotations
 
