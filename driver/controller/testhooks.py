@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 CLOCK_OFFSET_ENV = "FGPU_TEST_CLOCK_OFFSET_S"
 STOP_ENV = "FGPU_TEST_STOP_BEFORE"
@@ -26,4 +27,6 @@ def stop_point(step: str, *claims: str) -> None:
     target = os.environ.get(STOP_ENV)
     if target and not _stopped and any(target == f"{step}:{claim}" for claim in claims):
         _stopped = True
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # To this thread: it stops before it returns. A signal to the process may be taken by
+        # another thread first, and this one would send its write before the stop took hold.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
