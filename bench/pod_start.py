@@ -18,26 +18,21 @@ import json
 import logging
 import os
 import re
-import shutil
 import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import kubernetes
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.harness import Cluster
-from tests.cluster.host_state import short_temp_dir
 from tests.cluster.node import RealNode
+from tests.local_cluster import local_cluster
 from tests.node_plugin import NodePlugin
 from tests.workloads import claim_template, pod, wait_until
 
 NS = "default"
-DEVICE_CLASSES = Path(__file__).resolve().parents[1] / "daemonset" / "deviceclasses.yaml"
 KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "whole": ("gpu.fgpu.dev", {}),
     "mig": ("mig.gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'}),
@@ -128,25 +123,9 @@ def main() -> int:
         print("bench.pod_start needs root: it runs a real kubelet and containerd", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.WARNING)
-    workdir = short_temp_dir("bench-")
-    cluster = Cluster(workdir / "cluster")
-    node = plugin = None
-    try:
-        cluster.start()
-        client = cluster.api_client()
-        for document in yaml.safe_load_all(DEVICE_CLASSES.read_text()):
-            kubernetes.utils.create_from_dict(client, document)
-        node = RealNode(cluster).start()
-        plugin = NodePlugin.on(node).start_registered()
+    with local_cluster(purpose="bench-") as local:
         for kind in args.kinds:
-            print(json.dumps(measure(client, node, plugin, kind, args.pods)), flush=True)
-    finally:
-        if node:
-            node.stop()
-        if plugin:
-            plugin.remove()
-        cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+            print(json.dumps(measure(local.client, local.node, local.plugin, kind, args.pods)), flush=True)
     return 0
 
 

@@ -12,22 +12,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
-from pathlib import Path
 
 import kubernetes
-import yaml
 
-from tests.cluster.harness import Cluster
-from tests.cluster.host_state import short_temp_dir
 from tests.cluster.node import RealNode
-from tests.node_plugin import NodePlugin
+from tests.local_cluster import local_cluster
 from tests.workloads import claim_template, pod, report, wait_running, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 NEEDS_ROOT = "make run needs root: kubelet and containerd manage cgroups, mounts and network namespaces"
 EXAMPLES = {
     "whole-gpu": ("gpu.fgpu.dev", {}),
@@ -37,11 +31,6 @@ EXAMPLES = {
 }
 SHOWN_ENV = ("NVIDIA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
              "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")  # fmt: skip
-
-
-def apply_file(client: kubernetes.client.ApiClient, path: Path) -> None:
-    for document in yaml.safe_load_all(path.read_text()):
-        kubernetes.utils.create_from_dict(client, document, namespace="default")
 
 
 def run_examples(client: kubernetes.client.ApiClient, node: RealNode) -> None:
@@ -73,33 +62,19 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on SIGTERM as on Ctrl-C
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
 
-    workdir = short_temp_dir("run-")
-    cluster = Cluster(workdir / "cluster")
-    node = plugin = None
     try:
-        cluster.start()
-        client = cluster.api_client()
-        apply_file(client, ROOT / "daemonset" / "deviceclasses.yaml")
-        node = RealNode(cluster)
-        node.start()
-        plugin = NodePlugin.on(node, nvml=args.nvml).start_registered()
-        resource = kubernetes.client.ResourceV1Api(client)
-        wait_until("the node's ResourceSlices", lambda: resource.list_resource_slice().items)
-        run_examples(client, node)
-        print(f"\nexport KUBECONFIG={cluster.kubeconfig}\nplugin log: {plugin.log_path}\nnode logs: {node.logs}")
-        if not args.once:
-            print("serving; Ctrl-C to stop")
-            while True:
-                time.sleep(3600)
+        with local_cluster(args.nvml) as local:
+            resource = kubernetes.client.ResourceV1Api(local.client)
+            wait_until("the node's ResourceSlices", lambda: resource.list_resource_slice().items)
+            run_examples(local.client, local.node)
+            kubeconfig, plugin_log = local.cluster.kubeconfig, local.plugin.log_path
+            print(f"\nexport KUBECONFIG={kubeconfig}\nplugin log: {plugin_log}\nnode logs: {local.node.logs}")
+            if not args.once:
+                print("serving; Ctrl-C to stop")
+                while True:
+                    time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    finally:
-        if node:
-            node.stop()  # pods first, with the plugin still there to unprepare their claims
-        if plugin:
-            plugin.remove()
-        cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -50,9 +50,9 @@ def real_node(cluster: Cluster) -> Iterator[RealNode]:
 def host_left_as_found() -> Iterator[None]:
     """The whole run leaves no sysctl, iptables chain, mount, network device or cgroup behind."""
     os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
-    before = HostState.take()
+    before = HostState.take_quiet()
     yield
-    left = before.differences(HostState.take())
+    left = before.differences(HostState.take_quiet())
     assert not left, "the test run left this behind on the host:\n" + "\n".join(left)
 
 

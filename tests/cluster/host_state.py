@@ -11,12 +11,17 @@ back what changed; `differences()` lists what a test bed left behind (the clean-
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # Every sysctl kubelet (protectKernelDefaults: false) or the CNI bridge plugin may set.
 SYSCTLS = (
@@ -49,6 +54,37 @@ TEMP_PREFIX = "/tmp/fgpu-"
 RUN_MARKER = "FGPU_TEST_RUN"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 OUR_CGROUPS = ("kubepods", "kubepods.slice")
+
+
+# One real node per host at a time: kubelet's cgroups, hard-coded directories, iptables chains and
+# sysctls are the host's (two kubelets kill each other's pods as orphans), and a node's teardown
+# puts them back. An flock on this directory (nothing is created in it) makes a second node, or a
+# snapshot of the host, wait for the first node to stop instead of trampling it or seeing it.
+HOST_LOCK = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
+HOST_LOCK_TIMEOUT_S = 1800
+
+
+def lock_host() -> int:
+    """Wait for the host (no other test node on it) and hold it; returns the descriptor to unlock."""
+    descriptor = os.open(HOST_LOCK, os.O_RDONLY)
+    deadline = time.monotonic() + HOST_LOCK_TIMEOUT_S
+    waited = False
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return descriptor
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(descriptor)
+                raise TimeoutError(f"another test node held this host for {HOST_LOCK_TIMEOUT_S}s") from None
+            if not waited:
+                log.warning("another test node runs on this host; waiting for it to stop")
+                waited = True
+            time.sleep(1)
+
+
+def unlock_host(descriptor: int) -> None:
+    os.close(descriptor)  # closing the descriptor releases the flock
 
 
 def _sysctl_path(name: str) -> Path:
@@ -144,6 +180,15 @@ class HostState:
     cgroups: frozenset[str]
     processes: frozenset[str]
     temp: frozenset[str]
+
+    @classmethod
+    def take_quiet(cls) -> HostState:
+        """The host's state with no test node running on it (waits for one to stop)."""
+        descriptor = lock_host()
+        try:
+            return cls.take()
+        finally:
+            unlock_host(descriptor)
 
     @classmethod
     def take(cls) -> HostState:

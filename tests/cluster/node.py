@@ -11,7 +11,6 @@ CAP_SYS_RESOURCE (`restrict_oom_score_adj`), no swap check, loose eviction thres
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from typing import Any
 import kubernetes
 
 from tests.cluster.harness import Cluster, free_port, spawn, stop_process, write_kubeconfig
-from tests.cluster.host_state import HostState, mount_points, short_temp_dir
+from tests.cluster.host_state import HostState, lock_host, mount_points, short_temp_dir, unlock_host
 from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
 
 log = logging.getLogger(__name__)
@@ -38,11 +37,6 @@ RUNC = "/usr/sbin/runc"
 BRIDGE = "fgpu-cni0"
 POD_SUBNET = "10.244.250.0/24"  # on a bridge of this machine only; nothing routes it anywhere
 READY_TIMEOUT_S = 120
-# One real node per host at a time: kubelet's cgroups, hard-coded directories, iptables chains and
-# sysctls are the host's, and a node's teardown puts them back. An flock on this directory (nothing
-# is created in it) makes a second test run wait for the first instead of trampling it.
-HOST_LOCK = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
-HOST_LOCK_TIMEOUT_S = 1800
 KUBELET_FEATURE_GATES = {"DRAConsumableCapacity": True, "ResourceHealthStatus": True}
 
 
@@ -122,24 +116,11 @@ class RealNode:
             raise
 
     def _lock_host(self) -> None:
-        self._host_lock = os.open(HOST_LOCK, os.O_RDONLY)
-        deadline = time.monotonic() + HOST_LOCK_TIMEOUT_S
-        waited = False
-        while True:
-            try:
-                fcntl.flock(self._host_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another test node held this host for {HOST_LOCK_TIMEOUT_S}s") from None
-                if not waited:
-                    log.warning("another test node runs on this host; waiting for it to stop")
-                    waited = True
-                time.sleep(1)
+        self._host_lock = lock_host()
 
     def _unlock_host(self) -> None:
         if self._host_lock is not None:
-            os.close(self._host_lock)  # closing the descriptor releases the flock
+            unlock_host(self._host_lock)
             self._host_lock = None
 
     def _start_containerd(self) -> None:

@@ -22,7 +22,7 @@ SERVING_TIMEOUT_S = 240
 
 
 def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
-    before = HostState.take()
+    before = HostState.take_quiet()
     output = tmp_path / "run.log"
     with open(output, "wb") as sink:
         run = subprocess.Popen([sys.executable, "-m", "examples.local_node"], cwd=ROOT, stdout=sink,
@@ -42,7 +42,7 @@ def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
     assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in printed
     assert "export KUBECONFIG=" in printed
     assert run.returncode == 0
-    assert before.differences(HostState.take()) == []
+    assert before.differences(HostState.take_quiet()) == []
 
 
 def test_make_run_refuses_a_non_root_user(monkeypatch, capsys):
