@@ -23,10 +23,13 @@ from typing import Any
 
 import kubernetes
 import pytest
+import yaml
+from kubernetes.dynamic import DynamicClient
 
-from tests.chart import CHART, NAMESPACE, helm, helm_command, set_flags
+from tests.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
 from tests.cluster.harness import Cluster, free_port
 from tests.cluster.image_build import build_image
+from tests.cluster.images import BUSYBOX_IMAGE
 from tests.cluster.node import RealNode
 from tests.integration.test_plugin_process import complete_pool
 from tests.workloads import claim_template, pod, pod_events, unique, wait_running, wait_until
@@ -257,6 +260,78 @@ def test_plugin_service_account_is_held_to_its_node(cluster, real_node, release:
     ):
         assert outcome(call)[0] == 403
     assert outcome(lambda: core.read_node(real_node.name))[0] == 200
+
+
+# --- the examples users apply ---------------------------------------------------------------------
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def on_test_node(document: dict[str, Any]) -> dict[str, Any]:
+    """The example as the test runs it: its pods' containers on the test image (the examples name
+    CUDA images this machine has no registry for), all else as users apply it."""
+    spec = document["spec"]["template"]["spec"] if document["kind"] == "Deployment" else document.get("spec", {})
+    for container in spec.get("containers", []) if document["kind"] in ("Pod", "Deployment") else []:
+        container.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", "exec sleep 3600"])
+        spec["terminationGracePeriodSeconds"] = 1
+    return document
+
+
+def example_pods(core: kubernetes.client.CoreV1Api, documents: list[dict[str, Any]]) -> list[Any]:
+    """The pods of an example's Pods and Deployments (by the Deployment's selector)."""
+    found = []
+    for document in documents:
+        if document["kind"] == "Pod":
+            found.append(core.read_namespaced_pod(document["metadata"]["name"], NS))
+        elif document["kind"] == "Deployment":
+            labels = document["spec"]["selector"]["matchLabels"]
+            selector = ",".join(f"{key}={value}" for key, value in labels.items())
+            replicas = core.list_namespaced_pod(NS, label_selector=selector).items
+            found += replicas if len(replicas) == document["spec"]["replicas"] else [None]
+    return found
+
+
+def delete_example(client: kubernetes.client.ApiClient, documents: list[dict[str, Any]]) -> None:
+    """Pods and Deployments first, gone before the claims and templates (kubelet unprepares)."""
+    dynamic = DynamicClient(client)
+    core = kubernetes.client.CoreV1Api(client)
+    workloads = [d for d in documents if d["kind"] in ("Pod", "Deployment")]
+    for group in (workloads, [d for d in documents if d not in workloads]):
+        for document in group:
+            resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
+            with contextlib.suppress(kubernetes.client.ApiException):
+                resource.delete(name=document["metadata"]["name"], namespace=NS, propagation_policy="Foreground")
+        wait_until("the example's pods gone", lambda: not example_pods_left(core, workloads), timeout_s=120)
+
+
+def example_pods_left(core: kubernetes.client.CoreV1Api, workloads: list[dict[str, Any]]) -> bool:
+    names = {d["metadata"]["name"] for d in workloads if d["kind"] == "Pod"}
+    prefixes = tuple(f"{d['metadata']['name']}-" for d in workloads if d["kind"] == "Deployment")
+    return any(
+        p.metadata.name in names or p.metadata.name.startswith(prefixes) for p in core.list_namespaced_pod(NS).items
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(cluster, real_node, release: Release, path: Path) -> None:
+    client = cluster.api_client()
+    core = kubernetes.client.CoreV1Api(client)
+    documents = [on_test_node(d) for d in yaml.safe_load_all(path.read_text()) if d]
+    try:
+        for document in documents:
+            kubernetes.utils.create_from_dict(client, document, namespace=NS)
+
+        def all_running() -> bool:
+            pods = example_pods(core, documents)
+            return bool(pods) and all(p is not None and p.status.phase == "Running" for p in pods)
+
+        try:
+            wait_until(f"the pods of {path.name} running", all_running, timeout_s=120)
+        except AssertionError as err:
+            events = [e for p in example_pods(core, documents) if p for e in pod_events(core, p.metadata.name)]
+            raise AssertionError(f"{err}; events: {events}") from None
+    finally:
+        delete_example(client, documents)
 
 
 # --- upgrade and uninstall ----------------------------------------------------------------------
