@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -34,8 +35,9 @@ from tests.cluster.node import RealNode
 from tests.integration.test_plugin_process import complete_pool
 from tests.workloads import claim_template, pod, pod_events, unique, wait_running, wait_until
 
-# The first run builds the image (about 80 s) before the node is set up.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
+# and a node may wait for another test's node to go.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPOSITORY = "fgpu.test/fgpu"
 TAGS = ("dev", "next")  # the same image under two tags: an upgrade changes the pod template's image
 RELEASE = "fgpu"
@@ -346,10 +348,23 @@ def shared_pods(cluster: Cluster, node: RealNode) -> list[str]:
     ]
 
 
+def mps_daemons(release: Release) -> dict[str, int]:
+    """GPU UUID -> pid of its running MPS control daemon, from the pid files in the state dir."""
+    running = {}
+    for pid_file in Path(str(release.values["kubeletPlugin.stateDir"])).glob("mps/*/pipe/*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            os.kill(pid, 0)
+            running[pid_file.parents[1].name] = pid
+    return running
+
+
 def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_node, release: Release) -> None:
     core = kubernetes.client.CoreV1Api(cluster.api_client())
     running = shared_pods(cluster, real_node)
     before = container_ids(core, running)
+    daemons = mps_daemons(release)
+    assert len(daemons) == 1, daemons
     (old,) = release.plugin_pods()
     upgrade = release.start_helm(*release.upgrade_command(TAGS[1]))
     try:
@@ -364,6 +379,7 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     (new,) = release.plugin_pods()
     assert new.metadata.uid != old.metadata.uid and new.spec.containers[0].image == f"{REPOSITORY}:{TAGS[1]}"
     assert container_ids(core, running) == before  # not restarted, not replaced
+    daemons_after = mps_daemons(release)
     after = claim_pod(cluster, real_node, "mig.gpu.fgpu.dev", selector=ON_GPU.format(5))
     # A prepare that reached the old plugin as it stopped fails ("broken pipe" on its socket) and
     # kubelet retries it only at the pod's next periodic sync, a minute or two later: the plugin
@@ -371,6 +387,10 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     wait_until(f"pod {during} running", lambda: core.read_namespaced_pod(during, NS).status.phase == "Running",
                timeout_s=240)  # fmt: skip
     container_ids(core, [during, after])
+    if daemons_after != daemons:
+        # Known gap (docs/sharing.md, "for later"): in a container the plugin starts the MPS daemon
+        # inside its own cgroup, so the runtime kills it with the old plugin's container.
+        pytest.xfail(f"the MPS daemon did not outlive the old plugin's container: {daemons} -> {daemons_after}")
 
 
 def test_uninstall_leaves_prepared_pods_alone(cluster, real_node, release: Release) -> None:
