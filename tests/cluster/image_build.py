@@ -7,8 +7,8 @@ that `ctr images import` names from its RepoTags.
 
 The archive is cached under ~/.cache/fgpu/images with a stamp of its inputs (the Dockerfile, what
 it copies, the base's package list and the image name): an unchanged build costs a hash. buildah
-keeps its storage (vfs driver, no overlay mounts) under the cache too, and it is removed after each
-build, so nothing lands in /var/lib/containers.
+keeps its storage (vfs driver, no overlay mounts) under the cache too, removed after each build, as
+are the two system directories it creates regardless (SYSTEM_DIRS).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ HOST_TOOLS = {"buildah": "buildah", "mmdebstrap": "mmdebstrap"}  # command -> De
 # The Dockerfile's COPY sources (see .dockerignore): a change in any of them changes the image.
 CONTEXT = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "driver", "partitioner")
 BUILD_TIMEOUT_S = 1200
+# buildah (containers/image and its network setup) creates these whatever --root says: a blob info
+# cache and a network config dir. Removed after a build unless they were there before.
+SYSTEM_DIRS = (Path("/var/lib/containers"), Path("/run/containers"))
 # The host's trust settings, mounted into the build's RUN steps only (never committed to a layer):
 # where egress goes through a TLS-inspecting proxy, pip in the build must trust what the host does.
 HOST_TRUST = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
@@ -158,6 +161,7 @@ def build_image(name: str = IMAGE, cache: Path = CACHE, root: Path = ROOT) -> Pa
     rootfs = base_rootfs(cache)
     buildah = Buildah(cache / "buildah")
     buildah.remove_storage()  # a crashed build's leftovers
+    ours = [path for path in SYSTEM_DIRS if not path.exists()]
     try:
         buildah.import_rootfs(rootfs, BASE_NAME)
         log.info("building %s from %s ...", name, root / "Dockerfile")
@@ -170,6 +174,8 @@ def build_image(name: str = IMAGE, cache: Path = CACHE, root: Path = ROOT) -> Pa
         os.replace(partial, out)
     finally:
         buildah.remove_storage()
+        for path in ours:
+            shutil.rmtree(path, ignore_errors=True)
     _mark(out, stamp)
     return out
 

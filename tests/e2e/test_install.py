@@ -71,6 +71,11 @@ class Release:
         selector = "app.kubernetes.io/component=kubelet-plugin"
         return core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
 
+    def single_plugin_pod(self) -> Any:
+        """The plugin pod when only one is left (none while two overlap)."""
+        pods = self.plugin_pods()
+        return pods[0] if len(pods) == 1 else None
+
     def diagnosis(self) -> str:
         """The release's pods: phase, container states, events and log tails."""
         core = kubernetes.client.CoreV1Api(self.cluster.api_client())
@@ -376,7 +381,8 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
         if upgrade.poll() is None:
             upgrade.kill()
     assert upgrade.returncode == 0, output
-    (new,) = release.plugin_pods()
+    # helm's --wait ends when the new pod is ready; the old one may still be stopping.
+    new = wait_until("the old plugin pod gone", release.single_plugin_pod)
     assert new.metadata.uid != old.metadata.uid and new.spec.containers[0].image == f"{REPOSITORY}:{TAGS[1]}"
     assert container_ids(core, running) == before  # not restarted, not replaced
     daemons_after = mps_daemons(release)
