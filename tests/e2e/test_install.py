@@ -136,6 +136,7 @@ def release(cluster: Cluster, real_node: RealNode) -> Iterator[Release]:
     assert tagged.returncode == 0, tagged.stderr
     state_dir = real_node.workdir / "fgpu-state"
     shared_mount(state_dir)
+    remove_other_nodes_slices(cluster, real_node.name)
     installed = Release(cluster, real_node, values_for_test_bed(cluster, real_node, state_dir))
     try:
         installed.install()
@@ -149,13 +150,23 @@ def release(cluster: Cluster, real_node: RealNode) -> Iterator[Release]:
         cleanup(installed)
 
 
+def remove_other_nodes_slices(cluster: Cluster, node: str) -> None:
+    """Slices that plugins of earlier tests left on the fake nodes: the controller would place the
+    gang there, where no kubelet runs its pods."""
+    resource = kubernetes.client.ResourceV1Api(cluster.api_client())
+    for stale in resource.list_resource_slice(field_selector="spec.driver=gpu.fgpu.dev").items:
+        if stale.spec.node_name != node:
+            resource.delete_resource_slice(stale.metadata.name)
+
+
 def cleanup(installed: Release) -> None:
     """Pods with claims go while a plugin still serves (kubelet unprepares through it), then the
     release and its namespace; the node's stop unmounts the state dir."""
     core = kubernetes.client.CoreV1Api(installed.cluster.api_client())
-    for item in core.list_namespaced_pod(NS).items:
+    on_node = f"spec.nodeName={installed.node.name}"
+    for item in core.list_namespaced_pod(NS, field_selector=on_node).items:
         core.delete_namespaced_pod(item.metadata.name, NS, grace_period_seconds=1)
-    wait_until("test pods gone", lambda: not core.list_namespaced_pod(NS).items, timeout_s=120)
+    wait_until("test pods gone", lambda: not core.list_namespaced_pod(NS, field_selector=on_node).items, timeout_s=120)
     with contextlib.suppress(AssertionError):  # a test may have uninstalled it
         installed.helm("uninstall", RELEASE, "--wait", "--timeout=2m")
     core.delete_namespace(NAMESPACE)
@@ -274,13 +285,16 @@ def test_plugin_service_account_is_held_to_its_node(cluster, real_node, release:
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
-def on_test_node(document: dict[str, Any]) -> dict[str, Any]:
-    """The example as the test runs it: its pods' containers on the test image (the examples name
-    CUDA images this machine has no registry for), all else as users apply it."""
-    spec = document["spec"]["template"]["spec"] if document["kind"] == "Deployment" else document.get("spec", {})
-    for container in spec.get("containers", []) if document["kind"] in ("Pod", "Deployment") else []:
+def on_test_node(document: dict[str, Any], node: str) -> dict[str, Any]:
+    """The example as the test runs it: its pods on the real node (the fake ones run nothing) and
+    their containers on the test image (the examples name CUDA images this machine has no registry
+    for), all else as users apply it."""
+    if document["kind"] not in ("Pod", "Deployment"):
+        return document
+    spec = document["spec"]["template"]["spec"] if document["kind"] == "Deployment" else document["spec"]
+    spec.update(nodeSelector={"kubernetes.io/hostname": node}, terminationGracePeriodSeconds=1)
+    for container in spec["containers"]:
         container.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", "exec sleep 3600"])
-        spec["terminationGracePeriodSeconds"] = 1
     return document
 
 
@@ -323,7 +337,7 @@ def example_pods_left(core: kubernetes.client.CoreV1Api, workloads: list[dict[st
 def test_example_runs(cluster, real_node, release: Release, path: Path) -> None:
     client = cluster.api_client()
     core = kubernetes.client.CoreV1Api(client)
-    documents = [on_test_node(d) for d in yaml.safe_load_all(path.read_text()) if d]
+    documents = [on_test_node(d, real_node.name) for d in yaml.safe_load_all(path.read_text()) if d]
     try:
         for document in documents:
             kubernetes.utils.create_from_dict(client, document, namespace=NS)
