@@ -47,6 +47,7 @@ class PluginSettings:
     unprepare_grace_s: float = 300.0
     reconcile_interval_s: float = 60.0
     mps_shm_bytes: int = DEFAULT_SHM_BYTES
+    mps_daemon_in_host_cgroups: bool = False
     # This pod's UID: per-instance socket names, so that two instances serve during a rolling update.
     rolling_update_uid: str = ""
     registration_grace_s: float = 60.0
@@ -153,6 +154,13 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_SHM_BYTES // 2**20}Mi (a limit: pages are used only once written) [MPS_SHM_SIZE]",
     )
     parser.add_argument(
+        "--mps-daemon-in-host-cgroups",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("false", "MPS_DAEMON_IN_HOST_CGROUPS") == "true",
+        help="start MPS daemons in the cgroups of the host's PID 1, so that they outlive the plugin's "
+        "container (a DaemonSet pod with hostPID) [MPS_DAEMON_IN_HOST_CGROUPS=true]",
+    )
+    parser.add_argument(
         "--healthcheck-port",
         type=int,
         default=int(_env_default("-1", "HEALTHCHECK_PORT") or -1),
@@ -228,6 +236,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         unprepare_grace_s=args.unprepare_grace,
         reconcile_interval_s=args.reconcile_interval,
         mps_shm_bytes=size_bytes("--mps-shm-size", args.mps_shm_size) if args.mps_shm_size else DEFAULT_SHM_BYTES,
+        mps_daemon_in_host_cgroups=args.mps_daemon_in_host_cgroups,
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
     )

@@ -44,6 +44,25 @@ MiB = 2**20
 # Run by util-linux unshare in a new mount namespace, propagation private (nothing leaks back to
 # the host): the GPU's tmpfs over /dev/shm, then the daemon, which forks away and keeps the namespace.
 LAUNCH_SCRIPT = 'mount --bind "$1" /dev/shm && exec "$2" -d'
+# With a pid in $1, first into that process's cgroups, hierarchy by hierarchy (cgroup v1 has one per
+# controller, v2 one; each mounted afresh here, as a container sees only its own part of them). A
+# container's processes are killed by cgroup when it stops, also with hostPID, so a plugin in a
+# DaemonSet pod starts the daemon in the cgroups of the host's PID 1 to let it outlive the pod.
+JOIN_CGROUPS_SCRIPT = """
+set -e
+hierarchy=$(mktemp -d)
+while IFS=: read -r _ controllers path; do
+  case "$controllers" in
+    "") mount -t cgroup2 none "$hierarchy" ;;
+    name=*) mount -t cgroup -o "none,$controllers" none "$hierarchy" ;;
+    *) mount -t cgroup -o "$controllers" none "$hierarchy" ;;
+  esac
+  echo $$ > "$hierarchy$path/cgroup.procs"
+  umount "$hierarchy"
+done < "/proc/$1/cgroup"
+rmdir "$hierarchy"
+shift
+"""
 
 
 @dataclass(frozen=True)
@@ -64,12 +83,20 @@ class MpsLimits:
 
 class MpsPartitioner:
     def __init__(
-        self, session: NvmlSession, runner: ToolRunner, state_dir: Path, shm_bytes: int = DEFAULT_SHM_BYTES
+        self,
+        session: NvmlSession,
+        runner: ToolRunner,
+        state_dir: Path,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
+        daemon_cgroups_of: int | None = None,
     ) -> None:
+        """`daemon_cgroups_of`: a pid whose cgroups the daemons join (1, the host's init, for a plugin
+        in a container); None: they stay in the plugin's."""
         self._session = session
         self._runner = runner
         self._root = state_dir / "mps"
         self._shm_bytes = shm_bytes
+        self._daemon_cgroups_of = daemon_cgroups_of
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         return self._root / gpu_uuid / "pipe"
@@ -113,12 +140,20 @@ class MpsPartitioner:
         self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
         control = self._runner.locate(MPS_CONTROL)
         self._runner.run(
-            "unshare", "--mount", "--propagation", "private", "--",
-            "sh", "-c", LAUNCH_SCRIPT, "fgpu-mps-launch", str(shm), control,
+            "unshare", "--mount", "--propagation", "private", "--", *self._launcher(), str(shm), control,
             env=self._env(gpu_uuid), new_session=True,
         )  # fmt: skip
         log.debug("started the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
         return True
+
+    def _launcher(self) -> tuple[str, ...]:
+        if self._daemon_cgroups_of is None:
+            return ("sh", "-c", LAUNCH_SCRIPT, "fgpu-mps-launch")
+        # In the target's cgroup namespace, so that its /proc/<pid>/cgroup paths and a fresh mount of
+        # each hierarchy agree (a container on cgroup v2 has a namespace of its own).
+        pid = str(self._daemon_cgroups_of)
+        script = JOIN_CGROUPS_SCRIPT + LAUNCH_SCRIPT
+        return ("nsenter", f"--target={pid}", "--cgroup", "--", "sh", "-c", script, "fgpu-mps-launch", pid)
 
     def stop(self, gpu_index: int, gpu_uuid: str) -> bool:
         """Stop the daemon (if it runs), put the GPU back to DEFAULT, unmount the GPU's tmpfs and

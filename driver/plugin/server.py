@@ -38,6 +38,7 @@ from partitioner.runner import ToolRunner
 from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
+HOST_INIT_PID = 1  # with hostPID, the host's init: the cgroups MPS daemons join to outlive our container
 
 
 class PluginProcess:
@@ -58,7 +59,13 @@ class PluginProcess:
         self.instance = InstanceLock(settings.state_dir)
         partitioners = Partitioners(
             mig=MigPartitioner(self._nvml),
-            mps=MpsPartitioner(self._nvml, runner, settings.state_dir, settings.mps_shm_bytes),
+            mps=MpsPartitioner(
+                self._nvml,
+                runner,
+                settings.state_dir,
+                settings.mps_shm_bytes,
+                daemon_cgroups_of=HOST_INIT_PID if settings.mps_daemon_in_host_cgroups else None,
+            ),
             timeslice=TimeSlicer(runner),
         )
         self.driver = SerializedDriver(

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pynvml
@@ -24,6 +25,7 @@ from tests.node_env import NodeEnv, process_alive
 # Starts GPU 0's daemon the way the plugin does, then waits to be killed.
 STARTER = """
 import sys, time
+from collections.abc import Iterator
 from pathlib import Path
 from driver.nvml.session import NvmlSession
 from partitioner.mps import MpsPartitioner
@@ -135,3 +137,48 @@ def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
         assert not env.mps.running(uuid)
         assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
         assert not env.mps.shm_dir(uuid).parent.exists()
+
+
+def cgroups_of(pid: int) -> dict[str, str]:
+    """hierarchy (its controllers) -> path, as /proc/<pid>/cgroup says."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return {controllers: path for _, controllers, path in (line.split(":", 2) for line in lines)}
+
+
+@pytest.fixture
+def in_a_child_pids_cgroup() -> Iterator[Path]:
+    """This test process moved into a child cgroup of the pids hierarchy (as the plugin sits in
+    its container's), and back afterwards."""
+    parent = Path("/sys/fs/cgroup/pids") / cgroups_of(os.getpid())["pids"].lstrip("/")
+    child = parent / f"fgpu-test-{os.getpid()}"
+    child.mkdir()
+    (child / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        yield child
+    finally:
+        (parent / "cgroup.procs").write_text(str(os.getpid()))
+        child.rmdir()
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_the_daemon_joins_the_cgroups_of_the_given_process(node, in_a_child_pids_cgroup, join: bool):
+    """A plugin in a DaemonSet pod starts daemons in the host init's cgroups (a stopping container's
+    processes are killed by cgroup); without that they stay in the plugin's."""
+    _, env = node
+    outside = subprocess.Popen(["sleep", "60"])
+    try:
+        (in_a_child_pids_cgroup.parent / "cgroup.procs").write_text(str(outside.pid))
+        mps = MpsPartitioner(env.session, ToolRunner(env.root / "driver-root"), env.root / "state",
+                             daemon_cgroups_of=outside.pid if join else None)  # fmt: skip
+        uuid = env.gpus[0].uuid
+        mps.start(0, uuid)
+        daemon = mps.daemon_pid(uuid)
+        assert daemon is not None
+        if join:
+            assert cgroups_of(daemon) == cgroups_of(outside.pid)
+        else:
+            assert cgroups_of(daemon)["pids"].endswith(in_a_child_pids_cgroup.name)
+        mps.stop(0, uuid)
+    finally:
+        outside.kill()
+        outside.wait()
