@@ -21,6 +21,7 @@ CUDA context escapes them. Memory and fault isolation are not what MPS gives; MI
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -149,11 +150,15 @@ class MpsPartitioner:
     def _launcher(self) -> tuple[str, ...]:
         if self._daemon_cgroups_of is None:
             return ("sh", "-c", LAUNCH_SCRIPT, "fgpu-mps-launch")
+        pid = str(self._daemon_cgroups_of)
+        join = ("sh", "-c", JOIN_CGROUPS_SCRIPT + LAUNCH_SCRIPT, "fgpu-mps-launch", pid)
+        if _cgroup_namespace(pid) in (None, _cgroup_namespace("self")):
+            # The same namespace (containers on cgroup v1 share the host's), or one we may not read
+            # (PID 1 of a sandboxed VM): its /proc/<pid>/cgroup paths are ours.
+            return join
         # In the target's cgroup namespace, so that its /proc/<pid>/cgroup paths and a fresh mount of
         # each hierarchy agree (a container on cgroup v2 has a namespace of its own).
-        pid = str(self._daemon_cgroups_of)
-        script = JOIN_CGROUPS_SCRIPT + LAUNCH_SCRIPT
-        return ("nsenter", f"--target={pid}", "--cgroup", "--", "sh", "-c", script, "fgpu-mps-launch", pid)
+        return ("nsenter", f"--target={pid}", "--cgroup", "--", *join)
 
     def stop(self, gpu_index: int, gpu_uuid: str) -> bool:
         """Stop the daemon (if it runs), put the GPU back to DEFAULT, unmount the GPU's tmpfs and
@@ -179,6 +184,13 @@ class MpsPartitioner:
             (str(self.pipe_dir(gpu_uuid)), CONTAINER_PIPE_DIR),
             (str(self.shm_dir(gpu_uuid)), CONTAINER_SHM_DIR),
         )
+
+
+def _cgroup_namespace(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/cgroup")
+    except OSError:
+        return None
 
 
 def _is_mps_control(pid: int) -> bool:
