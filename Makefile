@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 NVML ?= mock:dgx-h100
 
-.PHONY: setup run test cluster cluster-up cluster-down bench lint protos
+.PHONY: setup run test cluster cluster-up cluster-down bench lint protos render
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: setup cluster
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# daemonset/*.yaml from the Helm chart, for users without Helm (a test checks they match).
+render: setup cluster
+	HELM=$$(tests/cluster/build.sh)/helm daemonset/render.sh
 
 protos: setup
 	$(PYTHON) proto/generate.py

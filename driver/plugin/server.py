@@ -110,8 +110,6 @@ class PluginProcess:
         add_dra_services(dra_server, self.driver)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
         self._bind(dra_server, settings.dra_socket)
-        if settings.healthcheck_port >= 0:
-            dra_server.add_insecure_port(f"[::]:{settings.healthcheck_port}")
         dra_server.start()
         self._servers.append(dra_server)
         log.info("DRA service on %s", settings.dra_socket)
@@ -127,6 +125,8 @@ class PluginProcess:
         reg_server.start()
         self._servers.append(reg_server)
         log.info("registration service on %s", settings.registration_socket)
+        if settings.healthcheck_port >= 0:
+            self._serve_health_port(settings.healthcheck_port)
 
         probe = partial(self_probe, settings.registration_socket, settings.dra_socket)
         self.liveness = LivenessMonitor(
@@ -134,6 +134,15 @@ class PluginProcess:
         )
         self.liveness.check_once()
         self.liveness.start()
+
+    def _serve_health_port(self, port: int) -> None:
+        """The health service alone on TCP, for a livenessProbe: with hostNetwork anything on the
+        node's network reaches this port, so the DRA service must not be on it."""
+        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
+        health_server.add_insecure_port(f"[::]:{port}")
+        health_server.start()
+        self._servers.append(health_server)
 
     def _bind(self, server: grpc.Server, path: Path) -> None:
         """Listen on `path` (replacing a stale socket of our own name) and remember the file we bound."""

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.plugin.liveness import CHECK_INTERVAL_S
@@ -76,3 +77,14 @@ def test_not_serving_after_the_grace_until_kubelet_registers(start_plugin):
         reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(failed, timeout=5)
     wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)  # a new grace, expired
     assert "(last failure: endpoint already registered)" in plugin.logs()
+
+
+def test_the_health_port_serves_health_only(start_plugin):
+    """With hostNetwork the TCP port is open to the node's network: no NodePrepareResources there."""
+    _, port = start(start_plugin, grace_s=60)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = dra_v1_pb2_grpc.DRAPluginStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert check(f"127.0.0.1:{port}") in (SERVING, NOT_SERVING)
