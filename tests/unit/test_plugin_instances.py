@@ -79,7 +79,7 @@ def test_sockets_are_named_after_the_pod_uid(tmp_path: Path, no_uid_from_the_env
     with pytest.raises(SettingsError, match="is not a pod UID"):
         settings(tmp_path, "--rolling-update-uid=../../etc")
     assert plain.registration_grace_s == 60
-    assert settings(tmp_path, "--registration-grace=5").registration_grace_s == 5
+    assert settings(tmp_path, *dirs, "--registration-grace=5").registration_grace_s == 5
 
 
 def listen(path: Path) -> socket.socket:
