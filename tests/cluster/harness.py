@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,29 @@ def stop_process(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def check_alive(processes: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
+    """Raise with the tail of its log if one of the daemons has exited."""
+    for name, process in processes.items():
+        if process.poll() is not None:
+            tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+
+
+def poll_until(what: str, probe: Callable[[], Any], timeout_s: float, alive: Callable[[], None]) -> None:
+    """Poll probe until it is true, failing early when alive() raises (a daemon exited)."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        alive()
+        try:
+            if probe():
+                return
+        except Exception as err:  # not up yet: connection refused, 403 during bootstrap ...
+            last = err
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s: {last}")
 
 
 def free_port() -> int:
@@ -247,10 +271,7 @@ class Cluster:
         self.processes[name] = spawn(argv, logs / f"{name}.log", outlive_parent=self.outlive_parent)
 
     def _check_alive(self) -> None:
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+        check_alive(self.processes, self.workdir / "logs")
 
     def api_client(self) -> kubernetes.client.ApiClient:
         configuration = kubernetes.client.Configuration()
@@ -259,17 +280,7 @@ class Cluster:
         return kubernetes.client.ApiClient(configuration)
 
     def _poll(self, what: str, probe: Any) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                if probe():
-                    return
-            except Exception as err:  # not up yet: connection refused, 403 during bootstrap ...
-                last = err
-            time.sleep(0.2)
-        raise TimeoutError(f"{what} not ready after {START_TIMEOUT_S}s: {last}")
+        poll_until(what, probe, START_TIMEOUT_S, self._check_alive)
 
     def _wait_for_apiserver(self) -> None:
         client = self.api_client()

@@ -18,14 +18,13 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import kubernetes
 
-from tests.cluster.harness import Cluster, free_port, spawn, stop_process, write_kubeconfig
+from tests.cluster.harness import Cluster, check_alive, free_port, poll_until, spawn, stop_process, write_kubeconfig
 from tests.cluster.host_state import HostState, lock_host, mount_points, short_temp_dir, unlock_host
 from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
 
@@ -38,20 +37,6 @@ BRIDGE = "fgpu-cni0"
 POD_SUBNET = "10.244.250.0/24"  # on a bridge of this machine only; nothing routes it anywhere
 READY_TIMEOUT_S = 120
 KUBELET_FEATURE_GATES = {"DRAConsumableCapacity": True, "ResourceHealthStatus": True}
-
-
-def _wait(what: str, probe: Callable[[], bool], timeout_s: float, alive: Callable[[], None]) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        alive()
-        try:
-            if probe():
-                return
-        except Exception as err:  # not up yet
-            last = err
-        time.sleep(0.25)
-    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s: {last}")
 
 
 @dataclass
@@ -137,7 +122,7 @@ class RealNode:
             outlive_parent=self.outlive_parent,
             env=env,
         )
-        _wait("containerd", lambda: self.ctr("version").returncode == 0, 30, self._check_alive)
+        poll_until("containerd", lambda: self.ctr("version").returncode == 0, 30, self._check_alive)
 
     def ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
         argv = [str(self.binaries / "ctr"), "--address", str(self.containerd_socket), "-n", "k8s.io", *args]
@@ -191,16 +176,13 @@ class RealNode:
             node = core.read_node(self.name)
             return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
-        _wait(f"node {self.name}", ready, READY_TIMEOUT_S, self._check_alive)
+        poll_until(f"node {self.name}", ready, READY_TIMEOUT_S, self._check_alive)
         # The test control plane runs no node-lifecycle controller (it would taint the fake nodes),
         # so the not-ready taint every new node gets is lifted here, as that controller would.
         core.patch_node(self.name, {"spec": {"taints": None}})
 
     def _check_alive(self) -> None:
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+        check_alive(self.processes, self.logs)
 
     # --- stop -------------------------------------------------------------------------------------
 
