@@ -125,6 +125,27 @@ def wait_until(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S) -
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def delete_namespace(core: kubernetes.client.CoreV1Api, name: str) -> None:
+    """Delete a namespace and wait until it is gone: a later test that creates objects in a namespace of
+    the same name is refused while this one is still terminating."""
+
+    def gone() -> bool:
+        try:
+            core.read_namespace(name)
+        except kubernetes.client.ApiException as err:
+            if err.status == 404:
+                return True
+            raise
+        return False
+
+    try:
+        core.delete_namespace(name)
+    except kubernetes.client.ApiException as err:
+        if err.status != 404:
+            raise
+    wait_until(f"namespace {name} gone", gone, timeout_s=120)
+
+
 def pod_events(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> list[str]:
     events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     return [f"{e.reason}: {e.message}" for e in events]

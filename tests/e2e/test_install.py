@@ -33,7 +33,15 @@ from tests.cluster.image_build import build_image
 from tests.cluster.images import BUSYBOX_IMAGE
 from tests.cluster.node import RealNode
 from tests.integration.test_plugin_process import complete_pool
-from tests.workloads import claim_template, pod, pod_events, unique, wait_running, wait_until
+from tests.workloads import (
+    claim_template,
+    delete_namespace,
+    pod,
+    pod_events,
+    unique,
+    wait_running,
+    wait_until,
+)
 
 # The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
 # and a node may wait for another test's node to go.
@@ -169,7 +177,7 @@ def cleanup(installed: Release) -> None:
     wait_until("test pods gone", lambda: not core.list_namespaced_pod(NS, field_selector=on_node).items, timeout_s=120)
     with contextlib.suppress(AssertionError):  # a test may have uninstalled it
         installed.helm("uninstall", RELEASE, "--wait", "--timeout=2m")
-    core.delete_namespace(NAMESPACE)
+    delete_namespace(core, NAMESPACE)
 
 
 def claim_pod(cluster: Cluster, node: RealNode, device_class: str, wait: bool = True, **template_args: Any) -> str:

@@ -14,6 +14,7 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 
 from tests.chart import NAMESPACE, ROOT, render
+from tests.workloads import delete_namespace
 
 pytestmark = pytest.mark.e2e
 FIELD_MANAGER = "fgpu-tests"
@@ -47,7 +48,7 @@ def dynamic(cluster) -> Iterator[DynamicClient]:
             raise
     yield DynamicClient(client)
     if created:
-        core.delete_namespace(NAMESPACE)
+        delete_namespace(core, NAMESPACE)
 
 
 def dry_run_apply(dynamic: DynamicClient, document: dict[str, Any], namespace: str) -> None:
