@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -14,6 +13,7 @@ from driver.allocator.scoring import POLICIES
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.kube import KubeConfigError
+from driver.logs import LOG_FORMATS, configure_logging
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
@@ -63,11 +63,17 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     from driver.controller.api import ControllerApi
     from driver.controller.controller import Controller
+    from driver.controller.leader import LeaseTimings
 
     if args.metrics_port:
         start_http_server(args.metrics_port)
     identity = args.identity or f"{socket.gethostname()}-{os.getpid()}"
-    controller = Controller(ControllerApi(args.kubeconfig), identity, args.policy, args.lease_namespace)
+    try:
+        timings = LeaseTimings(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                               args.leader_elect_retry_period)  # fmt: skip
+    except ValueError as err:
+        raise SettingsError(f"--leader-elect-*: {err}") from err
+    controller = Controller(ControllerApi(args.kubeconfig), identity, args.policy, args.lease_namespace, timings)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()
@@ -85,9 +91,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
 
 
+# client-go's defaults and kube-controller-manager's flag names, in seconds.
+LEADER_ELECTION_FLAGS = (
+    ("--leader-elect-lease-duration", "LEASE_DURATION", "15", "seconds a standby waits on an unchanged Lease"),
+    ("--leader-elect-renew-deadline", "RENEW_DEADLINE", "10", "seconds the leader acts after its last renewal began"),
+    ("--leader-elect-retry-period", "RETRY_PERIOD", "2", "seconds between renewals and a standby's looks"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")
     commands = parser.add_subparsers(dest="command", required=True)
 
     discover = commands.add_parser("discover", help="print the ResourceSlices this node would publish")
@@ -110,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
     controller.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
     controller.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
+    for flag, env, default, what in LEADER_ELECTION_FLAGS:
+        controller.add_argument(flag, type=float, default=os.environ.get(env, default), help=f"{what} [{env}]")
     controller.set_defaults(func=cmd_controller)
 
     planner = commands.add_parser("plan", help="dry run: allocate claims from files, explain failures")
@@ -126,9 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (SettingsError, MachineProfileError, NvmlUnavailableError, KubeConfigError, MockDriverRootError) as err:

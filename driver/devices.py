@@ -13,7 +13,7 @@ slices (and the media-extensions counter for +me profiles).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from driver.discovery import GpuInfo
@@ -265,5 +265,7 @@ def device_for(target: DeviceTarget) -> Device:
 def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
     """Every device and counter set the node offers, in a stable order."""
     devices = [device_for(target) for target in node_targets(gpus, sharing)]
+    if not sharing.shared_counters:
+        return Inventory(devices=[replace(d, consumes={}) for d in devices], counter_sets=[])
     counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in sorted(gpus, key=lambda g: g.index)]
     return Inventory(devices=devices, counter_sets=counter_sets)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
+from driver.featuregates import GATES, FeatureGateError, FeatureGates
 from driver.nvml.session import is_mock
 from driver.plugin.sockets import (
     SocketPathError,
@@ -51,6 +52,7 @@ class PluginSettings:
     # This pod's UID: per-instance socket names, so that two instances serve during a rolling update.
     rolling_update_uid: str = ""
     registration_grace_s: float = 60.0
+    shutdown_drain_s: float = 3.0
 
     @property
     def mock_gpus(self) -> bool:
@@ -78,6 +80,8 @@ class PluginSettings:
 
 
 def _env_default(parser_default: str | None, env: str) -> str | None:
+    """A flag's default from its environment variable. Kept a string: argparse converts a string
+    default with the flag's `type`, so a bad value fails as a flag would, in one line."""
     return os.environ.get(env, parser_default)
 
 
@@ -95,6 +99,13 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--sharing-config",
         default=_env_default(None, "SHARING_CONFIG"),
         help="YAML file overriding --offer per GPU: gpus: [{index: 0, offer: [mig]}] [SHARING_CONFIG]",
+    )
+    parser.add_argument(
+        "--feature-gates",
+        default=_env_default("", "FEATURE_GATES"),
+        help="Name=true|false,...: "
+        + "; ".join(f"{name} (default {gate.default}; needs {gate.needs})" for name, gate in GATES.items())
+        + " [FEATURE_GATES]",
     )
     parser.add_argument(
         "--nvml",
@@ -138,13 +149,13 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--unprepare-grace",
         type=float,
-        default=float(_env_default("300", "UNPREPARE_GRACE") or 300),
+        default=_env_default("300", "UNPREPARE_GRACE"),
         help="seconds a prepared claim may be gone from the API server before it is unprepared [UNPREPARE_GRACE]",
     )
     parser.add_argument(
         "--reconcile-interval",
         type=float,
-        default=float(_env_default("60", "RECONCILE_INTERVAL") or 60),
+        default=_env_default("60", "RECONCILE_INTERVAL"),
         help="seconds between checks of prepared claims against the API server [RECONCILE_INTERVAL]",
     )
     parser.add_argument(
@@ -163,7 +174,7 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--healthcheck-port",
         type=int,
-        default=int(_env_default("-1", "HEALTHCHECK_PORT") or -1),
+        default=_env_default("-1", "HEALTHCHECK_PORT"),
         help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
     )
     parser.add_argument(
@@ -176,9 +187,16 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--registration-grace",
         type=float,
-        default=float(_env_default("60", "REGISTRATION_GRACE") or 60),
+        default=_env_default("60", "REGISTRATION_GRACE"),
         help="seconds the health service says SERVING without kubelet's registration, after the socket is "
         "created or a registration failed [REGISTRATION_GRACE]",
+    )
+    parser.add_argument(
+        "--shutdown-drain",
+        type=float,
+        default=_env_default("3", "SHUTDOWN_DRAIN"),
+        help="on SIGTERM, seconds the DRA service keeps serving after the registration socket is removed, "
+        "for calls kubelet sent before it noticed [SHUTDOWN_DRAIN]",
     )
 
 
@@ -196,9 +214,11 @@ def validate_pod_uid(uid: str) -> str:
 
 
 def sharing_config(args: argparse.Namespace) -> SharingConfig:
+    """What each GPU offers: --offer and --sharing-config, less what disabled feature gates rule out."""
     try:
-        return load_sharing_config(args.offer, Path(args.sharing_config) if args.sharing_config else None)
-    except SharingConfigError as err:
+        sharing = load_sharing_config(args.offer, Path(args.sharing_config) if args.sharing_config else None)
+        return FeatureGates.parse(args.feature_gates).restrict(sharing)
+    except (SharingConfigError, FeatureGateError) as err:
         raise SettingsError(str(err)) from err
 
 
@@ -214,6 +234,12 @@ def size_bytes(flag: str, value: str) -> int:
     if size < 2**20:
         raise SettingsError(f"{flag} {value!r} is less than 1Mi")
     return size
+
+
+def non_negative(flag: str, value: float) -> float:
+    if value < 0:
+        raise SettingsError(f"{flag} {value} is negative")
+    return value
 
 
 def plugin_settings(args: argparse.Namespace) -> PluginSettings:
@@ -239,6 +265,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         mps_daemon_in_host_cgroups=args.mps_daemon_in_host_cgroups,
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
+        shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
     )
     for socket in (settings.registration_socket, settings.dra_socket):
         try:

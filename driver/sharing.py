@@ -20,6 +20,8 @@ class SharingConfigError(ValueError):
 class SharingConfig:
     default: frozenset[SharingKind] = ALL_KINDS
     per_gpu: dict[int, frozenset[SharingKind]] = field(default_factory=dict)
+    # Counter sets that keep one GPU's devices apart (the cluster's DRAPartitionableDevices).
+    shared_counters: bool = True
 
     def offered(self, gpu_index: int) -> frozenset[SharingKind]:
         return self.per_gpu.get(gpu_index, self.default)

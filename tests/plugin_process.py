@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,22 +18,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.plugin.sockets import rolling_update_dra_socket_file, rolling_update_registrar_socket_file
+from driver.plugin.sockets import (
+    accepts_connections,
+    rolling_update_dra_socket_file,
+    rolling_update_registrar_socket_file,
+)
 from tests.cluster.harness import die_with_parent
 from tests.cluster.host_state import short_temp_dir
 
 DRIVER = "gpu.fgpu.dev"
 VERSIONS = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
-
-
-def _accepts(path: Path) -> bool:
-    """A live listener, not a stale socket file left by a killed process."""
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -108,7 +101,7 @@ class PluginUnderTest:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise AssertionError(f"plugin exited with {self.process.returncode}:\n{self.logs()}")
-            if _accepts(self.registration_socket) and _accepts(self.dra_socket):
+            if accepts_connections(self.registration_socket) and accepts_connections(self.dra_socket):
                 return
             time.sleep(0.05)
         raise AssertionError(f"plugin sockets did not appear:\n{self.logs()}")

@@ -144,7 +144,7 @@ class Controller:
             lease_namespace,
             "fgpu-controller",
             identity,
-            timings or LeaseTimings.from_env(),
+            timings or LeaseTimings(),
             on_change=lambda leading: self.changed.set(),  # a new leader starts at once
         )
         self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,16 +37,6 @@ class LeaseTimings:
                 f"lease timings need 0 < {JITTER} x retry ({self.retry_s}) < renew deadline"
                 f" ({self.renew_deadline_s}) < lease duration ({self.lease_s})"
             )
-
-    @classmethod
-    def from_env(cls) -> LeaseTimings:
-        """FGPU_LEASE_DURATION_S, FGPU_RENEW_DEADLINE_S, FGPU_RETRY_PERIOD_S, else client-go's defaults."""
-        default = cls()
-        return cls(
-            float(os.environ.get("FGPU_LEASE_DURATION_S") or default.lease_s),
-            float(os.environ.get("FGPU_RENEW_DEADLINE_S") or default.renew_deadline_s),
-            float(os.environ.get("FGPU_RETRY_PERIOD_S") or default.retry_s),
-        )
 
 
 class LeaderElector:

@@ -1,11 +1,13 @@
 """The `fgpu kubelet-plugin` process: wires discovery, state, CDI and publishing to the gRPC
-services, serves until SIGTERM, then removes its sockets and keeps its state."""
+services, serves until SIGTERM, then drains (registration withdrawn first, the DRA service a while
+longer), removes its sockets and keeps its state."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from functools import partial
 from pathlib import Path
@@ -87,7 +89,9 @@ class PluginProcess:
         )
         self.health = GatedHealthServicer()
         self.liveness: LivenessMonitor | None = None
-        self._servers: list[grpc.Server] = []
+        self._dra_server: grpc.Server | None = None
+        self._registration_server: grpc.Server | None = None
+        self._health_server: grpc.Server | None = None
         self._sockets: list[BoundSocket] = []
         self._stopped = threading.Event()
 
@@ -111,7 +115,7 @@ class PluginProcess:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
         self._bind(dra_server, settings.dra_socket)
         dra_server.start()
-        self._servers.append(dra_server)
+        self._dra_server = dra_server
         log.info("DRA service on %s", settings.dra_socket)
 
         registration_state = RegistrationState()  # the grace period starts with the registration socket
@@ -123,8 +127,10 @@ class PluginProcess:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, reg_server)
         self._bind(reg_server, settings.registration_socket)
         reg_server.start()
-        self._servers.append(reg_server)
+        self._registration_server = reg_server
         log.info("registration service on %s", settings.registration_socket)
+        self.instance.record_sockets(self._sockets)
+        self.instance.remove_dead_instances_sockets()  # a killed instance's registration stays otherwise
         if settings.healthcheck_port >= 0:
             self._serve_health_port(settings.healthcheck_port)
 
@@ -142,7 +148,7 @@ class PluginProcess:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
         health_server.add_insecure_port(f"[::]:{port}")
         health_server.start()
-        self._servers.append(health_server)
+        self._health_server = health_server
 
     def _bind(self, server: grpc.Server, path: Path) -> None:
         """Listen on `path` (replacing a stale socket of our own name) and remember the file we bound."""
@@ -150,22 +156,35 @@ class PluginProcess:
         self._sockets.append(BoundSocket.at(path))
 
     def stop(self) -> None:
+        """Withdraw the registration first, so that kubelet turns to another instance (a rolling
+        update) while calls it already sent here are still served; then stop serving."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         if self.liveness is not None:
             self.liveness.stop()
         self.health.enter_graceful_shutdown()
+        if self._registration_server is not None:
+            self._remove_socket(self.settings.registration_socket)
+            self._registration_server.stop(grace=1).wait()
+        if self._dra_server is not None and self.settings.shutdown_drain_s > 0:
+            log.info("registration withdrawn; serving DRA calls for %.1fs more", self.settings.shutdown_drain_s)
+            time.sleep(self.settings.shutdown_drain_s)
         self.api.close()  # unblocks the publisher's watch
         self.publisher.stop()
         self.reconciler.stop()
-        for server in self._servers:
-            server.stop(grace=5).wait()
-        for bound in self._sockets:
-            bound.remove()  # ours only: another instance's socket at this path stays
+        for server in (self._dra_server, self._health_server):
+            if server is not None:
+                server.stop(grace=5).wait()
+        self._remove_socket(self.settings.dra_socket)
         self._nvml.close()
         self.instance.release()
         log.info("stopped; sockets removed, state kept in %s", self.settings.state_dir)
+
+    def _remove_socket(self, path: Path) -> None:
+        for bound in self._sockets:
+            if bound.path == path:
+                bound.remove()  # ours only: another instance's socket at this path stays
 
     def serve_until_signal(self) -> None:
         done = threading.Event()

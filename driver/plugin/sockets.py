@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,16 @@ def rolling_update_dra_socket_file(plugin_dir: Path, pod_uid: str) -> str:
     if len(str(plugin_dir / name).encode()) <= MAX_SOCKET_PATH:
         return name
     return f"dra-{_digest(pod_uid, UID_HASH_BYTES)}.sock"
+
+
+def accepts_connections(path: Path) -> bool:
+    """A live listener, not a socket file left by a killed process."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def check_socket_path(path: Path) -> None:

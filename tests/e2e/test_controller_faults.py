@@ -40,7 +40,7 @@ from tests.integration.test_plugin_process import wait_for
 
 pytestmark = pytest.mark.e2e
 DRIVER = "gpu.fgpu.dev"
-LEASE_ENV = {"FGPU_LEASE_DURATION_S": "4", "FGPU_RENEW_DEADLINE_S": "2.5", "FGPU_RETRY_PERIOD_S": "0.5"}
+LEASE_ENV = {"LEASE_DURATION": "4", "RENEW_DEADLINE": "2.5", "RETRY_PERIOD": "0.5"}
 NODES = 4  # x 8 mock H100
 
 
@@ -254,7 +254,7 @@ def test_a_standby_whose_clock_runs_ahead_does_not_take_over(scenario, reference
     scenario.start("b", FGPU_TEST_CLOCK_OFFSET_S="20")
     scenario.create(lone_burst() + gang_burst())
     check_every_allocation(scenario, reference)
-    window = 2 * float(LEASE_ENV["FGPU_LEASE_DURATION_S"])  # b would have taken over within 1 s of starting
+    window = 2 * float(LEASE_ENV["LEASE_DURATION"])  # b would have taken over within 1 s of starting
     time.sleep(max(0.0, started + window - time.monotonic()))
     lease = scenario.lease()
     assert lease.holder_identity == "a" and not lease.lease_transitions

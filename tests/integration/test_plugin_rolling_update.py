@@ -134,6 +134,46 @@ def test_sigterm_of_one_leaves_the_other_serving(pair, resource_api):
     assert "stopped; sockets removed" in old.logs()
 
 
+def test_sigterm_withdraws_the_registration_and_serves_a_while(pair, resource_api):
+    old, _ = pair
+    claim = create_allocated_claim(resource_api, WHOLE)
+    assert old.process is not None
+    old.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: not old.registration_socket.exists())
+    assert old.dra_socket.exists()
+    assert old.prepare([claim])[claim["uid"]].error == ""  # a call kubelet sent before it noticed
+    assert old.stop() == 0
+    assert not old.dra_socket.exists()
+    assert "registration withdrawn; serving DRA calls for 3.0s more" in old.logs()
+
+
+def test_a_killed_instances_sockets_are_removed_by_the_next(pair, cluster):
+    old, new = pair
+    assert old.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert old.registration_socket.exists() and old.dra_socket.exists()  # kubelet would keep it registered
+
+    newest_uid = str(uuid.uuid4())
+    newest = PluginUnderTest(
+        node="node-a", kubeconfig=str(cluster.kubeconfig), root=old.root, uid=newest_uid,
+        extra_env={**old.extra_env, "POD_UID": newest_uid},
+    )  # fmt: skip
+    try:
+        newest.start()
+        assert not old.registration_socket.exists() and not old.dra_socket.exists()
+        assert f"removed socket {old.registration_socket} of stopped instance" in newest.logs()
+        assert new.health() == newest.health() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        newest.stop()
+
+
+def test_a_restarted_container_keeps_the_sockets_it_bound_again(pair):
+    old, _ = pair
+    old.stop(signal.SIGKILL)
+    old.start()  # the same pod UID: the same socket paths, bound again
+    assert old.register().endpoint == str(old.dra_socket)
+    assert old.health() == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_the_pool_generation_settles_while_both_publish(pair, resource_api):
     slices = wait_for(lambda: complete_pool(resource_api, "node-a"))
     resource_api.delete_resource_slice(slices[0].metadata.name)  # as kubelet does at its start

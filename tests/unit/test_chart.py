@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from driver.cli import build_parser
+from driver.settings import sharing_config
 from tests.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
 
 MOCK = {"nvml": "mock:dgx-h100"}
@@ -144,3 +146,25 @@ def test_device_classes_follow_the_driver_name() -> None:
         "timeslice.gpu.example.com",
     ]
     assert all('device.driver == "gpu.example.com"' in c["spec"]["selectors"][0]["cel"]["expression"] for c in classes)
+
+
+def test_log_format_feature_gates_and_lease_timings_reach_the_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    objects = render(
+        {
+            "logFormat": "json",
+            "featureGates": {"ConsumableCapacity": False},
+            "controller.leaderElection": {"leaseDuration": 30, "renewDeadline": 20, "retryPeriod": 4},
+        }
+    )
+    plugin = find(objects, "DaemonSet")
+    for name, value in container_env(plugin).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    args = build_parser().parse_args([*plugin["spec"]["template"]["spec"]["containers"][0]["args"], "--node-name=n"])
+    assert args.log_format == "json"
+    assert sharing_config(args).default == {"whole", "mig"}  # the gate took the shares away
+
+    container = find(objects, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    timings = (args.leader_elect_lease_duration, args.leader_elect_renew_deadline, args.leader_elect_retry_period)
+    assert (args.log_format, timings) == ("json", (30, 20, 4))

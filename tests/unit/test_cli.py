@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,41 @@ def test_a_driver_root_that_is_not_a_mock_one_is_refused_with_mock_gpus(tmp_path
         "directory or leave --driver-root unset"
     )
     assert (host_like / "usr/bin/nvidia-smi").read_text() == "not ours"
+
+
+def discover(*flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "driver.cli", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_json_logs_are_one_object_a_line(tmp_path: Path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")  # no context: the plugin stops after discovery
+    run = discover("--log-format=json", "kubelet-plugin", "--node-name=n1", "--nvml=mock:l4x4",
+                   f"--plugin-dir={tmp_path}", f"--kubeconfig={kubeconfig}")  # fmt: skip
+    logged = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    assert {"ts", "level", "logger", "msg"} <= logged[0].keys()
+    assert next(e["msg"] for e in logged if e["logger"] == "driver.plugin.server").startswith("discovered 4 GPU(s)")
+
+
+def test_feature_gates_take_away_what_the_cluster_cannot_carry():
+    base = ["discover", "--nvml=mock:dgx-h100", "--node-name=n1", "-o", "json"]
+    no_counters = json.loads(discover(*base, "--feature-gates=PartitionableDevices=false", "--offer=mps").stdout)
+    devices = [d for s in no_counters["items"] for d in s["spec"].get("devices", [])]
+    assert [d["name"] for d in devices] == [f"gpu-{i}-mps" for i in range(8)]
+    assert not [s for s in no_counters["items"] if "sharedCounters" in s["spec"]]
+    assert not [d for d in devices if "consumesCounters" in d]
+
+    no_shares = json.loads(discover(*base, "--feature-gates=ConsumableCapacity=false").stdout)
+    names = [d["name"] for s in no_shares["items"] for d in s["spec"].get("devices", [])]
+    assert "gpu-0" in names and "gpu-0-mig-1g10gb-0" in names
+    assert not [n for n in names if n.endswith(("-mps", "-ts"))]
+
+    for gates, error in [
+        ("PartitionableDevices=false", "PartitionableDevices=false: every GPU offers mps, timeslice, whole;"),
+        ("Shares=true", "--feature-gates: unknown gate 'Shares'; known: ConsumableCapacity, PartitionableDevices"),
+        ("ConsumableCapacity", "--feature-gates: 'ConsumableCapacity' must be ConsumableCapacity=true or"),
+    ]:
+        run = discover(*base, f"--feature-gates={gates}")
+        assert run.returncode == 2 and run.stderr.startswith(f"fgpu: {error}"), run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1

@@ -18,6 +18,7 @@ import pytest
 from driver.checkpoint import Checkpoint
 from driver.claims import ClaimRef
 from driver.cli import build_parser
+from driver.ownership import InstanceLock
 from driver.plugin.node_lock import NodeClaimLock
 from driver.plugin.server import PluginProcess
 from driver.plugin.sockets import BoundSocket, rolling_update_dra_socket_file, rolling_update_registrar_socket_file
@@ -85,6 +86,7 @@ def test_sockets_are_named_after_the_pod_uid(tmp_path: Path, no_uid_from_the_env
 def listen(path: Path) -> socket.socket:
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(path))
+    server.listen(1)
     return server
 
 
@@ -101,6 +103,38 @@ def test_a_bound_socket_knows_its_file(tmp_path: Path):
             assert path.exists()  # theirs stays
             BoundSocket.at(path).remove()
             assert not path.exists()
+
+
+DIES_HOLDING_SOCKETS = """
+import os, socket, sys
+from pathlib import Path
+from driver.ownership import InstanceLock
+from driver.plugin.sockets import BoundSocket
+instance = InstanceLock(Path(sys.argv[1]))
+bound = []
+for path in sys.argv[2:]:
+    socket.socket(socket.AF_UNIX).bind(path)
+    bound.append(BoundSocket.at(Path(path)))
+instance.record_sockets(bound)
+os._exit(0)  # killed: no release, the socket files stay
+"""
+
+
+def test_a_dead_instances_sockets_are_removed_unless_the_path_was_bound_again(tmp_path: Path):
+    state, stale, rebound = tmp_path / "state", tmp_path / "old-reg.sock", tmp_path / "dra-old.sock"
+    subprocess.run([sys.executable, "-c", DIES_HOLDING_SOCKETS, state, stale, rebound], check=True)
+    assert stale.exists() and rebound.exists()
+    rebound.unlink()
+    with listen(rebound):  # the same pod's next container took this path
+        survivor = InstanceLock(state)
+        survivor.record_sockets([BoundSocket.at(rebound)])
+        assert survivor.remove_dead_instances_sockets() == [stale]
+        assert not stale.exists() and rebound.exists()
+        assert [p.name for p in (state / "instances").iterdir() if p.suffix == ".sockets"] == [f"{survivor.id}.sockets"]
+        assert survivor.remove_dead_instances_sockets() == []  # its own, alive, stay
+        assert rebound.exists()
+        survivor.release()
+    assert sorted(p.name for p in (state / "instances").iterdir()) == []
 
 
 LOCKER = """

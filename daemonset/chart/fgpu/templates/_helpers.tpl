@@ -52,3 +52,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "fgpu.mockNvml" -}}
 {{- hasPrefix "mock:" .Values.nvml -}}
 {{- end -}}
+
+{{/* The featureGates map as Kubernetes components take it: Name=true,Other=false. */}}
+{{- define "fgpu.featureGates" -}}
+{{- $gates := list -}}
+{{- range $name, $enabled := .Values.featureGates -}}
+{{- $gates = append $gates (printf "%s=%v" $name $enabled) -}}
+{{- end -}}
+{{- join "," $gates -}}
+{{- end -}}
