@@ -110,6 +110,7 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         "image.tag": TAGS[0],
         "image.pullPolicy": "Never",
         "nvml": "mock:dgx-h100",
+        "logFormat": "json",
         "apiServer.host": "127.0.0.1",
         "apiServer.port": api_port(cluster),
         "kubeletPlugin.hostNetwork": True,
@@ -210,7 +211,11 @@ def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: R
     assert plugin.spec.node_name == real_node.name and plugin.status.phase == "Running"
     assert plugin.spec.containers[0].image == f"{REPOSITORY}:{TAGS[0]}"
     # Slices from the pod (the fixture waited for them); kubelet prepares through it:
-    claim_pod(cluster, real_node, "gpu.fgpu.dev")
+    pod_name = claim_pod(cluster, real_node, "gpu.fgpu.dev")
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    logged = [json.loads(line) for line in core.read_namespaced_pod_log(plugin.metadata.name, NAMESPACE).splitlines()]
+    # logFormat json; the claim generated for the pod is named after it
+    assert any(e["msg"].startswith("prepared claim") and pod_name in e["msg"] for e in logged), logged[-5:]
 
 
 def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None:
