@@ -61,8 +61,8 @@ def device_result(kind: str, caller: int) -> dict:
 
 def serve_in_memory(root: str, claims_json: str) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
-    from driver.plugin.server import PluginProcess
-    from driver.settings import PluginSettings, default_driver_root
+    from driver.node.server import PluginProcess
+    from driver.node.settings import PluginSettings, default_driver_root
     from driver.sharing import SharingConfig
     from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
 

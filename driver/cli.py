@@ -14,10 +14,7 @@ from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.kube import KubeConfigError
 from driver.logs import LOG_FORMATS, configure_logging
-from driver.nvml.machine import MachineProfileError
-from driver.nvml.mock_driver_root import MockDriverRootError
-from driver.nvml.session import NvmlSession, NvmlUnavailableError
-from driver.settings import (
+from driver.node.settings import (
     SettingsError,
     add_common_flags,
     add_plugin_flags,
@@ -25,6 +22,9 @@ from driver.settings import (
     sharing_config,
     validate_names,
 )
+from driver.nvml.machine import MachineProfileError
+from driver.nvml.mock_driver_root import MockDriverRootError
+from driver.nvml.session import NvmlSession, NvmlUnavailableError
 from driver.slices import build_slices
 
 
@@ -49,7 +49,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
-    from driver.plugin.server import run_plugin  # grpc is only needed here
+    from driver.node.server import run_plugin  # grpc is only needed here
 
     run_plugin(plugin_settings(args))
     return 0

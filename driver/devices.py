@@ -20,7 +20,6 @@ from driver.discovery import GpuInfo
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
 from driver.nvml.machine import MigProfileSpec
 from driver.sharing import SharingConfig, SharingKind
-from driver.state import DeviceKind
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
@@ -225,7 +224,7 @@ class DeviceTarget:
     """What a published device stands for on this node."""
 
     name: str
-    kind: DeviceKind
+    kind: SharingKind
     gpu: GpuInfo
     placement: MigPlacement | None = None
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pynvml
 
-from driver.faults import crash_point
+from driver.node.faults import crash_point
 from driver.nvml.session import NvmlSession
 from partitioner import tmpfs
 from partitioner.runner import ToolError, ToolRunner

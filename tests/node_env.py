@@ -12,17 +12,17 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.cdi import CdiWriter, DriverFiles
-from driver.checkpoint import Checkpoint
 from driver.devices import node_targets
 from driver.discovery import GpuInfo, discover_gpus
-from driver.driver import Driver, Partitioners
 from driver.kube import KubeApi
+from driver.node.cdi import CdiWriter, DriverFiles
+from driver.node.checkpoint import Checkpoint
+from driver.node.ownership import InstanceLock
+from driver.node.prepare import Driver, Partitioners
+from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
-from driver.ownership import InstanceLock
 from driver.sharing import SharingConfig
-from driver.state import PreparedClaims
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner

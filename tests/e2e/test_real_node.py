@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from kubernetes.stream import stream
 
 from bench import pod_start
-from driver.faults import STALL_ENV, STALL_SECONDS_ENV
+from driver.node.faults import STALL_ENV, STALL_SECONDS_ENV
 from tests.cluster.node import RealNode
 from tests.integration.test_plugin_process import complete_pool
 from tests.node_plugin import NodePlugin
@@ -34,7 +34,7 @@ from tests.workloads import (
 
 pytestmark = pytest.mark.e2e
 NS = "default"
-MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/cdi.py)
+MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/node/cdi.py)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from driver.faults import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
+from driver.node.faults import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession

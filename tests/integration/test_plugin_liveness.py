@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.plugin.liveness import CHECK_INTERVAL_S
+from driver.node.kubelet.liveness import CHECK_INTERVAL_S
 from tests.integration.test_plugin_process import wait_for
 from tests.plugin_process import PluginUnderTest
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from driver.cli import build_parser
-from driver.settings import sharing_config
+from driver.node.settings import sharing_config
 from tests.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
 
 MOCK = {"nvml": "mock:dgx-h100"}

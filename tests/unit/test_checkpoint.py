@@ -2,8 +2,8 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from driver.checkpoint import Checkpoint
-from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.node.checkpoint import Checkpoint
+from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 
 
 def claim(uid: str) -> PreparedClaim:

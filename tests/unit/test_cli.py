@@ -57,7 +57,7 @@ def test_json_logs_are_one_object_a_line(tmp_path: Path):
                    f"--plugin-dir={tmp_path}", f"--kubeconfig={kubeconfig}")  # fmt: skip
     logged = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
     assert {"ts", "level", "logger", "msg"} <= logged[0].keys()
-    assert next(e["msg"] for e in logged if e["logger"] == "driver.plugin.server").startswith("discovered 4 GPU(s)")
+    assert next(e["msg"] for e in logged if e["logger"] == "driver.node.server").startswith("discovered 4 GPU(s)")
 
 
 def test_feature_gates_take_away_what_the_cluster_cannot_carry():

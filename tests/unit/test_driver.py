@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from driver.cdi import CdiDevice, CdiWriter, DriverFiles
-from driver.claims import ClaimRef
 from driver.kube import KubeError
+from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
+from driver.node.claims import ClaimRef
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
 
 NODE = "node-a"

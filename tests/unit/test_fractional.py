@@ -10,7 +10,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from driver.claims import ClaimRef
+from driver.node.claims import ClaimRef
 from partitioner import tmpfs
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
 from tests.node_env import build_node, fake_tools_env

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from driver.claims import ClaimRef
 from driver.cli import build_parser
+from driver.node.claims import ClaimRef
+from driver.node.server import PluginProcess
+from driver.node.settings import PluginSettings, SettingsError, plugin_settings
 from driver.nvml import mock_driver_root
 from driver.nvml.mock_driver_root import MockDriverRootError
-from driver.plugin.server import PluginProcess
-from driver.settings import PluginSettings, SettingsError, plugin_settings
 from partitioner.mps import DEFAULT_SHM_BYTES
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
 

@@ -15,14 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from driver.checkpoint import Checkpoint
-from driver.claims import ClaimRef
 from driver.cli import build_parser
-from driver.ownership import InstanceLock
-from driver.plugin.node_lock import NodeClaimLock
-from driver.plugin.server import PluginProcess
-from driver.plugin.sockets import BoundSocket, rolling_update_dra_socket_file, rolling_update_registrar_socket_file
-from driver.settings import PluginSettings, SettingsError, plugin_settings
+from driver.node.checkpoint import Checkpoint
+from driver.node.claims import ClaimRef
+from driver.node.kubelet.sockets import (
+    BoundSocket,
+    rolling_update_dra_socket_file,
+    rolling_update_registrar_socket_file,
+)
+from driver.node.node_lock import NodeClaimLock
+from driver.node.ownership import InstanceLock
+from driver.node.server import PluginProcess
+from driver.node.settings import PluginSettings, SettingsError, plugin_settings
 from tests.fakes import InMemoryKubeApi, allocated_claim, node_object, result
 
 UID = "0b7c4c1e-9a52-4c8e-8f54-6a3f1d2e5b77"
@@ -108,8 +112,8 @@ def test_a_bound_socket_knows_its_file(tmp_path: Path):
 DIES_HOLDING_SOCKETS = """
 import os, socket, sys
 from pathlib import Path
-from driver.ownership import InstanceLock
-from driver.plugin.sockets import BoundSocket
+from driver.node.ownership import InstanceLock
+from driver.node.kubelet.sockets import BoundSocket
 instance = InstanceLock(Path(sys.argv[1]))
 bound = []
 for path in sys.argv[2:]:

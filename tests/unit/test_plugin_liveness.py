@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from driver.plugin.liveness import (
+from driver.node.kubelet.liveness import (
     GatedHealthServicer,
     LivenessFacts,
     LivenessMonitor,
@@ -21,7 +21,7 @@ from driver.plugin.liveness import (
     decide,
     self_probe,
 )
-from driver.plugin.sockets import BoundSocket
+from driver.node.kubelet.sockets import BoundSocket
 
 GRACE = 60.0
 REGISTERED = RegistrationSnapshot(registered=True, unregistered_for_s=0.0)

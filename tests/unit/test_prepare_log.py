@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from driver.claims import ClaimRef
+from driver.node.claims import ClaimRef
 from tests.fakes import allocated_claim, result
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"

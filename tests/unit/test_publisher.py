@@ -1,7 +1,7 @@
 import time
 
 from driver.devices import Device, Inventory
-from driver.publisher import SlicePublisher
+from driver.node.publisher import SlicePublisher
 from tests.fakes import InMemoryKubeApi, node_object
 
 DRIVER = "gpu.fgpu.dev"

@@ -1,5 +1,5 @@
-from driver.claims import ClaimRef
-from driver.reconcile import ClaimReconciler
+from driver.node.claims import ClaimRef
+from driver.node.reconcile import ClaimReconciler
 from tests.fakes import allocated_claim, result
 
 

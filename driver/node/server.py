@@ -15,25 +15,25 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from driver.cdi import CdiWriter, DriverFiles
-from driver.checkpoint import Checkpoint
 from driver.devices import node_inventory, node_targets
 from driver.discovery import discover_gpus
-from driver.driver import Partitioners
 from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.node.cdi import CdiWriter, DriverFiles
+from driver.node.checkpoint import Checkpoint
+from driver.node.kubelet.dra_service import add_dra_services
+from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
+from driver.node.kubelet.registration import RegistrationService
+from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
+from driver.node.node_lock import NodeClaimLock, SerializedDriver
+from driver.node.ownership import InstanceLock
+from driver.node.prepare import Partitioners
+from driver.node.publisher import SlicePublisher
+from driver.node.reconcile import ClaimReconciler
+from driver.node.settings import PluginSettings
+from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
-from driver.ownership import InstanceLock
-from driver.plugin.dra_service import add_dra_services
-from driver.plugin.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
-from driver.plugin.node_lock import NodeClaimLock, SerializedDriver
-from driver.plugin.registration import RegistrationService
-from driver.plugin.sockets import BoundSocket, prepare_socket_path
-from driver.publisher import SlicePublisher
-from driver.reconcile import ClaimReconciler
-from driver.settings import PluginSettings
-from driver.state import PreparedClaims
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner

@@ -11,13 +11,13 @@ from pathlib import Path
 from kubernetes.utils import parse_quantity
 
 from driver.featuregates import GATES, FeatureGateError, FeatureGates
-from driver.nvml.session import is_mock
-from driver.plugin.sockets import (
+from driver.node.kubelet.sockets import (
     SocketPathError,
     check_socket_path,
     rolling_update_dra_socket_file,
     rolling_update_registrar_socket_file,
 )
+from driver.nvml.session import is_mock
 from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 

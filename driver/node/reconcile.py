@@ -9,11 +9,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from driver.background import BackgroundWorker
-from driver.claims import ClaimRef
-from driver.driver import Driver
 from driver.kube import KubeApi, KubeError, NotFoundError
-from driver.state import PreparedClaims
+from driver.node.background import BackgroundWorker
+from driver.node.claims import ClaimRef
+from driver.node.prepare import Driver
+from driver.node.state import PreparedClaims
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 import uuid
 from pathlib import Path
 
-from driver.plugin.sockets import BoundSocket, accepts_connections
+from driver.node.kubelet.sockets import BoundSocket, accepts_connections
 
 log = logging.getLogger(__name__)
 

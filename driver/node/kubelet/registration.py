@@ -8,7 +8,7 @@ import grpc
 
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.plugin.liveness import RegistrationState
+from driver.node.kubelet.liveness import RegistrationState
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from driver.cdi import CdiDevice
-from driver.checkpoint import Checkpoint, CheckpointData
+from driver.node.cdi import CdiDevice
+from driver.node.checkpoint import Checkpoint, CheckpointData
+from driver.sharing import SharingKind
 
 ClaimState = Literal["PrepareStarted", "PrepareCompleted", "UnprepareStarted"]
-DeviceKind = Literal["whole", "mig", "mps", "timeslice"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class PreparedDevice:
     device: str
     cdi_ids: tuple[str, ...]
     share_id: str | None = None
-    kind: DeviceKind = "whole"
+    kind: SharingKind = "whole"
     gpu_index: int = 0
     gpu_uuid: str = ""
     mig_profile_id: int | None = None

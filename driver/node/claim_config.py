@@ -20,7 +20,7 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from driver.claims import ClaimError, OpaqueConfig
+from driver.node.claims import ClaimError, OpaqueConfig
 
 API_VERSION = "gpu.fgpu.dev/v1alpha1"
 KINDS = ("GpuConfig", "ShareConfig", "MigDeviceConfig")

@@ -31,11 +31,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from driver.background import BackgroundWorker
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.plugin.sockets import BoundSocket
+from driver.node.background import BackgroundWorker
+from driver.node.kubelet.sockets import BoundSocket
 
 log = logging.getLogger(__name__)
 

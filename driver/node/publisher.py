@@ -12,9 +12,9 @@ import logging
 import threading
 from typing import Any
 
-from driver.background import BackgroundWorker
 from driver.devices import Inventory
 from driver.kube import KubeApi, KubeError, KubeUnavailableError, NotFoundError
+from driver.node.background import BackgroundWorker
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,14 @@ from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
-from driver.cdi import CdiWriter
-from driver.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
-from driver.config import config_for_request
 from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
-from driver.faults import crash_point
 from driver.kube import KubeApi, KubeError, NotFoundError
-from driver.ownership import InstanceLock
-from driver.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.node.cdi import CdiWriter
+from driver.node.claim_config import config_for_request
+from driver.node.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
+from driver.node.faults import crash_point
+from driver.node.ownership import InstanceLock
+from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
 from partitioner.runner import ToolError

@@ -1,1 +1,0 @@
-"""The kubelet plugin: registration, DRA and health gRPC services on Unix sockets."""
