@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -99,6 +100,33 @@ LEADER_ELECTION_FLAGS = (
 )
 
 
+def cmd_health_clear(args: argparse.Namespace) -> int:
+    from driver.node.health.record import HealthRecord
+
+    if not args.state_dir:
+        raise SettingsError("--state-dir (or STATE_DIR) is required: the plugin's state directory")
+    left = HealthRecord(Path(args.state_dir)).clear(set(args.gpu) if args.gpu else None)
+    print(f"cleared; {len(left)} fault(s) of other GPUs left" if args.gpu else "cleared all faults")
+    return 0
+
+
+def cmd_mock_fault(args: argparse.Namespace) -> int:
+    from driver.nvml.mock import MockNvml
+    from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
+
+    if not is_mock(args.nvml) or not os.environ.get(MOCK_STATE_ENV):
+        raise SettingsError(f"mock-fault needs --nvml mock:<machine> and {MOCK_STATE_ENV} (the plugin's mock state)")
+    mock: MockNvml = open_backend(args.nvml)
+    mock.nvmlInit()
+    if args.fault == "xid":
+        mock.inject_xid(args.gpu, args.xid, *([args.gi, args.ci] if args.gi is not None else []))
+    elif args.fault == "ecc":
+        mock.inject_double_bit_ecc(args.gpu)
+    else:
+        mock.set_gpu_lost(args.gpu, args.fault == "lost")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -114,8 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flags(plugin)
     plugin.set_defaults(func=cmd_kubelet_plugin)
 
-    from pathlib import Path
-
     policies = list(POLICIES)
     controller = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
     controller.add_argument(
@@ -128,6 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, env, default, what in LEADER_ELECTION_FLAGS:
         controller.add_argument(flag, type=float, default=os.environ.get(env, default), help=f"{what} [{env}]")
     controller.set_defaults(func=cmd_controller)
+
+    health = commands.add_parser("health", help="the node's GPU faults (run where the plugin's state dir is)")
+    health_commands = health.add_subparsers(dest="health_command", required=True)
+    clear = health_commands.add_parser("clear", help="forget GPU faults now: their taints go within a second")
+    clear.add_argument("--state-dir", default=os.environ.get("STATE_DIR"), help="the plugin's state dir [STATE_DIR]")
+    clear.add_argument("--gpu", action="append", help="a GPU UUID (repeat; default: every GPU)")
+    clear.set_defaults(func=cmd_health_clear)
+
+    mock_fault = commands.add_parser("mock-fault", help="make a mock GPU fail, for tests and demos (docs/health.md)")
+    mock_fault.add_argument("--nvml", default=os.environ.get("NVML", ""), help="mock:<machine> [NVML]")
+    mock_fault.add_argument("--gpu", type=int, required=True, help="GPU index")
+    mock_fault.add_argument("fault", choices=["xid", "ecc", "lost", "recover"])
+    mock_fault.add_argument("--xid", type=int, default=79, help="the XID number (fault xid)")
+    mock_fault.add_argument("--gi", type=int, help="GPU instance id the XID is attributed to (with --ci)")
+    mock_fault.add_argument("--ci", type=int, default=0, help="compute instance id (with --gi)")
+    mock_fault.set_defaults(func=cmd_mock_fault)
 
     planner = commands.add_parser("plan", help="dry run: allocate claims from files, explain failures")
     planner.add_argument("--slices", type=Path, nargs="+", required=True, help="ResourceSlices (YAML or JSON)")

@@ -54,6 +54,16 @@ class CounterSet:
 
 
 @dataclass(frozen=True)
+class DeviceTaint:
+    """A taint on a published device (resource.k8s.io/v1 DeviceTaint); time_added is RFC 3339."""
+
+    key: str
+    value: str
+    effect: str
+    time_added: str
+
+
+@dataclass(frozen=True)
 class Device:
     """One allocatable device. Attribute and capacity names without a domain belong to the driver's."""
 
@@ -63,6 +73,7 @@ class Device:
     request_policies: dict[str, RequestPolicy] = field(default_factory=dict)
     consumes: dict[str, dict[str, int]] = field(default_factory=dict)  # counter set -> counters
     allow_multiple_allocations: bool = False
+    taints: tuple[DeviceTaint, ...] = ()
 
 
 @dataclass(frozen=True)

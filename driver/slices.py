@@ -36,6 +36,10 @@ def device_json(device: Device) -> dict[str, Any]:
         ]
     if device.allow_multiple_allocations:
         body["allowMultipleAllocations"] = True
+    if device.taints:
+        body["taints"] = [
+            {"key": t.key, "value": t.value, "effect": t.effect, "timeAdded": t.time_added} for t in device.taints
+        ]
     return body
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any
 
-from driver.devices import Inventory
+from driver.devices import DeviceTaint, Inventory
 from driver.kube import KubeApi, KubeError, KubeUnavailableError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
@@ -39,6 +40,14 @@ class SlicePublisher(BackgroundWorker):
     def set_inventory(self, inventory: Inventory) -> None:
         with self._lock:
             self._inventory = inventory
+        self.reconcile()
+
+    def set_taints(self, taints: dict[str, tuple[DeviceTaint, ...]]) -> None:
+        """Publish these taints (device name -> taints; others none) now. The slices keep them
+        from here on even when this write fails: the caller retries, and so does the watch loop."""
+        with self._lock:
+            devices = [replace(d, taints=taints.get(d.name, ())) for d in self._inventory.devices]
+            self._inventory = replace(self._inventory, devices=devices)
         self.reconcile()
 
     def reconcile(self) -> str | None:

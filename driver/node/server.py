@@ -21,6 +21,9 @@ from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
+from driver.node.health.monitor import HealthBoard, HealthMonitor
+from driver.node.health.record import HealthRecord, MigSlices
+from driver.node.health.service import add_health_services
 from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.node.kubelet.registration import RegistrationService
@@ -88,6 +91,17 @@ class PluginProcess:
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
         self.health = GatedHealthServicer()
+        self.device_health = HealthBoard()
+        self.health_monitor = HealthMonitor(
+            self._nvml,
+            self.gpus,
+            node_targets(self.gpus, settings.sharing),
+            HealthRecord(settings.state_dir),
+            settings.health,
+            self.publisher.set_taints,
+            self.device_health,
+            self._mig_slices_of,
+        )
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
         self._registration_server: grpc.Server | None = None
@@ -104,14 +118,24 @@ class PluginProcess:
         mock_driver_root.lay_out(settings.driver_root, self._nvml.driver_versions()[0])
         return ToolRunner(settings.driver_root, mock_driver_root.fake_tools_env(settings.state_dir))
 
+    def _mig_slices_of(self, gpu_index: int, gi_id: int) -> MigSlices | None:
+        """The memory slices of a GPU instance, for a fault NVML attributes to it."""
+        for instance in self._nvml.gpu_instances(gpu_index):
+            if instance.gi_id == gi_id:
+                return MigSlices(instance.start, instance.size)
+        return None
+
     def start(self) -> None:
         settings = self.settings
         self.driver.recover()
+        self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()
         self.reconciler.start()
+        self.health_monitor.start()
 
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
         add_dra_services(dra_server, self.driver)
+        add_health_services(dra_server, self.device_health, settings.node_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
         self._bind(dra_server, settings.dra_socket)
         dra_server.start()
@@ -171,6 +195,7 @@ class PluginProcess:
             log.info("registration withdrawn; serving DRA calls for %.1fs more", self.settings.shutdown_drain_s)
             time.sleep(self.settings.shutdown_drain_s)
         self.api.close()  # unblocks the publisher's watch
+        self.health_monitor.stop()
         self.publisher.stop()
         self.reconciler.stop()
         for server in (self._dra_server, self._health_server):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 from kubernetes.utils import parse_quantity
 
 from driver.featuregates import GATES, FeatureGateError, FeatureGates
+from driver.node.health.taints import HealthPolicy, TaintEffect
 from driver.node.kubelet.sockets import (
     SocketPathError,
     check_socket_path,
@@ -53,6 +55,7 @@ class PluginSettings:
     rolling_update_uid: str = ""
     registration_grace_s: float = 60.0
     shutdown_drain_s: float = 3.0
+    health: HealthPolicy = field(default_factory=HealthPolicy)
 
     @property
     def mock_gpus(self) -> bool:
@@ -116,6 +119,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     add_common_flags(parser)
+    add_health_flags(parser)
     parser.add_argument(
         "--registrar-dir",
         default=_env_default("/var/lib/kubelet/plugins_registry", "REGISTRAR_DIR"),
@@ -200,6 +204,43 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_health_flags(parser: argparse.ArgumentParser) -> None:
+    default = HealthPolicy()
+    parser.add_argument(
+        "--health-fault-xids",
+        default=_env_default(",".join(map(str, sorted(default.fault_xids))), "HEALTH_FAULT_XIDS"),
+        help="XIDs that are device faults and taint the GPU's devices; others (application errors such as "
+        "13, 31, 43, 45) are only logged [HEALTH_FAULT_XIDS]",
+    )
+    effects = (
+        ("fault", default.fault_effect, "XID faults and double-bit ECC errors"),
+        ("lost", default.lost_effect, "a GPU NVML cannot reach"),
+    )
+    for kind, value, what in effects:
+        env = f"HEALTH_{kind.upper()}_EFFECT"
+        parser.add_argument(
+            f"--health-{kind}-effect",
+            default=_env_default(value, env),
+            choices=get_args(TaintEffect),
+            help=f"taint effect for {what} (None: no taint) [{env}]",
+        )
+    parser.add_argument(
+        "--health-recovery",
+        type=float,
+        default=_env_default(str(int(default.recovery_s)), "HEALTH_RECOVERY"),
+        help="seconds a GPU must be healthy after its last fault before its taints go [HEALTH_RECOVERY]",
+    )
+
+
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    try:
+        xids = frozenset(int(x) for x in args.health_fault_xids.split(",") if x.strip())
+    except ValueError as err:
+        raise SettingsError(f"--health-fault-xids {args.health_fault_xids!r} is not a list of numbers") from err
+    recovery = non_negative("--health-recovery", args.health_recovery)
+    return HealthPolicy(xids, args.health_fault_effect, args.health_lost_effect, recovery)
+
+
 def validate_names(args: argparse.Namespace) -> None:
     if not DNS_SUBDOMAIN.match(args.driver_name or "") or len(args.driver_name) > 63:
         raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
@@ -266,6 +307,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
         shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
+        health=health_policy(args),
     )
     for socket in (settings.registration_socket, settings.dra_socket):
         try:

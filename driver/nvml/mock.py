@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,9 @@ from driver.nvml.machine import ARCHITECTURES, MachineProfile
 
 UUID_NAMESPACE = uuid.UUID("6f1c7a8e-2f43-4d1e-9a51-0b7c1d2e3f40")
 FULL_GI_ID = 0  # the 7g instance always gets id 0, as on real GPUs
+NO_INSTANCE = 0xFFFFFFFF  # an event's GPU/compute instance id when it concerns the whole GPU
+MAX_EVENTS_KEPT = 256  # injected events kept in the state for event sets that have not read them
+EVENT_POLL_S = 0.02
 T = TypeVar("T")
 
 
@@ -65,6 +69,23 @@ class MockMigDevice:
     ci_id: int
 
 
+@dataclass(frozen=True)
+class MockEventData:
+    """What nvmlEventSetWait_v2 returns: c_nvmlEventData_t's fields, with a mock device handle."""
+
+    device: MockDevice
+    eventType: int
+    eventData: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
+
+@dataclass
+class MockEventSet:
+    registered: dict[int, int] = field(default_factory=dict)  # GPU index -> event type mask
+    seen: int = 0  # the serial of the last event this set returned or skipped
+
+
 @dataclass
 class ComputeInstanceState:
     profile_id: int
@@ -85,12 +106,27 @@ class GpuState:
     mig_pending: int = 0
     compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
     gpu_instances: dict[int, GpuInstanceState] = field(default_factory=dict)
+    lost: bool = False  # fallen off the bus: every call on it fails with GPU_IS_LOST
+    ecc_uncorrected: int = 0  # volatile double-bit ECC errors since the last reset
+
+
+@dataclass
+class MockEvent:
+    """An NVML event as injected (see `inject_xid` and friends), numbered in order."""
+
+    serial: int
+    gpu: int
+    event_type: int
+    data: int = 0
+    gi_id: int = NO_INSTANCE
+    ci_id: int = NO_INSTANCE
 
 
 @dataclass
 class MachineState:
     gpus: list[GpuState]
     serial: int = 0
+    events: list[MockEvent] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -106,7 +142,8 @@ class MachineState:
                 instances[int(gi_id)] = GpuInstanceState(**gi, compute_instances=cis)
             gpu["gpu_instances"] = instances
             gpus.append(GpuState(**gpu))
-        return cls(gpus=gpus, serial=raw["serial"])
+        events = [MockEvent(**event) for event in raw.get("events", [])]
+        return cls(gpus=gpus, serial=raw["serial"], events=events)
 
 
 def _fail(code: int) -> NVMLError:
@@ -158,6 +195,8 @@ class MockNvml:
     def _with_gpu(self, device: object, action: Callable[[GpuState], T], write: bool = False) -> T:
         index = self._gpu_index(device)
         with self._machine(write) as machine:
+            if machine.gpus[index].lost:
+                raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
             return action(machine.gpus[index])
 
     def _gpu_index(self, device: object) -> int:
@@ -548,3 +587,82 @@ class MockNvml:
         if instance is None:
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
         return self.machine.gpu.mig_profiles[instance.profile_id]
+
+    # --- events and health (XIDs, ECC, a GPU off the bus) -----------------------------------------
+
+    SUPPORTED_EVENTS = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
+
+    def nvmlDeviceGetTotalEccErrors(self, device: object, errorType: int, counterType: int) -> int:
+        if errorType != pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED or counterType != pynvml.NVML_VOLATILE_ECC:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # the mock counts volatile double-bit errors only
+        return self._with_gpu(device, lambda gpu: gpu.ecc_uncorrected)
+
+    def nvmlDeviceGetSupportedEventTypes(self, device: object) -> int:
+        return self._with_gpu(device, lambda gpu: self.SUPPORTED_EVENTS)
+
+    def nvmlEventSetCreate(self) -> MockEventSet:
+        with self._machine() as machine:
+            return MockEventSet(seen=machine.events[-1].serial if machine.events else 0)
+
+    def nvmlDeviceRegisterEvents(self, device: object, eventTypes: int, eventSet: object) -> None:
+        if not isinstance(eventSet, MockEventSet):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if eventTypes & ~self.SUPPORTED_EVENTS:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        index = self._gpu_index(device)
+        self._with_gpu(device, lambda gpu: None)  # a lost GPU cannot register
+        eventSet.registered[index] = eventSet.registered.get(index, 0) | eventTypes
+
+    def nvmlEventSetWait_v2(self, eventSet: object, timeoutms: int) -> MockEventData:
+        """The next event for a registered GPU and type; TIMEOUT when none comes in time;
+        GPU_IS_LOST while a registered GPU is lost and nothing else is pending."""
+        if not isinstance(eventSet, MockEventSet):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        deadline = time.monotonic() + timeoutms / 1000
+        while True:
+            with self._machine() as machine:
+                for event in machine.events:
+                    if event.serial <= eventSet.seen:
+                        continue
+                    eventSet.seen = event.serial
+                    if eventSet.registered.get(event.gpu, 0) & event.event_type:
+                        return MockEventData(
+                            MockDevice(event.gpu), event.event_type, event.data, event.gi_id, event.ci_id
+                        )
+                if any(machine.gpus[index].lost for index in eventSet.registered):
+                    raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if time.monotonic() >= deadline:
+                raise _fail(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(EVENT_POLL_S)
+
+    def nvmlEventSetFree(self, eventSet: object) -> None:
+        if not isinstance(eventSet, MockEventSet):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        eventSet.registered.clear()
+
+    # Not NVML: how a test or a person makes a mock GPU fail (`fgpu mock-fault`, docs/health.md).
+
+    def inject_xid(self, gpu: int, xid: int, gi_id: int = NO_INSTANCE, ci_id: int = NO_INSTANCE) -> None:
+        self._inject(gpu, pynvml.nvmlEventTypeXidCriticalError, xid, gi_id, ci_id)
+
+    def inject_double_bit_ecc(self, gpu: int) -> None:
+        def count(state: GpuState) -> None:
+            state.ecc_uncorrected += 1
+
+        self._with_gpu(MockDevice(gpu), count, write=True)
+        self._inject(gpu, pynvml.nvmlEventTypeDoubleBitEccError, 0, NO_INSTANCE, NO_INSTANCE)
+
+    def set_gpu_lost(self, gpu: int, lost: bool) -> None:
+        """Off the bus (every call on it fails), or back, as after a successful reset."""
+        index = self._gpu_index(MockDevice(gpu))
+        with self._machine(write=True) as machine:
+            machine.gpus[index].lost = lost
+            if not lost:
+                machine.gpus[index].ecc_uncorrected = 0  # volatile counters start over with a reset
+
+    def _inject(self, gpu: int, event_type: int, data: int, gi_id: int, ci_id: int) -> None:
+        index = self._gpu_index(MockDevice(gpu))
+        with self._machine(write=True) as machine:
+            serial = (machine.events[-1].serial if machine.events else 0) + 1
+            machine.events.append(MockEvent(serial, index, event_type, data, gi_id, ci_id))
+            del machine.events[:-MAX_EVENTS_KEPT]

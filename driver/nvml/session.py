@@ -19,7 +19,7 @@ from driver.nvml.geometry import (
     MIG_GEOMETRY,
 )
 from driver.nvml.machine import MigProfileSpec, load_machine
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import NO_INSTANCE, MockNvml
 
 MOCK_PREFIX = "mock:"
 MOCK_STATE_ENV = "FGPU_NVML_MOCK_STATE"
@@ -247,3 +247,76 @@ class NvmlSession:
 
     def compute_mode(self, index: int) -> int:
         return self.nvml.nvmlDeviceGetComputeMode(self.handle(index))
+
+
+# --- health: XID and ECC events, reachability ----------------------------------------------------
+
+HEALTH_EVENTS = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
+
+
+@dataclass(frozen=True)
+class NvmlEvent:
+    """A health event: an XID (with its number) or a double-bit ECC error, on a GPU or one of
+    its MIG instances (gi_id/ci_id where NVML attributes it)."""
+
+    gpu_index: int
+    kind: str  # "xid" or "ecc"
+    xid: int | None = None
+    gi_id: int | None = None
+    ci_id: int | None = None
+
+
+class GpuLostError(RuntimeError):
+    """NVML says a watched GPU fell off the bus (GPU_IS_LOST)."""
+
+
+class EventWatch:
+    """An NVML event set with XID and double-bit ECC events of the given GPUs registered."""
+
+    def __init__(self, session: NvmlSession, indices: list[int]) -> None:
+        self._nvml = session.nvml
+        self._set = self._nvml.nvmlEventSetCreate()
+        for index in indices:
+            handle = session.handle(index)
+            try:
+                wanted = HEALTH_EVENTS & self._nvml.nvmlDeviceGetSupportedEventTypes(handle)
+                if wanted:
+                    self._nvml.nvmlDeviceRegisterEvents(handle, wanted, self._set)
+            except pynvml.NVMLError as err:
+                if err.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                    raise  # a lost GPU is found by the reachability probe
+
+    def next(self, timeout_s: float) -> NvmlEvent | None:
+        """The next event, or None when none came within the timeout."""
+        try:
+            data = self._nvml.nvmlEventSetWait_v2(self._set, int(timeout_s * 1000))
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_ERROR_TIMEOUT:
+                return None
+            if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLostError(str(err)) from err
+            raise
+        index = self._nvml.nvmlDeviceGetIndex(data.device)
+        gi = None if data.gpuInstanceId == NO_INSTANCE else data.gpuInstanceId
+        ci = None if data.computeInstanceId == NO_INSTANCE else data.computeInstanceId
+        if data.eventType == pynvml.nvmlEventTypeXidCriticalError:
+            return NvmlEvent(index, "xid", data.eventData, gi, ci)
+        return NvmlEvent(index, "ecc", None, gi, ci)
+
+    def close(self) -> None:
+        self._nvml.nvmlEventSetFree(self._set)
+
+
+def gpu_reachable(session: NvmlSession, index: int) -> bool:
+    """False when NVML says the GPU is lost. The probe reads the volatile double-bit ECC counter,
+    a cheap query every data-centre GPU answers (NOT_SUPPORTED elsewhere, which is fine)."""
+    try:
+        session.nvml.nvmlDeviceGetTotalEccErrors(
+            session.handle(index), pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+        )
+    except pynvml.NVMLError as err:
+        if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+            return False
+        if err.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
+            raise
+    return True

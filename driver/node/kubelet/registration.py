@@ -12,8 +12,9 @@ from driver.node.kubelet.liveness import RegistrationState
 
 log = logging.getLogger(__name__)
 
-# Kubelet takes the first version it supports, so the newest comes first.
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+# Kubelet takes the first DRAPlugin version it supports, so the newest comes first; the optional
+# health service (driver/node/health/service.py) follows, newest first too.
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
