@@ -48,7 +48,12 @@ def test_registration_handshake_and_health(start_plugin):
     assert info.type == "DRAPlugin"
     assert info.name == "gpu.fgpu.dev"
     assert info.endpoint == str(plugin.dra_socket)
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == [
+        "v1.DRAPlugin",
+        "v1beta1.DRAPlugin",
+        "v1.DRAResourceHealth",
+        "v1alpha1.DRAResourceHealth",
+    ]
     with grpc.insecure_channel(f"unix://{plugin.dra_socket}") as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
