@@ -1,4 +1,4 @@
-"""The `fgpu` command: discover, kubelet-plugin, controller, plan."""
+"""The `fgpu` command: discover, kubelet-plugin, controller, plan, status."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import yaml
 from driver.allocator.scoring import POLICIES
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
-from driver.kube import KubeConfigError
+from driver.kube import ClientKubeApi, KubeConfigError, KubeError
 from driver.logs import LOG_FORMATS, configure_logging
 from driver.node.settings import (
+    DEFAULT_DRIVER_NAME,
     SettingsError,
     add_common_flags,
     add_plugin_flags,
@@ -27,6 +28,7 @@ from driver.nvml.machine import MachineProfileError
 from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
 from driver.slices import build_slices
+from driver.status import RENDERERS, cluster_status
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
@@ -90,6 +92,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ObjectError as err:
         print(f"fgpu plan: {err}", file=sys.stderr)
         return 2
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    nodes = {name.strip() for value in args.node or () for name in value.split(",") if name.strip()}
+    api = ClientKubeApi(args.kubeconfig)
+    try:
+        slices, claims = api.list_driver_slices(DEFAULT_DRIVER_NAME), api.list_all_claims()
+    except KubeError as err:
+        print(f"fgpu status: {err}", file=sys.stderr)
+        return 2
+    finally:
+        api.close()
+    sys.stdout.write(RENDERERS[args.output](cluster_status(slices, claims, DEFAULT_DRIVER_NAME, nodes)))
+    return 0
 
 
 # client-go's defaults and kube-controller-manager's flag names, in seconds.
@@ -180,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--policy", choices=policies, default="binpack")
     planner.add_argument("-o", "--output", choices=["text", "json"], default="text")
     planner.set_defaults(func=cmd_plan)
+
+    status = commands.add_parser("status", help="per node and GPU: what claims hold, what is free, taints")
+    status.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="client configuration [KUBECONFIG]")
+    status.add_argument("--node", action="append", help="only these nodes (repeatable, or a comma list)")
+    status.add_argument("-o", "--output", choices=list(RENDERERS), default="table")
+    status.set_defaults(func=cmd_status)
     return parser
 
 

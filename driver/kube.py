@@ -116,6 +116,13 @@ class ClientKubeApi:
         result = self._call(self._resource.list_resource_slice, field_selector=slice_field_selector(driver, node))
         return result.get("items") or [], result["metadata"].get("resourceVersion", "")
 
+    def list_driver_slices(self, driver: str) -> list[JsonObject]:
+        """Every node's slices of `driver`."""
+        return self._call(self._resource.list_resource_slice, field_selector=f"spec.driver={driver}").get("items") or []
+
+    def list_all_claims(self) -> list[JsonObject]:
+        return self._call(self._resource.list_resource_claim_for_all_namespaces).get("items") or []
+
     def create_slice(self, body: JsonObject) -> JsonObject:
         return self._call(self._resource.create_resource_slice, body)
 

@@ -19,10 +19,13 @@ def gpu_request(name: str = "gpu", selector: str | None = None, count: int = 1) 
 
 
 def create_allocated_claim(
-    api: kubernetes.client.ResourceV1Api, results: list[dict[str, Any]], namespace: str = "default"
+    api: kubernetes.client.ResourceV1Api,
+    results: list[dict[str, Any]],
+    namespace: str = "default",
+    config: list[dict[str, Any]] | None = None,
 ) -> dict[str, str]:
-    """A claim allocated with the given results (request, device, optional consumedCapacity);
-    results on shared devices get a fresh shareID as the scheduler gives them."""
+    """A claim allocated with the given results (request, device, optional consumedCapacity) and
+    allocation config; results on shared devices get a fresh shareID as the scheduler gives them."""
     name = f"claim-{uuid.uuid4().hex[:8]}"
     body = {
         "apiVersion": "resource.k8s.io/v1",
@@ -35,9 +38,8 @@ def create_allocated_claim(
         {"driver": DRIVER, "pool": "node-a", **({"shareID": str(uuid.uuid4())} if "consumedCapacity" in r else {}), **r}
         for r in results
     ]
-    api.patch_namespaced_resource_claim_status(
-        name, namespace, {"status": {"allocation": {"devices": {"results": full}}}}
-    )
+    devices: dict[str, Any] = {"results": full, **({"config": config} if config else {})}
+    api.patch_namespaced_resource_claim_status(name, namespace, {"status": {"allocation": {"devices": devices}}})
     return {"namespace": namespace, "name": name, "uid": created.metadata.uid}
 
 

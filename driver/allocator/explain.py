@@ -11,11 +11,6 @@ from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
 
 
-def _free_capacity(allocator: NodeAllocator, device: Device) -> dict[str, Amount]:
-    used = allocator.state.shared.get(device.id, {})
-    return {name: cap.value - used.get(name, 0) for name, cap in device.capacity.items()}
-
-
 def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
     """Why `device` cannot serve `request` now, or None if it could."""
     if not request.admin_access and device.id in allocator.state.exclusive:
@@ -24,7 +19,7 @@ def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str 
     if consumed is None:
         return "its capacity policy does not allow the requested amount"
     if not fits(consumed, device.capacity, allocator.state.shared.get(device.id, {})):
-        free = _free_capacity(allocator, device)
+        free = allocator.state.capacity_left(device)
         short = [n for n in consumed if consumed[n] > free[n]]
         return ", ".join(f"{format_amount(free[n])} {n} free, {format_amount(consumed[n])} needed" for n in short)
     pool = allocator.pool_of(device)
@@ -79,7 +74,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
                 if why is None:
                     usable_on[node] = usable_on.get(node, 0) + 1
                     continue
-                free = _free_capacity(allocator, device)
+                free = allocator.state.capacity_left(device)
                 score = sum(free.values(), 0) if why != "in use" else -1
                 closest.append((score, f"{node}/{device.id[2]} ({why})"))
     need = request.count if request.mode == "ExactCount" else max(matching, 1)
@@ -116,7 +111,7 @@ def _pool_picture(allocator: NodeAllocator, pool: Pool) -> list[str]:
         if shares:
             parts = []
             for device in shares:
-                left = _free_capacity(allocator, device)
+                left = allocator.state.capacity_left(device)
                 parts.append(
                     f"{device.id[2]} shared, "
                     + ", ".join(f"{format_amount(v)} {n} free" for n, v in sorted(left.items()))

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.allocator.model import DeviceId
+from driver.allocator.model import Device, DeviceId
 from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount, QuantityError, parse_quantity
 
@@ -22,6 +22,11 @@ class AllocatedState:
     def is_allocated(self, device: DeviceId) -> bool:
         """Allocated at all: its counters are drawn (once, however many shares it has)."""
         return device in self.exclusive or device in self.shared
+
+    def capacity_left(self, device: Device) -> dict[str, Amount]:
+        """A shared device's capacity less what its shares consume."""
+        used = self.shared.get(device.id, {})
+        return {name: cap.value - used.get(name, 0) for name, cap in device.capacity.items()}
 
     def counters_left(self, pool: Pool) -> dict[str, dict[str, Amount]]:
         """The pool's counters less what its allocated devices draw (a shared device once)."""
