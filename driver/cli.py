@@ -134,12 +134,15 @@ def cmd_mock_fault(args: argparse.Namespace) -> int:
         raise SettingsError(f"mock-fault needs --nvml mock:<machine> and {MOCK_STATE_ENV} (the plugin's mock state)")
     mock: MockNvml = open_backend(args.nvml)
     mock.nvmlInit()
-    if args.fault == "xid":
-        mock.inject_xid(args.gpu, args.xid, *([args.gi, args.ci] if args.gi is not None else []))
-    elif args.fault == "ecc":
-        mock.inject_double_bit_ecc(args.gpu)
-    else:
-        mock.set_gpu_lost(args.gpu, args.fault == "lost")
+    try:
+        if args.fault == "xid":
+            mock.inject_xid(args.gpu, args.xid, *([args.gi, args.ci] if args.gi is not None else []))
+        elif args.fault == "ecc":
+            mock.inject_double_bit_ecc(args.gpu)
+        else:
+            mock.set_gpu_lost(args.gpu, args.fault == "lost")
+    except mock.NVMLError as err:
+        raise SettingsError(f"mock-fault on GPU {args.gpu}: {err}") from err
     return 0
 
 

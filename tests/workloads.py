@@ -26,10 +26,13 @@ WAIT_S = 90
 
 def claim_template(name: str, device_class: str, *, count: int = 1, selector: str | None = None,
                    capacity: dict[str, str] | None = None, constraints: list[dict[str, Any]] | None = None,
-                   config: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+                   config: list[dict[str, Any]] | None = None,
+                   tolerations: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     exactly: dict[str, Any] = {"deviceClassName": device_class, "count": count}
     if selector:
         exactly["selectors"] = [{"cel": {"expression": selector}}]
+    if tolerations:
+        exactly["tolerations"] = tolerations
     if capacity:
         exactly["capacity"] = {"requests": capacity}
     devices: dict[str, Any] = {"requests": [{"name": "gpu", "exactly": exactly}]}

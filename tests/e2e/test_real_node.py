@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Iterator
 
 import kubernetes
 import pytest
@@ -19,6 +18,7 @@ from kubernetes.stream import stream
 from bench import pod_start
 from driver.node.faults import STALL_ENV, STALL_SECONDS_ENV
 from tests.cluster.node import RealNode
+from tests.e2e.conftest import NS
 from tests.integration.test_plugin_process import complete_pool
 from tests.node_plugin import NodePlugin
 from tests.workloads import (
@@ -33,43 +33,8 @@ from tests.workloads import (
 )
 
 pytestmark = pytest.mark.e2e
-NS = "default"
+
 MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/node/cdi.py)
-
-
-@pytest.fixture(scope="module")
-def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
-    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
-    plugin = NodePlugin.on(real_node).start_registered()
-    try:
-        wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
-        yield plugin
-    finally:
-        plugin.remove()
-
-
-@pytest.fixture
-def workloads(core_api, resource_api, cluster) -> Iterator[list[tuple[str, str]]]:
-    """(kind, name) of what a test created; deleted afterwards, pods waited for."""
-    created: list[tuple[str, str]] = []
-    yield created
-    apps = kubernetes.client.AppsV1Api(cluster.api_client())
-    for kind, name in reversed(created):
-        try:
-            if kind == "Pod":
-                core_api.delete_namespaced_pod(name, NS, grace_period_seconds=1)
-            elif kind == "Deployment":
-                apps.delete_namespaced_deployment(name, NS, propagation_policy="Foreground")
-            elif kind == "ResourceClaimTemplate":
-                resource_api.delete_namespaced_resource_claim_template(name, NS)
-        except kubernetes.client.ApiException as err:
-            if err.status != 404:
-                raise
-    wait_until("test pods gone", lambda: not _pods_with_claims(core_api), timeout_s=120)
-
-
-def _pods_with_claims(core) -> list:
-    return [p for p in core.list_namespaced_pod(NS).items if p.spec.resource_claims]
 
 
 def create(cluster, created: list, *objects: dict) -> None:

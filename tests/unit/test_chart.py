@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from driver.cli import build_parser
-from driver.node.settings import sharing_config
+from driver.node.health.taints import HealthPolicy
+from driver.node.settings import health_policy, sharing_config
 from tests.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
 
 MOCK = {"nvml": "mock:dgx-h100"}
@@ -163,6 +164,7 @@ def test_log_format_feature_gates_and_lease_timings_reach_the_commands(monkeypat
     args = build_parser().parse_args([*plugin["spec"]["template"]["spec"]["containers"][0]["args"], "--node-name=n"])
     assert args.log_format == "json"
     assert sharing_config(args).default == {"whole", "mig"}  # the gate took the shares away
+    assert health_policy(args) == HealthPolicy(recovery_s=300)  # the chart's health values are the defaults
 
     container = find(objects, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["args"])

@@ -81,3 +81,22 @@ def test_feature_gates_take_away_what_the_cluster_cannot_carry():
         run = discover(*base, f"--feature-gates={gates}")
         assert run.returncode == 2 and run.stderr.startswith(f"fgpu: {error}"), run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_mock_fault_and_health_clear_say_what_is_wrong_in_one_line(tmp_path: Path):
+    env = {"PATH": "/usr/bin:/bin", "FGPU_NVML_MOCK_STATE": str(tmp_path / "gpus.json")}
+
+    def fgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "driver.cli", *args], capture_output=True, text=True, env=env)
+
+    run = fgpu("mock-fault", "--nvml=mock:l4x4", "--gpu=9", "ecc")
+    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock-fault on GPU 9: Invalid Argument")
+    run = fgpu("mock-fault", "--gpu=0", "lost")
+    assert run.returncode == 2 and "mock-fault needs --nvml mock:<machine>" in run.stderr
+    run = fgpu("health", "clear")
+    assert (
+        run.returncode == 2
+        and run.stderr.strip() == "fgpu: --state-dir (or STATE_DIR) is required: the plugin's state directory"
+    )
+    run = fgpu("health", "clear", f"--state-dir={tmp_path}", "--gpu=GPU-x")
+    assert (run.returncode, run.stdout.strip()) == (0, "cleared; 0 fault(s) of other GPUs left")

@@ -1,0 +1,50 @@
+"""Fixtures of the real-node tests: the plugin on the module's node, and what a test created."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+from tests.cluster.node import RealNode
+from tests.integration.test_plugin_process import complete_pool
+from tests.node_plugin import NodePlugin
+from tests.workloads import wait_until
+
+NS = "default"
+
+
+@pytest.fixture(scope="module")
+def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
+    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
+    plugin = NodePlugin.on(real_node).start_registered()
+    try:
+        wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
+        yield plugin
+    finally:
+        plugin.remove()
+
+
+@pytest.fixture
+def workloads(core_api, resource_api, cluster) -> Iterator[list[tuple[str, str]]]:
+    """(kind, name) of what a test created; deleted afterwards, pods waited for."""
+    created: list[tuple[str, str]] = []
+    yield created
+    apps = kubernetes.client.AppsV1Api(cluster.api_client())
+    for kind, name in reversed(created):
+        try:
+            if kind == "Pod":
+                core_api.delete_namespaced_pod(name, NS, grace_period_seconds=1)
+            elif kind == "Deployment":
+                apps.delete_namespaced_deployment(name, NS, propagation_policy="Foreground")
+            elif kind == "ResourceClaimTemplate":
+                resource_api.delete_namespaced_resource_claim_template(name, NS)
+        except kubernetes.client.ApiException as err:
+            if err.status != 404:
+                raise
+    wait_until("test pods gone", lambda: not _pods_with_claims(core_api), timeout_s=120)
+
+
+def _pods_with_claims(core) -> list:
+    return [p for p in core.list_namespaced_pod(NS).items if p.spec.resource_claims]
