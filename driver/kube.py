@@ -39,6 +39,7 @@ class KubeUnavailableError(KubeError, ConnectionError):
 class KubeApi(Protocol):
     def close(self) -> None: ...
     def get_claim(self, namespace: str, name: str) -> JsonObject: ...
+    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject: ...
     def get_node(self, name: str) -> JsonObject: ...
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
     def create_slice(self, body: JsonObject) -> JsonObject: ...
@@ -108,6 +109,19 @@ class ClientKubeApi:
 
     def get_claim(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._resource.read_namespaced_resource_claim, name, namespace)
+
+    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject:
+        """Server-side apply on the claim's status: `field_manager` comes to own exactly what `body`
+        names (forcing conflicts: these fields are that manager's by design)."""
+        return self._call(
+            self._resource.patch_namespaced_resource_claim_status,
+            name,
+            namespace,
+            body,
+            field_manager=field_manager,
+            force=True,
+            _content_type="application/apply-patch+yaml",  # JSON is YAML; the client sends it as JSON
+        )
 
     def get_node(self, name: str) -> JsonObject:
         return self._call(self._core.read_node, name)
