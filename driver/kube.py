@@ -62,9 +62,19 @@ def translated_errors() -> Iterator[None]:
             raise ConflictError(f"conflict: {err.reason}") from err
         if err.status >= 500 or err.status == 429:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
-        raise KubeError(f"API server refused the request: {err.status} {err.reason}") from err
+        raise KubeError(f"API server refused the request: {err.status} {_status_message(err)}") from err
     except (OSError, urllib3.exceptions.HTTPError) as err:
         raise KubeUnavailableError(f"API server unreachable: {err}") from err
+
+
+def _status_message(err: ApiException) -> str:
+    """The message of the Status the server sent (it names the field and the rule broken), on one
+    line; the HTTP reason when there is none."""
+    try:
+        message = json.loads(err.body or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return " ".join(str(message).split()) if message else str(err.reason)
 
 
 class KubeConfigError(ValueError):
