@@ -3,11 +3,14 @@ reconciler, other drivers' entries left alone; with the in-memory API's server-s
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import UTC, datetime
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
+from driver.kube import KubeError, translated_errors
 from driver.node.claim_status import ClaimStatusWriter, device_data, device_entry, up_to_date
 from driver.node.claims import ClaimRef
 from driver.node.reconcile import ClaimReconciler
@@ -173,3 +176,17 @@ def test_records_from_before_the_status_fields_report_what_they_have():
     assert not up_to_date([entry], claim)  # not Ready
     assert up_to_date([entry], {"status": {"devices": [entry]}})
     assert not up_to_date([entry], {"status": {"devices": [{**entry, "data": {"kind": "mig"}}]}})
+
+
+def test_a_refusal_names_the_servers_reason_in_one_line():
+    body = json.dumps({"kind": "Status", "message": 'status.devices: Forbidden:\nchanging status.devices requires "x"'})
+    with pytest.raises(KubeError) as refused, translated_errors():
+        raise ApiException(status=422, reason="Unprocessable Entity", http_resp=None) from None
+    assert str(refused.value) == "API server refused the request: 422 Unprocessable Entity"
+    error = ApiException(status=422, reason="Unprocessable Entity")
+    error.body = body
+    with pytest.raises(KubeError) as refused, translated_errors():
+        raise error
+    assert str(refused.value) == (
+        'API server refused the request: 422 status.devices: Forbidden: changing status.devices requires "x"'
+    )
