@@ -39,6 +39,7 @@ class KubeUnavailableError(KubeError, ConnectionError):
 class KubeApi(Protocol):
     def close(self) -> None: ...
     def get_claim(self, namespace: str, name: str) -> JsonObject: ...
+    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject: ...
     def get_node(self, name: str) -> JsonObject: ...
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
     def create_slice(self, body: JsonObject) -> JsonObject: ...
@@ -61,9 +62,19 @@ def translated_errors() -> Iterator[None]:
             raise ConflictError(f"conflict: {err.reason}") from err
         if err.status >= 500 or err.status == 429:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
-        raise KubeError(f"API server refused the request: {err.status} {err.reason}") from err
+        raise KubeError(f"API server refused the request: {err.status} {_status_message(err)}") from err
     except (OSError, urllib3.exceptions.HTTPError) as err:
         raise KubeUnavailableError(f"API server unreachable: {err}") from err
+
+
+def _status_message(err: ApiException) -> str:
+    """The message of the Status the server sent (it names the field and the rule broken), on one
+    line; the HTTP reason when there is none."""
+    try:
+        message = json.loads(err.body or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return " ".join(str(message).split()) if message else str(err.reason)
 
 
 class KubeConfigError(ValueError):
@@ -108,6 +119,19 @@ class ClientKubeApi:
 
     def get_claim(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._resource.read_namespaced_resource_claim, name, namespace)
+
+    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject:
+        """Server-side apply on the claim's status: `field_manager` comes to own exactly what `body`
+        names (forcing conflicts: these fields are that manager's by design)."""
+        return self._call(
+            self._resource.patch_namespaced_resource_claim_status,
+            name,
+            namespace,
+            body,
+            field_manager=field_manager,
+            force=True,
+            _content_type="application/apply-patch+yaml",  # JSON is YAML; the client sends it as JSON
+        )
 
     def get_node(self, name: str) -> JsonObject:
         return self._call(self._core.read_node, name)

@@ -11,7 +11,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from driver.kube import JsonObject, KubeUnavailableError, NotFoundError
+from driver.kube import JsonObject, KubeError, KubeUnavailableError, NotFoundError
+
+DeviceKey = tuple[str, str, str, str]
 
 
 class InMemoryKubeApi:
@@ -21,6 +23,9 @@ class InMemoryKubeApi:
         self.slices: dict[str, JsonObject] = {}
         self.unavailable = False
         self.claim_gets = 0
+        # Server-side apply on claims' status.devices: which manager owns which entries.
+        self.status_owners: dict[tuple[str, str], dict[str, set[DeviceKey]]] = {}
+        self.status_refusal = ""  # set: status writes are refused with this reason (as RBAC would)
         self._version = 0
         self._lock = threading.Lock()
         self._watchers: list[queue.Queue[tuple[str, JsonObject]]] = []
@@ -50,6 +55,33 @@ class InMemoryKubeApi:
             return copy.deepcopy(self.claims[(namespace, name)])
         except KeyError:
             raise NotFoundError(f"{namespace}/{name}") from None
+
+    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject:
+        """The apiserver's apply of status.devices (a map list keyed by driver, pool, device and
+        shareID): the manager's entries become those in `body`; entries it no longer names go
+        unless another manager owns them. Validated as ResourceClaimStatus updates are."""
+        self._check()
+        if self.status_refusal:
+            raise KubeError(f"API server refused the request: 403 {self.status_refusal}")
+        with self._lock:
+            claim = self.claims.get((namespace, name))
+            if claim is None:
+                raise NotFoundError(f"{namespace}/{name}")
+            uid = body["metadata"].get("uid")
+            if uid and uid != claim["metadata"]["uid"]:
+                raise KubeError(f"API server refused the request: 422 metadata.uid {uid}: field is immutable")
+            entries = {_device_key(e): copy.deepcopy(e) for e in (body.get("status") or {}).get("devices") or []}
+            _validate_device_status(claim, list(entries.values()))
+            owners = self.status_owners.setdefault((namespace, name), {})
+            others = set().union(*(keys for manager, keys in owners.items() if manager != field_manager))
+            dropped = owners.get(field_manager, set()) - set(entries) - others
+            status = claim.setdefault("status", {})
+            kept = [e for e in status.get("devices") or [] if _device_key(e) not in dropped | set(entries)]
+            status["devices"] = kept + list(entries.values())
+            if not status["devices"]:
+                del status["devices"]
+            owners[field_manager] = set(entries)
+            return copy.deepcopy(self._bump(claim))
 
     def get_node(self, name: str) -> JsonObject:
         self._check()
@@ -115,6 +147,25 @@ class InMemoryKubeApi:
                     yield event, obj
         finally:
             self._watchers.remove(events)
+
+
+def _device_key(entry: JsonObject) -> DeviceKey:
+    return (entry["driver"], entry["pool"], entry["device"], entry.get("shareID") or "")
+
+
+def _validate_device_status(claim: JsonObject, entries: list[JsonObject]) -> None:
+    """What the apiserver checks of status.devices entries (validateDeviceStatus)."""
+    results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+    allocated = {_device_key(r) for r in results}
+    for entry in entries:
+        if _device_key(entry) not in allocated:
+            raise KubeError(f"API server refused the request: 422 {_device_key(entry)}: must be an allocated device")
+        for condition in entry.get("conditions") or []:
+            missing = [f for f in ("type", "status", "reason", "lastTransitionTime") if not condition.get(f)]
+            if missing or condition["status"] not in ("True", "False", "Unknown"):
+                raise KubeError(f"API server refused the request: 422 invalid condition {condition}")
+        if "data" in entry and not isinstance(entry["data"], dict):
+            raise KubeError("API server refused the request: 422 data must be a valid JSON object")
 
 
 def node_object(name: str, uid: str = "node-uid-1") -> JsonObject:

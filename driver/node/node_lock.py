@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from driver.kube import JsonObject
 from driver.node.claims import ClaimRef
 from driver.node.prepare import Driver, PrepareResult
 
@@ -87,6 +88,11 @@ class SerializedDriver(Driver):
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         return self._serialized(refs, super().unprepare)
+
+    def refresh_status(self, ref: ClaimRef, claim: JsonObject) -> None:
+        """The other instance may be unpreparing the claim: its record is read under the node's lock."""
+        with self._node_lock.held():
+            super().refresh_status(ref, claim)
 
     def recover(self) -> None:
         """The sweeps act on what the checkpoint did not list: no other instance may add to it meanwhile."""

@@ -24,9 +24,10 @@ from pathlib import Path
 from kubernetes.utils import parse_quantity
 
 from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
-from driver.kube import KubeApi, KubeError, NotFoundError
+from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node.cdi import CdiWriter
 from driver.node.claim_config import config_for_request
+from driver.node.claim_status import ClaimStatusWriter, claim_generation
 from driver.node.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
 from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
@@ -76,6 +77,7 @@ class Driver:
         self._parts = partitioners
         self._instance = instance
         self._proc_root = proc_root
+        self.status = ClaimStatusWriter(api, driver_name, node_name)
         # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -119,6 +121,7 @@ class Driver:
                 log.exception("rolling back claim %s after %r failed", ref, err)
             raise
         crash_point("prepare:completed")
+        self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
         return PrepareResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
 
     def _plan(self, allocation: ClaimAllocation) -> PreparedClaim:
@@ -157,6 +160,7 @@ class Driver:
             return replace(
                 device,
                 mig_profile_id=target.placement.profile.profile_id,
+                mig_profile=target.placement.profile.name,
                 mig_start=target.placement.start,
                 mig_size=target.placement.size,
             )
@@ -187,7 +191,13 @@ class Driver:
                     device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size
                 )
                 nodes = mig_device_nodes(self._targets[device.device].gpu.minor, instance, self._proc_root)
-                device = replace(device, mig_uuid=instance.uuid, device_nodes=nodes)
+                device = replace(
+                    device,
+                    mig_uuid=instance.uuid,
+                    mig_gi_id=instance.gi_id,
+                    mig_ci_id=instance.ci_id,
+                    device_nodes=nodes,
+                )
                 done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
                 done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
             elif device.kind == "mps":
@@ -249,7 +259,17 @@ class Driver:
         if existing is None:
             self._cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
             return PrepareResult(summary="not prepared on this node, nothing destroyed")
-        return PrepareResult(summary=self._undo(existing))
+        summary = self._undo(existing)
+        self.status.clear(ref)  # best effort: the reconciler retries it
+        return PrepareResult(summary=summary)
+
+    def refresh_status(self, ref: ClaimRef, claim: JsonObject) -> None:
+        """The reconciler's repair: write the status entries of a prepared claim that `claim` (just
+        read) lacks. Under the claim's lock, so an unprepare cannot clear them in between."""
+        with self._lock(f"claim/{ref.uid}"):
+            prepared = self._claims.get(ref.uid)
+            if prepared is not None and prepared.state == "PrepareCompleted":
+                self.status.ensure(ref, prepared.devices, claim)
 
     def _undo(self, claim: PreparedClaim) -> str:
         """Release everything the claim may hold, then forget it; returns what was released. Safe

@@ -1,7 +1,10 @@
 """Missed unprepares: kubelet may never call NodeUnprepareResources for a claim (node restarts,
 pods force-deleted while the plugin was down). A prepared claim that no longer exists in the API
 server, or was re-created with another UID, is unprepared once it has been missing for a grace
-period. An API server that cannot be reached proves nothing, so nothing is unprepared then."""
+period. An API server that cannot be reached proves nothing, so nothing is unprepared then.
+
+Each pass also repairs the claims' status.devices (claim_status.py): a prepared claim that lacks
+its entries gets them, and removals that failed are tried again."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class ClaimReconciler(BackgroundWorker):
         prepared = {uid: c for uid, c in self._claims.all().items() if c.state == "PrepareCompleted"}
         for uid in set(self._missing_since) - set(prepared):
             del self._missing_since[uid]
+        self._driver.status.retry_clears()
         unprepared = []
         for uid, claim in prepared.items():
             try:
@@ -57,6 +61,7 @@ class ClaimReconciler(BackgroundWorker):
                 continue
             if not gone:
                 self._missing_since.pop(uid, None)
+                self._driver.refresh_status(ClaimRef(claim.namespace, claim.name, uid), current)
                 continue
             since = self._missing_since.setdefault(uid, now)
             if now - since < self._grace_s:

@@ -34,6 +34,10 @@ class PreparedDevice:
     mig_start: int | None = None
     mig_size: int | None = None
     mig_uuid: str | None = None
+    # Reported in the claim's status (claim_status.py); records written before they existed lack them.
+    mig_profile: str | None = None
+    mig_gi_id: int | None = None
+    mig_ci_id: int | None = None
     mps_memory_bytes: int | None = None
     mps_thread_percentage: int | None = None
     timeslice_interval: str | None = None

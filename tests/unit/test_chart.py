@@ -124,12 +124,17 @@ def test_controller_non_root_with_lease_in_release_namespace() -> None:
 
 
 def test_plugin_rbac_is_least_privilege() -> None:
-    role = find(render(), "ClusterRole", "kubelet-plugin")
+    role = find(render({"driverName": "gpu.example.com"}), "ClusterRole", "kubelet-plugin")
     rules = {
-        (rule["apiGroups"][0], resource): set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]
+        (rule["apiGroups"][0], resource, *rule.get("resourceNames", [])): set(rule["verbs"])
+        for rule in role["rules"]
+        for resource in rule["resources"]
     }
     assert rules == {
         ("resource.k8s.io", "resourceclaims"): {"get"},
+        # status.devices by server-side apply, of this driver's entries, on claims of its own node only
+        ("resource.k8s.io", "resourceclaims/status"): {"patch"},
+        ("resource.k8s.io", "resourceclaims/driver", "gpu.example.com"): {"associated-node:patch"},
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
         ("", "nodes"): {"get"},
     }

@@ -1,0 +1,192 @@
+"""The claims' status.devices: written after prepare, removed after unprepare, repaired by the
+reconciler, other drivers' entries left alone; with the in-memory API's server-side apply."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from driver.kube import KubeError, translated_errors
+from driver.node.claim_status import ClaimStatusWriter, device_data, device_entry, up_to_date
+from driver.node.claims import ClaimRef
+from driver.node.reconcile import ClaimReconciler
+from driver.node.state import PreparedDevice
+from tests.fakes import InMemoryKubeApi, allocated_claim, result
+
+DRIVER = "gpu.fgpu.dev"
+NIC = {"driver": "net.example.com", "pool": "node-a", "device": "eth1"}
+NIC_ENTRY = {
+    **NIC,
+    "conditions": [{"type": "Ready", "status": "True", "reason": "Up", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+    "data": {"mac": "02:00:00:00:00:01"},
+}
+
+
+def share(device: str, memory: str, compute: str | None = None, request: str = "gpu") -> dict:
+    entry = result(device, request=request)
+    entry["shareID"] = f"0000-{device}-{memory}"
+    entry["consumedCapacity"] = {"memory": memory, **({"compute": compute} if compute else {})}
+    return entry
+
+
+def add_claim(api: InMemoryKubeApi, name: str, results: list[dict]) -> ClaimRef:
+    """An allocated claim (generation 1) that also holds a NIC of another driver with its status."""
+    claim = allocated_claim("default", name, f"uid-{name}", [*results, {"request": "nic", **NIC}])
+    claim["metadata"]["generation"] = 1
+    api.claims[("default", name)] = claim
+    api.apply_claim_status("default", name, {"metadata": {}, "status": {"devices": [NIC_ENTRY]}}, "net-driver")
+    return ClaimRef("default", name, f"uid-{name}")
+
+
+def status_devices(api: InMemoryKubeApi, ref: ClaimRef) -> dict[str, dict]:
+    devices = api.claims[(ref.namespace, ref.name)]["status"].get("devices") or []
+    return {d["device"]: d for d in devices}
+
+
+def test_prepare_reports_each_device_and_unprepare_removes_only_ours(node):
+    api, env = node
+    ref = add_claim(
+        api,
+        "mixed",
+        [
+            result("gpu-0", request="whole"),
+            result("gpu-2-mig-3g40gb-4", request="mig"),
+            share("gpu-1-mps", "10Gi", "25", request="mps"),
+            share("gpu-3-ts", "4Gi", request="ts"),
+        ],
+    )
+    assert env.driver.prepare([ref])[ref.uid].error == ""
+    entries = status_devices(api, ref)
+    assert set(entries) == {"gpu-0", "gpu-2-mig-3g40gb-4", "gpu-1-mps", "gpu-3-ts", "eth1"}
+    assert entries["eth1"] == NIC_ENTRY
+    gpus = {gpu.index: gpu.uuid for gpu in env.gpus}
+    assert entries["gpu-0"]["data"] == {"kind": "whole", "gpuUUID": gpus[0], "gpuIndex": 0}
+    assert "shareID" not in entries["gpu-0"]
+    mig = entries["gpu-2-mig-3g40gb-4"]["data"]["mig"]
+    (instance,) = env.session.gpu_instances(2)
+    assert mig == {
+        "uuid": instance.compute_instances[0][1],
+        "profile": "3g.40gb",
+        "placement": {"start": 4, "size": 4},
+        "gpuInstanceID": instance.gi_id,
+        "computeInstanceID": instance.compute_instances[0][0],
+    }
+    mps = entries["gpu-1-mps"]
+    assert mps["shareID"] == "0000-gpu-1-mps-10Gi"
+    assert mps["data"]["mps"] == {
+        "pinnedMemoryLimitBytes": 10 * 2**30,
+        "activeThreadPercentage": 25,
+        "pipeDirectory": "/tmp/nvidia-mps",
+    }
+    assert entries["gpu-3-ts"]["data"] == {
+        "kind": "timeslice",
+        "gpuUUID": gpus[3],
+        "gpuIndex": 3,
+        "timeSlice": {"interval": "Default"},
+    }
+    (ready,) = entries["gpu-0"]["conditions"]
+    assert ready["type"] == "Ready" and ready["status"] == "True" and ready["reason"] == "Prepared"
+    assert ready["observedGeneration"] == 1
+    assert datetime.strptime(ready["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ")
+    assert set(api.status_owners[("default", "mixed")]) == {"net-driver", "gpu.fgpu.dev/node-a"}
+
+    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
+
+
+def test_a_refused_status_write_leaves_prepare_alone_and_is_retried(node, caplog: pytest.LogCaptureFixture):
+    api, env = node
+    ref = add_claim(api, "refused", [result("gpu-4")])
+    reconciler = ClaimReconciler(api, env.driver, env.claims)
+    api.status_refusal = "forbidden: cannot associated-node:patch resourceclaims/driver"
+    with caplog.at_level(logging.WARNING):
+        prepared = env.driver.prepare([ref])[ref.uid]
+    assert prepared.error == "" and env.cdi.spec_path(ref.uid).exists()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "default/refused (uid uid-refused): writing its status.devices failed" in line
+    assert "forbidden" in line and "\n" not in line
+    assert set(status_devices(api, ref)) == {"eth1"}
+    reconciler.reconcile_once()
+    assert set(status_devices(api, ref)) == {"eth1"}  # still refused: nothing lost, tried again later
+    api.status_refusal = ""
+    reconciler.reconcile_once()
+    assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
+
+    api.status_refusal = "forbidden"
+    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
+    assert env.driver.status.pending_clears() == [ref]
+    api.unavailable = True
+    reconciler.reconcile_once()  # the API server down: kept for later
+    api.unavailable = False
+    api.status_refusal = ""
+    reconciler.reconcile_once()
+    assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
+    assert env.driver.status.pending_clears() == []
+
+
+def test_the_reconciler_restores_lost_entries_and_leaves_current_ones(node):
+    api, env = node
+    ref = add_claim(api, "wiped", [result("gpu-5")])
+    env.driver.prepare([ref])
+    reconciler = ClaimReconciler(api, env.driver, env.claims)
+    version = api.claims[("default", "wiped")]["metadata"]["resourceVersion"]
+    reconciler.reconcile_once()
+    assert api.claims[("default", "wiped")]["metadata"]["resourceVersion"] == version  # up to date: no write
+    api.claims[("default", "wiped")]["status"]["devices"] = [NIC_ENTRY]  # e.g. a plugin restarted before its write
+    reconciler.reconcile_once()
+    assert set(status_devices(api, ref)) == {"eth1", "gpu-5"}
+
+
+def test_writes_never_reach_a_claim_recreated_under_the_same_name(node):
+    api, env = node
+    ref = add_claim(api, "reborn", [result("gpu-6")])
+    env.driver.prepare([ref])
+    api.status_refusal = "forbidden"
+    env.driver.unprepare([ref])
+    api.status_refusal = ""
+    add_claim(api, "reborn-new", [result("gpu-6")])
+    api.claims[("default", "reborn")] = api.claims.pop(("default", "reborn-new"))
+    api.status_owners[("default", "reborn")] = api.status_owners.pop(("default", "reborn-new"))
+    env.driver.status.retry_clears()
+    assert env.driver.status.pending_clears() == []  # the old claim is gone: nothing left to remove
+    writer = ClaimStatusWriter(api, DRIVER, "node-a")
+    assert not writer.publish(ref, [PreparedDevice(("gpu",), "node-a", "gpu-6", ())], 1)  # refused: UID
+    assert set(status_devices(api, ref)) == {"eth1"}
+
+
+def test_records_from_before_the_status_fields_report_what_they_have():
+    old_mig = PreparedDevice(
+        ("gpu",), "node-a", "gpu-1-mig-1g10gb-0", (), kind="mig", gpu_uuid="GPU-1", gpu_index=1, mig_start=0, mig_size=1
+    )
+    assert device_data(old_mig) == {
+        "kind": "mig",
+        "gpuUUID": "GPU-1",
+        "gpuIndex": 1,
+        "mig": {"placement": {"start": 0, "size": 1}},
+    }
+    when = datetime(2026, 5, 4, 3, 2, 1, 987654, tzinfo=UTC)
+    entry = device_entry(DRIVER, old_mig, 3, when)
+    assert entry["conditions"][0]["lastTransitionTime"] == "2026-05-04T03:02:01Z"  # RFC 3339, whole seconds
+    claim = {"status": {"devices": [{**entry, "conditions": [{**entry["conditions"][0], "status": "False"}]}]}}
+    assert not up_to_date([entry], claim)  # not Ready
+    assert up_to_date([entry], {"status": {"devices": [entry]}})
+    assert not up_to_date([entry], {"status": {"devices": [{**entry, "data": {"kind": "mig"}}]}})
+
+
+def test_a_refusal_names_the_servers_reason_in_one_line():
+    body = json.dumps({"kind": "Status", "message": 'status.devices: Forbidden:\nchanging status.devices requires "x"'})
+    with pytest.raises(KubeError) as refused, translated_errors():
+        raise ApiException(status=422, reason="Unprocessable Entity", http_resp=None) from None
+    assert str(refused.value) == "API server refused the request: 422 Unprocessable Entity"
+    error = ApiException(status=422, reason="Unprocessable Entity")
+    error.body = body
+    with pytest.raises(KubeError) as refused, translated_errors():
+        raise error
+    assert str(refused.value) == (
+        'API server refused the request: 422 status.devices: Forbidden: changing status.devices requires "x"'
+    )
