@@ -23,7 +23,7 @@ from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import HealthRecord, MigSlices
-from driver.node.health.service import add_health_services
+from driver.node.health.service import HEALTH_SERVICES, add_health_services
 from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.node.kubelet.registration import RegistrationService
@@ -128,14 +128,17 @@ class PluginProcess:
     def start(self) -> None:
         settings = self.settings
         self.driver.recover()
-        self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
+        if settings.health_monitor:
+            self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()
         self.reconciler.start()
-        self.health_monitor.start()
+        if settings.health_monitor:
+            self.health_monitor.start()
 
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
         add_dra_services(dra_server, self.driver)
-        add_health_services(dra_server, self.device_health, settings.node_name)
+        if settings.health_monitor:
+            add_health_services(dra_server, self.device_health, settings.node_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)
         self._bind(dra_server, settings.dra_socket)
         dra_server.start()
@@ -144,7 +147,10 @@ class PluginProcess:
 
         registration_state = RegistrationState()  # the grace period starts with the registration socket
         registration = RegistrationService(
-            settings.driver_name, str(settings.dra_socket.absolute()), registration_state
+            settings.driver_name,
+            str(settings.dra_socket.absolute()),
+            registration_state,
+            HEALTH_SERVICES if settings.health_monitor else (),
         )
         reg_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="registration"))
         reg_grpc.add_RegistrationServicer_to_server(registration, reg_server)

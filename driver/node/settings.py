@@ -56,6 +56,7 @@ class PluginSettings:
     registration_grace_s: float = 60.0
     shutdown_drain_s: float = 3.0
     health: HealthPolicy = field(default_factory=HealthPolicy)
+    health_monitor: bool = True
 
     @property
     def mock_gpus(self) -> bool:
@@ -207,6 +208,13 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
 def add_health_flags(parser: argparse.ArgumentParser) -> None:
     default = HealthPolicy()
     parser.add_argument(
+        "--health-monitor",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("true", "HEALTH_MONITOR") == "true",
+        help="watch the GPUs (XIDs, ECC, reachability), taint failing devices and tell kubelet; "
+        "--no-health-monitor where another agent fences GPUs [HEALTH_MONITOR=true|false]",
+    )
+    parser.add_argument(
         "--health-fault-xids",
         default=_env_default(",".join(map(str, sorted(default.fault_xids))), "HEALTH_FAULT_XIDS"),
         help="XIDs that are device faults and taint the GPU's devices; others (application errors such as "
@@ -308,6 +316,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         registration_grace_s=args.registration_grace,
         shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
         health=health_policy(args),
+        health_monitor=args.health_monitor,
     )
     for socket in (settings.registration_socket, settings.dra_socket):
         try:

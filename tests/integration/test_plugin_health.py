@@ -88,3 +88,15 @@ def test_kubelet_of_the_v1alpha1_era_gets_the_same_stream(plugin):
         first = next(stream)
         stream.cancel()
     assert len(first.devices) == 8 * PER_GPU and first.devices[0].device.device_name == "gpu-0"
+
+
+def test_without_the_monitor_kubelet_is_offered_no_health_stream(start_plugin, resource_api):
+    instance = start_plugin(extra_args=["--no-health-monitor"])
+    assert list(instance.register().supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    with grpc.insecure_channel(f"unix://{instance.dra_socket}") as channel:
+        stream = dra_health_v1_pb2_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+            dra_health_v1_pb2.NodeWatchResourcesRequest(), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stream)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED

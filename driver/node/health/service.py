@@ -57,7 +57,7 @@ def _make_servicer(base: type, messages: ModuleType) -> type:
 
 HealthV1Service = _make_servicer(dra_health_v1_pb2_grpc.DRAResourceHealthServicer, dra_health_v1_pb2)
 HealthV1alpha1Service = _make_servicer(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer, dra_health_v1alpha1_pb2)
-# Listed in the registration after the DRAPlugin versions; kubelet picks the newest it knows.
+# Listed in the registration after the DRAPlugin versions, newest first: kubelet picks the newest it knows.
 HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 
 

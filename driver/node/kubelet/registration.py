@@ -12,23 +12,26 @@ from driver.node.kubelet.liveness import RegistrationState
 
 log = logging.getLogger(__name__)
 
-# Kubelet takes the first DRAPlugin version it supports, so the newest comes first; the optional
-# health service (driver/node/health/service.py) follows, newest first too.
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+# Kubelet takes the first DRAPlugin version it supports, so the newest comes first; optional
+# services (the health stream) follow.
+DRA_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
-    def __init__(self, driver_name: str, endpoint: str, state: RegistrationState) -> None:
+    def __init__(
+        self, driver_name: str, endpoint: str, state: RegistrationState, optional_services: tuple[str, ...] = ()
+    ) -> None:
         self._driver_name = driver_name
         self._endpoint = endpoint
         self._state = state
+        self._services = DRA_SERVICES + optional_services
 
     def GetInfo(self, request: reg_pb.InfoRequest, context: grpc.ServicerContext) -> reg_pb.PluginInfo:
         return reg_pb.PluginInfo(
             type="DRAPlugin",
             name=self._driver_name,
             endpoint=self._endpoint,
-            supported_versions=list(SUPPORTED_VERSIONS),
+            supported_versions=list(self._services),
         )
 
     def NotifyRegistrationStatus(
