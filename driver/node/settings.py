@@ -53,6 +53,7 @@ class PluginSettings:
     rolling_update_uid: str = ""
     registration_grace_s: float = 60.0
     shutdown_drain_s: float = 3.0
+    metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
 
     @property
     def mock_gpus(self) -> bool:
@@ -178,6 +179,12 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_default("-1", "METRICS_PORT"),
+        help="TCP port for Prometheus metrics (/metrics); -1 or 0 disables [METRICS_PORT]",
+    )
+    parser.add_argument(
         "--rolling-update-uid",
         default=_env_default("", "POD_UID"),
         help="this pod's UID (downward API metadata.uid): sockets <driver>-<uid>-reg.sock and dra-<uid>.sock, "
@@ -266,6 +273,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
         shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
+        metrics_port=args.metrics_port,
     )
     for socket in (settings.registration_socket, settings.dra_socket):
         try:
