@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from driver.discovery import GpuInfo
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.node.background import BackgroundWorker
 from driver.node.claims import ErrorReason
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
@@ -207,13 +208,17 @@ class _Holder:
 
 
 _NOBODY = (_Holder("", "", ""),)
-HOLDER_LABELS = ["namespace", "pod", "claim"]
+# Not "namespace" and "pod": Prometheus's Kubernetes targets carry those (this plugin's own pod).
+HOLDER_LABELS = ["claim_namespace", "claim_pod", "claim"]
 GPU_LABELS = ["gpu", "gpu_index"]
 MIG_LABELS = [*GPU_LABELS, "mig", "mig_profile"]
 
 
 class NodeCollector(Collector):
-    def __init__(self, claims: PreparedClaims, nvml: NvmlSession, gpus: list[GpuInfo], holders: ClaimHolders) -> None:
+    def __init__(
+        self, node: str, claims: PreparedClaims, nvml: NvmlSession, gpus: list[GpuInfo], holders: ClaimHolders
+    ) -> None:
+        self._node = node
         self._claims = claims
         self._nvml = nvml
         self._gpus = gpus
@@ -228,9 +233,12 @@ class NodeCollector(Collector):
 
     def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
         devices = [d for c in prepared for d in c.devices]
-        kinds = GaugeMetricFamily("fgpu_prepared_devices", "Devices of prepared claims on this node", labels=["kind"])
+        # The node label tells two instances of a rolling update (same node, same answer) apart from two nodes.
+        kinds = GaugeMetricFamily(
+            "fgpu_prepared_devices", "Devices of prepared claims on the node", labels=["node", "kind"]
+        )
         for kind in get_args(SharingKind):
-            kinds.add_metric([kind], sum(1 for d in devices if d.kind == kind))
+            kinds.add_metric([self._node, kind], sum(1 for d in devices if d.kind == kind))
         yield kinds
         mps = GaugeMetricFamily("fgpu_mps_clients", "MPS shares prepared on the GPU, each a client", labels=GPU_LABELS)
         for gpu in self._gpus:
@@ -311,17 +319,32 @@ def node_registry(collector: Collector) -> CollectorRegistry:
     return registry
 
 
-@dataclass
-class MetricsServer:
-    stop: Callable[[], None]
+class MetricsServer(BackgroundWorker):
+    """Serves /metrics on the port. A port in use is tried again until it is free: with hostNetwork
+    the previous instance of a rolling update holds it until it stops, and kubelet needs the new
+    instance up meanwhile, so a bind failure must not end the plugin."""
 
+    thread_name = "metrics"
 
-def serve(port: int, registry: CollectorRegistry) -> MetricsServer:
-    server, thread = start_http_server(port, registry=registry)
+    def __init__(self, port: int, registry: CollectorRegistry, retry_s: float = 2.0) -> None:
+        super().__init__()
+        self._port = port
+        self._registry = registry
+        self._retry_s = retry_s
 
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-    return MetricsServer(stop)
+    def _run(self) -> None:
+        waiting = False
+        while not self._stop.is_set():
+            try:
+                server, thread = start_http_server(self._port, registry=self._registry)
+            except OSError as err:
+                if not waiting:
+                    log.warning("metrics port %d: %s; trying again every %.0fs", self._port, err, self._retry_s)
+                    waiting = True
+                self._stop.wait(self._retry_s)
+                continue
+            log.info("Prometheus metrics on port %d", self._port)
+            self._stop.wait()
+            server.shutdown()
+            server.server_close()
+            thread.join()

@@ -25,7 +25,7 @@ from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
-from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry, serve
+from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.node_lock import NodeClaimLock, SerializedDriver
 from driver.node.ownership import InstanceLock
 from driver.node.prepare import Partitioners
@@ -136,9 +136,9 @@ class PluginProcess:
         if settings.healthcheck_port >= 0:
             self._serve_health_port(settings.healthcheck_port)
         if settings.metrics_port > 0:
-            collector = NodeCollector(self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
-            self._metrics_server = serve(settings.metrics_port, node_registry(collector))
-            log.info("Prometheus metrics on port %d", settings.metrics_port)
+            collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
+            self._metrics_server = MetricsServer(settings.metrics_port, node_registry(collector))
+            self._metrics_server.start()
 
         probe = partial(self_probe, settings.registration_socket, settings.dra_socket)
         self.liveness = LivenessMonitor(

@@ -3,6 +3,10 @@ in-memory API: kubelet's calls go through the DRA service as kubelet's would."""
 
 from __future__ import annotations
 
+import socket
+import time
+import urllib.request
+
 import pynvml
 import pytest
 from prometheus_client import CollectorRegistry
@@ -11,7 +15,7 @@ from driver.kubeletapi import dra_v1_pb2
 from driver.node import metrics
 from driver.node.claims import ClaimRef
 from driver.node.kubelet.dra_service import DraV1Service
-from driver.node.metrics import ClaimHolders, NodeCollector, node_registry
+from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedClaim
 from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
 from tests.fakes import InMemoryKubeApi, allocated_claim, result
@@ -73,7 +77,7 @@ class Samples:
 @pytest.fixture
 def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
     api, env = node
-    collector = NodeCollector(env.claims, env.session, env.gpus, ClaimHolders(api))
+    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
     return api, env, DraV1Service(env.driver), Samples(node_registry(collector))
 
 
@@ -123,19 +127,21 @@ def test_node_state_and_usage_by_the_pod_holding_the_device(plugin):
     assert set(prepare(service, refs).values()) == {""}
 
     for kind, count in {"whole": 1, "mig": 1, "mps": 2, "timeslice": 0}.items():
-        assert samples.value("fgpu_prepared_devices", kind=kind) == count
+        assert samples.value("fgpu_prepared_devices", node="node-a", kind=kind) == count
     gpu3 = {"gpu": env.gpus[3].uuid, "gpu_index": "3"}
     assert samples.value("fgpu_mps_clients", **gpu3) == 2
     gpu2 = {"gpu": env.gpus[2].uuid, "gpu_index": "2"}
     assert samples.value("fgpu_mig_instances", **gpu2, mig_profile="1g.10gb") == 1
 
     # An MPS GPU: one series per pod of each claim (a claim without pods: pod ""), NVML's load.
-    holders = {(s["claim"], s["pod"]) for s in samples.series("fgpu_gpu_utilization_ratio") if s["gpu"] == gpu3["gpu"]}
+    holders = {
+        (s["claim"], s["claim_pod"]) for s in samples.series("fgpu_gpu_utilization_ratio") if s["gpu"] == gpu3["gpu"]
+    }
     assert holders == {("mps-a", "web-1"), ("mps-a", "web-2"), ("mps-b", "")}
-    held = {**gpu3, "namespace": "team", "pod": "web-1", "claim": "mps-a"}
+    held = {**gpu3, "claim_namespace": "team", "claim_pod": "web-1", "claim": "mps-a"}
     assert samples.value("fgpu_gpu_utilization_ratio", **held) == SIMULATED_MPS_GPU_PERCENT / 100
     assert samples.value("fgpu_gpu_memory_total_bytes", **held) == env.gpus[3].memory_bytes
-    nobody = {"gpu": env.gpus[1].uuid, "gpu_index": "1", "namespace": "", "pod": "", "claim": ""}
+    nobody = {"gpu": env.gpus[1].uuid, "gpu_index": "1", "claim_namespace": "", "claim_pod": "", "claim": ""}
     assert samples.value("fgpu_gpu_utilization_ratio", **nobody) == 0
     assert samples.value("fgpu_gpu_memory_used_bytes", **nobody) == 0
 
@@ -144,15 +150,15 @@ def test_node_state_and_usage_by_the_pod_holding_the_device(plugin):
     (mig,) = samples.series("fgpu_mig_memory_total_bytes")
     (instance,) = env.session.gpu_instances(2)
     assert mig == {**gpu2, "mig": instance.compute_instances[0][1], "mig_profile": "1g.10gb"} | {
-        "namespace": "team",
-        "pod": "notebook",
+        "claim_namespace": "team",
+        "claim_pod": "notebook",
         "claim": "mig",
     }
     assert samples.value("fgpu_mig_memory_total_bytes", **mig) == 9984 * MIB  # the dgx-h100 1g.10gb
     assert 0 < samples.value("fgpu_mig_memory_used_bytes", **mig) < 9984 * MIB
 
     assert set(unprepare(service, refs).values()) == {""}
-    assert samples.value("fgpu_prepared_devices", kind="mps") == 0
+    assert samples.value("fgpu_prepared_devices", node="node-a", kind="mps") == 0
     assert samples.value("fgpu_mps_clients", **gpu3) == 0
     assert samples.series("fgpu_mig_instances") == []
     assert samples.series("fgpu_mig_memory_used_bytes") == []
@@ -164,10 +170,12 @@ def test_another_instance_sharing_the_state_reports_the_same_devices(plugin):
     api, env, service, _ = plugin
     assert prepare(service, [add_claim(api, "one", [mps_share("gpu-6-mps")], pods=("p",))]) == {"uid-one": ""}
     other = env.restart(api)
-    samples = Samples(node_registry(NodeCollector(other.claims, other.session, other.gpus, ClaimHolders(api))))
-    assert samples.value("fgpu_prepared_devices", kind="mps") == 1
+    samples = Samples(
+        node_registry(NodeCollector("node-a", other.claims, other.session, other.gpus, ClaimHolders(api)))
+    )
+    assert samples.value("fgpu_prepared_devices", node="node-a", kind="mps") == 1
     assert samples.value("fgpu_mps_clients", gpu=env.gpus[6].uuid, gpu_index="6") == 1
-    pods = {s["pod"] for s in samples.series("fgpu_gpu_memory_used_bytes") if s["claim"] == "one"}
+    pods = {s["claim_pod"] for s in samples.series("fgpu_gpu_memory_used_bytes") if s["claim"] == "one"}
     assert pods == {"p"}
 
 
@@ -248,3 +256,26 @@ def test_the_claim_error_reasons_are_the_documented_set():
         if s.name == "fgpu_claim_errors_total"
     }
     assert values == {"invalid", "not_found", "not_allocated", "mig", "mps", "timeslice", "io", "api", "internal"}
+
+
+def test_metrics_port_in_use_is_tried_again_until_free():
+    """hostNetwork: the previous instance of a rolling update holds the port until it stops."""
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    server = MetricsServer(port, node_registry(metrics.REGISTRY), retry_s=0.05)
+    server.start()
+    try:
+        holder.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the metrics server never bound the freed port"
+                time.sleep(0.05)
+        assert "fgpu_requests_total" in body
+    finally:
+        server.stop()
