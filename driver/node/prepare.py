@@ -365,7 +365,7 @@ class Driver:
     # --- helpers --------------------------------------------------------------------------------
 
     def _each(
-        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], operation: str
+        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], operation: metrics.Operation
     ) -> dict[str, PrepareResult]:
         """Run each claim of a batch under its own lock; claims on different GPUs run in parallel.
         Each claim done is one INFO line (a failure is one WARNING line, from _per_claim, and
