@@ -14,6 +14,9 @@ up, so the figures are the steady-state cost of one more share.
 
   python -m bench.prepare_latency --api memory --callers 1 8 32 --seconds 10
   python -m bench.prepare_latency --api memory --kind mps --callers 1 8 --seconds 10
+
+With `--metrics-port P` (in-memory API) the plugin serves its Prometheus metrics there and this
+process scrapes them every second during the run (15-60 s is usual): the cost of the metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -59,7 +64,7 @@ def device_result(kind: str, caller: int) -> dict:
     return result
 
 
-def serve_in_memory(root: str, claims_json: str) -> None:
+def serve_in_memory(root: str, claims_json: str, metrics_port: int) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
@@ -77,6 +82,7 @@ def serve_in_memory(root: str, claims_json: str) -> None:
         driver_name="gpu.fgpu.dev", node_name=NODE, registrar_dir=base / "registry", plugin_dir=base / "plugin",
         cdi_dir=base / "cdi", state_dir=base / "plugin", nvml="mock:dgx-h100", kubeconfig=None,
         driver_root=default_driver_root("mock:dgx-h100", base / "plugin"), healthcheck_port=-1, sharing=SharingConfig(),
+        metrics_port=metrics_port,
     )  # fmt: skip
     PluginProcess(settings, api=api).serve_until_signal()
 
@@ -107,7 +113,7 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
 
 
-def run(callers: int, seconds: float, socket_root: str, claims: list[list[dict[str, str]]]) -> dict[str, float]:
+def run(callers: int, seconds: float, socket_root: str, claims: list[list[dict[str, str]]]) -> dict[str, float | int]:
     context = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = context.Queue()
     workers = [context.Process(target=caller, args=(socket_root, claims[i], seconds, out)) for i in range(callers)]
@@ -128,7 +134,9 @@ def run(callers: int, seconds: float, socket_root: str, claims: list[list[dict[s
     }
 
 
-def serve_memory_api(root: str, kind: str, callers: int, per_caller: int) -> tuple[list[list[dict]], object]:
+def serve_memory_api(
+    root: str, kind: str, callers: int, per_caller: int, metrics_port: int
+) -> tuple[list[list[dict]], object]:
     """Start the plugin with an in-memory API holding every caller's claims (and a resident
     share per GPU for share kinds); returns the callers' claims and the server process."""
     os.environ.update(fake_tools_env(Path(root)))
@@ -138,7 +146,9 @@ def serve_memory_api(root: str, kind: str, callers: int, per_caller: int) -> tup
     ]
     resident = [{**ref, "result": device_result(kind, c)} for c, ref in enumerate(claim_refs(8))]
     everything = [r for claims in per_caller_claims for r in claims] + resident
-    server = multiprocessing.get_context("spawn").Process(target=serve_in_memory, args=(root, json.dumps(everything)))
+    server = multiprocessing.get_context("spawn").Process(
+        target=serve_in_memory, args=(root, json.dumps(everything), metrics_port)
+    )
     server.start()
     plugin = PluginUnderTest(node=NODE, kubeconfig="", root=Path(root))
     deadline = time.monotonic() + 30
@@ -153,6 +163,25 @@ def serve_memory_api(root: str, kind: str, callers: int, per_caller: int) -> tup
     return [[{k: v for k, v in r.items() if k != "result"} for r in claims] for claims in per_caller_claims], server
 
 
+class Scraper(threading.Thread):
+    """Scrapes the plugin's metrics every second, as Prometheus would (more often)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.durations_ms: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            start = time.perf_counter()
+            try:
+                urllib.request.urlopen(self.url, timeout=10).read()
+            except OSError:
+                continue  # not serving yet
+            self.durations_ms.append((time.perf_counter() - start) * 1000)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=["memory", "cluster"], default="memory")
@@ -160,6 +189,7 @@ def main() -> None:
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--claims-per-caller", type=int, default=16)
+    parser.add_argument("--metrics-port", type=int, default=-1, help="serve metrics there, scraped every second")
     args = parser.parse_args()
     callers = max(args.callers)
 
@@ -167,7 +197,7 @@ def main() -> None:
     cluster = None
     try:
         if args.api == "memory":
-            claims, server = serve_memory_api(root, args.kind, callers, args.claims_per_caller)
+            claims, server = serve_memory_api(root, args.kind, callers, args.claims_per_caller, args.metrics_port)
         else:
             import kubernetes
 
@@ -189,9 +219,15 @@ def main() -> None:
             ]
             server = PluginUnderTest(node=NODE, kubeconfig=str(cluster.kubeconfig), root=Path(root)).start()
         for count in args.callers:
-            print(
-                json.dumps({"api": args.api, "kind": args.kind, **run(count, args.seconds, root, claims)}), flush=True
-            )
+            scraper = Scraper(args.metrics_port)
+            if args.metrics_port > 0:
+                scraper.start()
+            figures = run(count, args.seconds, root, claims)
+            scraper.done.set()
+            if scraper.durations_ms:
+                figures["scrapes"] = len(scraper.durations_ms)
+                figures["scrape_p50_ms"] = round(statistics.median(scraper.durations_ms), 2)
+            print(json.dumps({"api": args.api, "kind": args.kind, **figures}), flush=True)
     finally:
         if cluster is not None:
             server.stop()

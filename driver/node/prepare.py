@@ -25,10 +25,18 @@ from kubernetes.utils import parse_quantity
 
 from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.node import metrics
 from driver.node.cdi import CdiWriter
 from driver.node.claim_config import config_for_request
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
-from driver.node.claims import AllocatedDevice, ClaimAllocation, ClaimError, ClaimRef, allocation_for_node
+from driver.node.claims import (
+    AllocatedDevice,
+    ClaimAllocation,
+    ClaimError,
+    ClaimRef,
+    ErrorReason,
+    allocation_for_node,
+)
 from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
@@ -46,6 +54,7 @@ class PrepareResult:
     error: str = ""
     # What was created or destroyed, for the operator's log line; not part of kubelet's answer.
     summary: str = field(default="", compare=False)
+    reason: ErrorReason | None = None  # where the error came from, for the metrics
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class Driver:
     # --- prepare --------------------------------------------------------------------------------
 
     def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
-        return self._each(refs, self._prepare_one, "prepared")
+        return self._each(refs, self._prepare_one, "prepare")
 
     def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         ref.validate()
@@ -102,7 +111,7 @@ class Driver:
         try:
             claim = self._api.get_claim(ref.namespace, ref.name)
         except NotFoundError as err:
-            raise ClaimError("the claim does not exist in the API server") from err
+            raise ClaimError("the claim does not exist in the API server", reason="not_found") from err
         planned = self._plan(allocation_for_node(claim, ref, self.driver_name, self.pool))
         if _needs_journal(planned):
             self._claims.commit(prepared=[planned])
@@ -130,7 +139,10 @@ class Driver:
         by_device: dict[str, list[AllocatedDevice]] = {}
         for allocated in allocation.devices:
             if allocated.device not in self._targets:
-                raise ClaimError(f"device {allocated.device!r} is not a device of this node's pool {self.pool}")
+                raise ClaimError(
+                    f"device {allocated.device!r} is not a device of this node's pool {self.pool}",
+                    reason="not_allocated",
+                )
             by_device.setdefault(allocated.device, []).append(allocated)
         devices = []
         for name, results in by_device.items():
@@ -222,7 +234,7 @@ class Driver:
                 done = "none, MIG mode disabled" if released else "none"
                 device = replace(device, device_nodes=(gpu_node,))
         except (MigError, ToolError) as err:
-            raise ClaimError(str(err)) from err
+            raise ClaimError(str(err), reason=_step_reason(device, err)) from err
         crash_point("prepare:device-ready")
         return device, done
 
@@ -245,7 +257,7 @@ class Driver:
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
-        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one, "unprepared").items()}
+        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one, "unprepare").items()}
         with self._locks_guard:
             for ref in refs:
                 if not errors[ref.uid]:
@@ -277,21 +289,22 @@ class Driver:
         if _needs_journal(claim):
             self._claims.commit(prepared=[replace(claim, state="UnprepareStarted", owner=self._instance.id)])
         crash_point("unprepare:journaled")
-        try:
-            with self._gpu_locks(claim.devices):
-                # Read under the GPU locks: a claim being unprepared no longer holds its GPU, one being
-                # prepared already may (its daemon may be up before it is marked completed).
-                others = [
-                    c for uid, c in self._claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"
-                ]
-                released = [f"{device.device}: {self._release(device, others)}" for device in claim.devices]
-        except (MigError, ToolError) as err:
-            raise ClaimError(f"releasing its devices failed: {err}") from err
+        with self._gpu_locks(claim.devices):
+            # Read under the GPU locks: a claim being unprepared no longer holds its GPU, one being
+            # prepared already may (its daemon may be up before it is marked completed).
+            others = [c for uid, c in self._claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"]
+            released = [f"{device.device}: {self._release_or_fail(device, others)}" for device in claim.devices]
         crash_point("unprepare:devices-released")
         self._cdi.remove(claim.uid)
         crash_point("unprepare:cdi-removed")
         self._claims.commit(removed=[claim.uid])
         return "; ".join(released)
+
+    def _release_or_fail(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
+        try:
+            return self._release(device, others)
+        except (MigError, ToolError) as err:
+            raise ClaimError(f"releasing its devices failed: {err}", reason=_step_reason(device, err)) from err
 
     def _release(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
         """Undo what the device made on the GPU; returns what was destroyed."""
@@ -372,18 +385,21 @@ class Driver:
     # --- helpers --------------------------------------------------------------------------------
 
     def _each(
-        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], verb: str
+        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], operation: metrics.Operation
     ) -> dict[str, PrepareResult]:
         """Run each claim of a batch under its own lock; claims on different GPUs run in parallel.
-        Each claim done is one INFO line (a failure is one WARNING line, from _per_claim)."""
+        Each claim done is one INFO line (a failure is one WARNING line, from _per_claim, and
+        counted by its reason)."""
 
         def one(ref: ClaimRef) -> PrepareResult:
             with self._lock(f"claim/{ref.uid}"):
                 started = time.monotonic()
                 result = self._per_claim(ref, lambda: action(ref))
-            if not result.error:
+            if result.reason is not None:
+                metrics.record_claim_error(operation, result.reason)
+            else:
                 elapsed_ms = (time.monotonic() - started) * 1000
-                log.info("%s claim %s in %.0f ms: %s", verb, ref, elapsed_ms, result.summary)
+                log.info("%sd claim %s in %.0f ms: %s", operation, ref, elapsed_ms, result.summary)
             return result
 
         if len(refs) == 1:
@@ -392,19 +408,20 @@ class Driver:
 
     def _per_claim(self, ref: ClaimRef, action: Callable[[], PrepareResult]) -> PrepareResult:
         """Run one claim's work; whatever goes wrong becomes that claim's error, never the batch's."""
+        reason: ErrorReason
         try:
             return action()
         except ClaimError as err:
-            message = f"claim {ref}: {err}"
+            message, reason = f"claim {ref}: {err}", err.reason
         except KubeError as err:
-            message = f"claim {ref}: cannot read the claim from the API server: {err}"
-        except OSError as err:
-            message = f"claim {ref}: {err}"
+            message, reason = f"claim {ref}: cannot read the claim from the API server: {err}", "api"
+        except OSError as err:  # the CDI spec, the checkpoint, a MIG device node
+            message, reason = f"claim {ref}: {err}", "io"
         except Exception as err:
             log.exception("unexpected error for claim %s", ref)
-            message = f"claim {ref}: internal error: {err!r}"
+            message, reason = f"claim {ref}: internal error: {err!r}", "internal"
         log.warning("%s", message)
-        return PrepareResult(error=message)
+        return PrepareResult(error=message, reason=reason)
 
     def _lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
@@ -418,6 +435,14 @@ class Driver:
             for index in sorted({d.gpu_index for d in devices}):
                 stack.enter_context(self._lock(f"gpu/{index}"))
             yield
+
+
+# The tool that fails for a device of this kind (MIG instances and MIG mode are NVML's, not a tool's).
+_TOOL_STEP: dict[str, ErrorReason] = {"mps": "mps", "timeslice": "timeslice"}
+
+
+def _step_reason(device: PreparedDevice, err: MigError | ToolError) -> ErrorReason:
+    return "mig" if isinstance(err, MigError) else _TOOL_STEP.get(device.kind, "internal")
 
 
 def _mps_limits(device: PreparedDevice) -> MpsLimits:

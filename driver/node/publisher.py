@@ -15,6 +15,7 @@ from typing import Any
 
 from driver.devices import DeviceTaint, Inventory
 from driver.kube import KubeApi, KubeError, KubeUnavailableError, NotFoundError
+from driver.node import metrics
 from driver.node.background import BackgroundWorker
 from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 
@@ -104,14 +105,19 @@ class SlicePublisher(BackgroundWorker):
                 continue
             except KubeUnavailableError as err:
                 log.warning("publishing ResourceSlices failed, retrying in %.0fs: %s", backoff, err)
+                metrics.record_publish_failure("unavailable")
             except KubeError as err:
                 # A slice deleted or changed under us (kubelet deleting them all, say): a race, not
                 # an outage, so retry soon.
                 log.info("publishing ResourceSlices raced with another writer (%s); retrying", err)
+                metrics.record_publish_failure("conflict")
                 backoff = min(backoff, RACE_RETRY_S)
             except Exception:
                 log.exception("unexpected error publishing ResourceSlices; retrying in %.0fs", backoff)
-            self._stop.wait(backoff)
+                metrics.record_publish_failure("error")
+            if self._stop.wait(backoff):
+                return
+            metrics.record_publish_retry()
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _watch_until_change(self, resource_version: str) -> None:

@@ -28,6 +28,7 @@ from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
+from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.node_lock import NodeClaimLock, SerializedDriver
 from driver.node.ownership import InstanceLock
 from driver.node.prepare import Partitioners
@@ -106,6 +107,7 @@ class PluginProcess:
         self._dra_server: grpc.Server | None = None
         self._registration_server: grpc.Server | None = None
         self._health_server: grpc.Server | None = None
+        self._metrics_server: MetricsServer | None = None
         self._sockets: list[BoundSocket] = []
         self._stopped = threading.Event()
 
@@ -163,6 +165,10 @@ class PluginProcess:
         self.instance.remove_dead_instances_sockets()  # a killed instance's registration stays otherwise
         if settings.healthcheck_port >= 0:
             self._serve_health_port(settings.healthcheck_port)
+        if settings.metrics_port > 0:
+            collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
+            self._metrics_server = MetricsServer(settings.metrics_port, node_registry(collector))
+            self._metrics_server.start()
 
         probe = partial(self_probe, settings.registration_socket, settings.dra_socket)
         self.liveness = LivenessMonitor(
@@ -208,6 +214,8 @@ class PluginProcess:
             if server is not None:
                 server.stop(grace=5).wait()
         self._remove_socket(self.settings.dra_socket)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()  # before NVML closes: a scrape reads it
         self._nvml.close()
         self.instance.release()
         log.info("stopped; sockets removed, state kept in %s", self.settings.state_dir)

@@ -57,6 +57,7 @@ class PluginSettings:
     shutdown_drain_s: float = 3.0
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_monitor: bool = True
+    metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
 
     @property
     def mock_gpus(self) -> bool:
@@ -181,6 +182,12 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_env_default("-1", "HEALTHCHECK_PORT"),
         help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_default("-1", "METRICS_PORT"),
+        help="TCP port for Prometheus metrics (/metrics); -1 or 0 disables [METRICS_PORT]",
     )
     parser.add_argument(
         "--rolling-update-uid",
@@ -317,6 +324,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
         health=health_policy(args),
         health_monitor=args.health_monitor,
+        metrics_port=args.metrics_port,
     )
     for socket in (settings.registration_socket, settings.dra_socket):
         try:

@@ -41,6 +41,13 @@ FULL_GI_ID = 0  # the 7g instance always gets id 0, as on real GPUs
 NO_INSTANCE = 0xFFFFFFFF  # an event's GPU/compute instance id when it concerns the whole GPU
 MAX_EVENTS_KEPT = 256  # injected events kept in the state for event sets that have not read them
 EVENT_POLL_S = 0.02
+# Load: nothing runs on a mock GPU, so it simulates a steady load for what NVML can see of fgpu's
+# work, deterministically: an MPS server (its shares' clients busy) and the framebuffer a MIG
+# instance reserves once created (real GPUs report ~13 MiB used on an idle 1g instance).
+SIMULATED_MPS_GPU_PERCENT = 40
+SIMULATED_MPS_MEMORY_PERCENT = 15
+SIMULATED_MPS_SERVER_MIB = 512
+SIMULATED_MIG_RESERVED_MIB = 13
 T = TypeVar("T")
 
 
@@ -148,6 +155,11 @@ class MachineState:
 
 def _fail(code: int) -> NVMLError:
     return NVMLError(code)
+
+
+def _mps_serving(gpu: GpuState) -> bool:
+    """The MPS partitioner puts a GPU in exclusive-process mode while its daemon serves shares."""
+    return gpu.compute_mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
 
 
 class MockNvml:
@@ -280,12 +292,39 @@ class MockNvml:
         return info
 
     def nvmlDeviceGetMemoryInfo(self, device: object, version: int | None = None) -> pynvml.c_nvmlMemory_t:
-        self._gpu_index(device)
+        """A MIG device handle reports its instance's memory, as NVML does; used memory follows the
+        simulated load (see SIMULATED_*)."""
+        index = self._gpu_index(device)
+        with self._machine() as machine:
+            gpu = machine.gpus[index]
+            if isinstance(device, MockMigDevice):
+                total_mib = self._mig_spec_of(gpu, device.gi_id).memory_mib
+                used_mib = SIMULATED_MIG_RESERVED_MIB
+            else:
+                total_mib = self.machine.gpu.memory_mib
+                used_mib = SIMULATED_MIG_RESERVED_MIB * sum(
+                    len(gi.compute_instances) for gi in gpu.gpu_instances.values()
+                )
+                used_mib += SIMULATED_MPS_SERVER_MIB if _mps_serving(gpu) else 0
         memory = pynvml.c_nvmlMemory_t()
-        memory.total = self.machine.gpu.memory_mib * 1024 * 1024
-        memory.used = 0
-        memory.free = memory.total
+        memory.total = total_mib * 1024 * 1024
+        memory.used = used_mib * 1024 * 1024
+        memory.free = memory.total - memory.used
         return memory
+
+    def nvmlDeviceGetUtilizationRates(self, device: object) -> pynvml.c_nvmlUtilization_t:
+        """NOT_SUPPORTED on a MIG device handle and on a GPU in MIG mode, as NVML documents it."""
+        if isinstance(device, MockMigDevice):
+            self._gpu_index(device)
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._with_gpu(device, lambda state: state)
+        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        utilization = pynvml.c_nvmlUtilization_t()
+        serving = _mps_serving(gpu)
+        utilization.gpu = SIMULATED_MPS_GPU_PERCENT if serving else 0
+        utilization.memory = SIMULATED_MPS_MEMORY_PERCENT if serving else 0
+        return utilization
 
     def nvmlDeviceGetCudaComputeCapability(self, device: object) -> tuple[int, int]:
         self._gpu_index(device)

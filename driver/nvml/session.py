@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,15 @@ class RawGpu:
     multiprocessors: int
     mig_capable: bool
     mig_enabled: bool
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """A GPU's or MIG device's memory and, where NVML measures it, its utilisation."""
+
+    memory_used_bytes: int
+    memory_total_bytes: int
+    gpu_percent: int | None  # None on MIG devices and GPUs in MIG mode: NVML does not support it
 
 
 def _unless_absent(call: Any, *args: Any) -> Any:
@@ -195,10 +205,7 @@ class NvmlSession:
         if not self.mig_enabled(index):
             return []
         uuids: dict[tuple[int, int], str] = {}
-        for i in range(self.nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            mig = _unless_absent(self.nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)
-            if mig is None:
-                continue
+        for mig in self._mig_handles(handle):
             key = (self.nvml.nvmlDeviceGetGpuInstanceId(mig), self.nvml.nvmlDeviceGetComputeInstanceId(mig))
             uuids[key] = self.nvml.nvmlDeviceGetUUID(mig)
         records = []
@@ -210,6 +217,33 @@ class NvmlSession:
             cis = tuple(sorted((ci, uuid) for (gi, ci), uuid in uuids.items() if gi == gi_id))
             records.append(GpuInstanceRecord(gi_id, info.profileId, info.placement.start, info.placement.size, cis))
         return records
+
+    def _mig_handles(self, handle: Any) -> Iterator[Any]:
+        for i in range(self.nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            mig = _unless_absent(self.nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)
+            if mig is not None:
+                yield mig
+
+    # --- usage (read by the plugin's metrics at scrape time) ---
+
+    def usage(self, index: int) -> DeviceUsage:
+        return self._usage(self.handle(index))
+
+    def mig_usage(self, index: int) -> dict[str, DeviceUsage]:
+        """Each MIG device's usage by its MIG UUID; empty while MIG mode is off."""
+        if not self.mig_enabled(index):
+            return {}
+        return {self.nvml.nvmlDeviceGetUUID(mig): self._usage(mig) for mig in self._mig_handles(self.handle(index))}
+
+    def _usage(self, handle: Any) -> DeviceUsage:
+        memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            gpu_percent: int | None = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except pynvml.NVMLError as err:
+            if err.value != pynvml.NVML_ERROR_NOT_SUPPORTED:  # MIG devices, and GPUs in MIG mode
+                raise
+            gpu_percent = None
+        return DeviceUsage(memory_used_bytes=memory.used, memory_total_bytes=memory.total, gpu_percent=gpu_percent)
 
     def create_mig_instance(self, index: int, profile_id: int, start: int, size: int) -> GpuInstanceRecord:
         """Create a GPU instance at the placement and one compute instance spanning it."""

@@ -3,6 +3,7 @@ daemonset/ match it (daemonset/render.sh). The apiserver's verdict on them: test
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -175,3 +176,24 @@ def test_log_format_feature_gates_and_lease_timings_reach_the_commands(monkeypat
     args = build_parser().parse_args(container["args"])
     timings = (args.leader_elect_lease_duration, args.leader_elect_renew_deadline, args.leader_elect_retry_period)
     assert (args.log_format, timings) == ("json", (30, 20, 4))
+
+
+def test_plugin_metrics_port_reaches_the_flag_and_a_container_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = find(render({"kubeletPlugin.metricsPort": 9555}), "DaemonSet")
+    container = plugin["spec"]["template"]["spec"]["containers"][0]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9555}]
+    for name, value in container_env(plugin).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    assert build_parser().parse_args([*container["args"], "--node-name=n"]).metrics_port == 9555
+    off = find(render({"kubeletPlugin.metricsPort": 0}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert "ports" not in off and "METRICS_PORT" not in {e["name"] for e in off["env"]}
+
+
+def test_grafana_dashboard_is_an_opt_in_labelled_config_map() -> None:
+    assert not [o for o in render() if "dashboard" in o["metadata"]["name"]]
+    config = find(render({"metrics.dashboard.enabled": True}), "ConfigMap", "dashboard")
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["fgpu.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "fgpu.json").read_text())
+    assert all(target["expr"] for panel in dashboard["panels"] for target in panel["targets"])

@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 
 from driver.nvml.geometry import COMPUTE_SLICES, GEOMETRY_BY_ID, MIG_GEOMETRY, memory_slots
 from driver.nvml.machine import MachineProfileError, bundled_machines, load_machine
-from driver.nvml.mock import MockNvml
+from driver.nvml.mock import (
+    SIMULATED_MIG_RESERVED_MIB,
+    SIMULATED_MPS_GPU_PERCENT,
+    SIMULATED_MPS_MEMORY_PERCENT,
+    SIMULATED_MPS_SERVER_MIB,
+    MockDevice,
+    MockNvml,
+)
+from driver.nvml.session import DeviceUsage, NvmlSession
 
 
 def mock(name: str = "dgx-h100", state: Path | None = None) -> MockNvml:
@@ -199,3 +207,50 @@ def test_random_create_destroy_never_oversubscribes(operations):
         slots = [memory_slots(i.placement.start, i.placement.size) for i in infos]
         assert sum(len(s) for s in slots) == len(frozenset().union(*slots))
         assert sum(GEOMETRY_BY_ID[i.profileId].compute_slices for i in infos) <= COMPUTE_SLICES
+
+
+def test_utilization_rates_like_nvml():
+    nvml = mock()
+    handle = nvml.nvmlDeviceGetHandleByIndex(1)
+    idle = nvml.nvmlDeviceGetUtilizationRates(handle)
+    assert isinstance(idle, pynvml.c_nvmlUtilization_t) and (idle.gpu, idle.memory) == (0, 0)
+    nvml.nvmlDeviceSetComputeMode(handle, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)  # an MPS daemon serves
+    busy = nvml.nvmlDeviceGetUtilizationRates(handle)
+    assert (busy.gpu, busy.memory) == (SIMULATED_MPS_GPU_PERCENT, SIMULATED_MPS_MEMORY_PERCENT)
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    assert memory.used == SIMULATED_MPS_SERVER_MIB * 2**20 and memory.used + memory.free == memory.total
+    with pytest.raises(pynvml.NVMLError) as excinfo:
+        nvml.nvmlDeviceGetUtilizationRates(MockDevice(8))
+    assert error_code(excinfo) == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    nvml.nvmlShutdown()
+    with pytest.raises(pynvml.NVMLError) as excinfo:
+        nvml.nvmlDeviceGetUtilizationRates(handle)
+    assert error_code(excinfo) == pynvml.NVML_ERROR_UNINITIALIZED
+
+
+def test_mig_devices_report_their_memory_and_no_utilization():
+    nvml = mock()
+    handle = enable_mig(nvml)
+    instance = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, 19, placement(0, 1))
+    nvml.nvmlGpuInstanceCreateComputeInstance(instance, 0)
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
+    assert nvml.nvmlDeviceGetMemoryInfo(mig).total == 9984 * 2**20  # the 1g.10gb's, not the GPU's
+    assert nvml.nvmlDeviceGetMemoryInfo(mig).used == SIMULATED_MIG_RESERVED_MIB * 2**20
+    assert nvml.nvmlDeviceGetMemoryInfo(handle).used == SIMULATED_MIG_RESERVED_MIB * 2**20
+    for device in (mig, handle):  # "On MIG-enabled GPUs, querying device utilization rates is not supported"
+        with pytest.raises(pynvml.NVMLError) as excinfo:
+            nvml.nvmlDeviceGetUtilizationRates(device)
+        assert error_code(excinfo) == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_session_usage_of_gpus_and_mig_devices():
+    session = NvmlSession(mock())
+    assert session.usage(0) == DeviceUsage(memory_used_bytes=0, memory_total_bytes=81559 * 2**20, gpu_percent=0)
+    assert session.mig_usage(0) == {}
+    assert session.set_mig_mode(0, True)
+    record = session.create_mig_instance(0, 9, 4, 4)
+    ((_, mig_uuid),) = record.compute_instances
+    assert session.usage(0).gpu_percent is None
+    assert session.mig_usage(0) == {
+        mig_uuid: DeviceUsage(SIMULATED_MIG_RESERVED_MIB * 2**20, 40448 * 2**20, gpu_percent=None)
+    }

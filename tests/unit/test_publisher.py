@@ -1,6 +1,7 @@
 import time
 
 from driver.devices import Device, Inventory
+from driver.node import metrics
 from driver.node.publisher import SlicePublisher
 from tests.fakes import InMemoryKubeApi, node_object
 
@@ -11,6 +12,10 @@ def devices(count: int) -> Inventory:
     return Inventory(
         devices=[Device(name=f"gpu-{i}", capacity={"memory": 2**30}) for i in range(count)], counter_sets=[]
     )
+
+
+def published(counter: str, **labels: str) -> float | None:
+    return metrics.REGISTRY.get_sample_value(f"fgpu_slice_publish_{counter}_total", labels)
 
 
 def wait_for(condition, timeout: float = 5.0) -> None:
@@ -67,13 +72,17 @@ def test_unreachable_api_server_is_retried():
     api = InMemoryKubeApi()
     api.nodes["n1"] = node_object("n1")
     api.unavailable = True
+    failures = published("failures", reason="unavailable")
+    retries = published("retries")
     publisher = SlicePublisher(api, DRIVER, "n1", devices(2))
     publisher.start()
     try:
         time.sleep(0.3)
         assert not api.slices
+        assert published("failures", reason="unavailable") == failures + 1
         api.unavailable = False
         wait_for(lambda: len(api.slices) == 1, timeout=5)
+        assert published("retries") == retries + 1  # the attempt that succeeded
     finally:
         api.close()
         publisher.stop()

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from driver.node import metrics
 from driver.node.claims import ClaimRef
 from driver.node.prepare import Driver
 
@@ -26,7 +27,10 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
 
         def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
             response = messages.NodePrepareResourcesResponse()
-            for uid, result in self._driver.prepare(_refs(request.claims)).items():
+            with metrics.observed_request("NodePrepareResources", len(request.claims)) as outcome:
+                results = self._driver.prepare(_refs(request.claims))
+                outcome.failed = any(result.error for result in results.values())
+            for uid, result in results.items():
                 entry = response.claims[uid]
                 if result.error:
                     entry.error = result.error
@@ -45,7 +49,10 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
 
         def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
             response = messages.NodeUnprepareResourcesResponse()
-            for uid, error in self._driver.unprepare(_refs(request.claims)).items():
+            with metrics.observed_request("NodeUnprepareResources", len(request.claims)) as outcome:
+                errors = self._driver.unprepare(_refs(request.claims))
+                outcome.failed = any(errors.values())
+            for uid, error in errors.items():
                 response.claims[uid].error = error
             return response
 

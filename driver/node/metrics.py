@@ -1,0 +1,350 @@
+"""What the node plugin does and what its GPUs hold, for Prometheus (`--metrics-port`).
+
+Two kinds of metric. Events (kubelet's requests, claim errors, publish failures, health events)
+are counters and histograms in REGISTRY, counted where they happen. What the node holds (prepared
+devices, MIG instances, MPS clients, GPU and MIG memory and utilisation by the pod that holds the
+device) is read at scrape time by NodeCollector: from the checkpoint, which both plugin instances
+of a rolling update share, so either one reports the node's truth, and from NVML.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import pynvml
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from driver.discovery import GpuInfo
+from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.node.background import BackgroundWorker
+from driver.node.claims import ErrorReason
+from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.nvml.session import GpuInstanceRecord, NvmlSession
+from driver.sharing import SharingKind
+
+log = logging.getLogger(__name__)
+
+Method = Literal["NodePrepareResources", "NodeUnprepareResources"]
+Operation = Literal["prepare", "unprepare"]
+PublishFailure = Literal["unavailable", "conflict", "error"]
+HealthKind = Literal["xid", "ecc_double_bit", "gpu_lost"]
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+# Prepares take 1-50 ms on mock GPUs and a first MPS share ~200 ms; a MIG mode change or a slow
+# API server reach seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+REGISTRY = CollectorRegistry()
+REQUESTS = Counter(
+    "fgpu_requests_total",
+    "kubelet's NodePrepareResources/NodeUnprepareResources calls with claims; result error: a claim failed",
+    ["method", "result"],
+    registry=REGISTRY,
+)
+REQUEST_SECONDS = Histogram(
+    "fgpu_request_duration_seconds",
+    "Time to answer kubelet's call, all its claims",
+    ["method"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+IN_FLIGHT = Gauge("fgpu_requests_in_flight", "kubelet's calls being answered", ["method"], registry=REGISTRY)
+CLAIM_ERRORS = Counter(
+    "fgpu_claim_errors_total",
+    "Claims that failed, by where the error came from",
+    ["operation", "reason"],
+    registry=REGISTRY,
+)
+PUBLISH_FAILURES = Counter(
+    "fgpu_slice_publish_failures_total",
+    "Failed attempts to publish the node's ResourceSlices (unavailable: API server; conflict: a race)",
+    ["reason"],
+    registry=REGISTRY,
+)
+PUBLISH_RETRIES = Counter(
+    "fgpu_slice_publish_retries_total", "Attempts to publish ResourceSlices after a failed one", registry=REGISTRY
+)
+HEALTH_EVENTS = Counter(
+    "fgpu_health_events_total", "GPU health events (xid: its number)", ["gpu", "kind", "xid"], registry=REGISTRY
+)
+TAINTS = Gauge("fgpu_device_taints", "Device taints this node's plugin has in force", ["effect"], registry=REGISTRY)
+
+# Every series a dashboard or alert expects exists from the start, at zero.
+for _method in get_args(Method):
+    IN_FLIGHT.labels(_method)
+    REQUEST_SECONDS.labels(_method)
+    for _result in ("ok", "error"):
+        REQUESTS.labels(_method, _result)
+for _operation in get_args(Operation):
+    for _reason in get_args(ErrorReason):
+        CLAIM_ERRORS.labels(_operation, _reason)
+for _failure in get_args(PublishFailure):
+    PUBLISH_FAILURES.labels(_failure)
+_taint_effects = set(TAINT_EFFECTS)
+_taints_guard = threading.Lock()
+
+
+# --- hooks ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestOutcome:
+    failed: bool = False
+
+
+@contextlib.contextmanager
+def observed_request(method: Method, claims: int) -> Iterator[RequestOutcome]:
+    """Count and time one kubelet call; the caller sets `failed` when a claim of it failed."""
+    outcome = RequestOutcome()
+    if claims == 0:  # the liveness self-probe, every second: no work, and not kubelet's
+        yield outcome
+        return
+    IN_FLIGHT.labels(method).inc()
+    started = time.perf_counter()
+    try:
+        yield outcome
+    except BaseException:
+        outcome.failed = True
+        raise
+    finally:
+        IN_FLIGHT.labels(method).dec()
+        REQUEST_SECONDS.labels(method).observe(time.perf_counter() - started)
+        REQUESTS.labels(method, "error" if outcome.failed else "ok").inc()
+
+
+def record_claim_error(operation: Operation, reason: ErrorReason) -> None:
+    CLAIM_ERRORS.labels(operation, reason).inc()
+
+
+def record_publish_failure(reason: PublishFailure) -> None:
+    PUBLISH_FAILURES.labels(reason).inc()
+
+
+def record_publish_retry() -> None:
+    PUBLISH_RETRIES.inc()
+
+
+def record_health_event(gpu_uuid: str, kind: HealthKind, xid: int | None = None) -> None:
+    """One health event of a GPU (driver/node/health*); xid only for kind xid."""
+    HEALTH_EVENTS.labels(gpu_uuid, kind, "" if xid is None else str(xid)).inc()
+
+
+def set_taints_in_force(counts: Mapping[str, int]) -> None:
+    """The device taints in force now, by effect: an effect not named has none (0)."""
+    with _taints_guard:
+        _taint_effects.update(counts)
+        for effect in _taint_effects:
+            TAINTS.labels(effect).set(counts.get(effect, 0))
+
+
+# --- what the node holds, read at scrape time -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pods:
+    names: tuple[str, ...]
+    read_at: float
+
+
+class ClaimHolders:
+    """The pods that hold each prepared claim: its status.reservedFor, looked up at scrape time
+    and kept for `refresh_s`. Not recorded at prepare: kubelet prepares a claim once per node,
+    so a second pod sharing it never reaches the plugin, and the checkpoint stays as it is (an
+    older instance of a rolling update reads it too). An unreachable API server keeps what is
+    known and is not asked again for `refresh_s`, so a scrape never waits on it twice."""
+
+    def __init__(self, api: KubeApi, refresh_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._api = api
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._known: dict[str, _Pods] = {}
+        self._quiet_until = 0.0
+        self._lock = threading.Lock()
+
+    def pods(self, claims: Iterable[PreparedClaim]) -> dict[str, tuple[str, ...]]:
+        """Claim UID -> names of the pods holding it (empty where unknown)."""
+        with self._lock:
+            claims = list(claims)
+            for claim in claims:
+                known = self._known.get(claim.uid)
+                now = self._clock()
+                if (known is None or now - known.read_at >= self._refresh_s) and now >= self._quiet_until:
+                    self._look_up(claim, now)
+            self._known = {c.uid: self._known[c.uid] for c in claims if c.uid in self._known}
+            return {c.uid: self._known[c.uid].names if c.uid in self._known else () for c in claims}
+
+    def _look_up(self, claim: PreparedClaim, now: float) -> None:
+        try:
+            current: JsonObject = self._api.get_claim(claim.namespace, claim.name)
+        except NotFoundError:
+            current = {}
+        except KubeError as err:
+            log.info("cannot read claim %s/%s for the metrics' pod labels: %s", claim.namespace, claim.name, err)
+            self._quiet_until = now + self._refresh_s
+            return
+        self._known[claim.uid] = _Pods(_reserving_pods(current, claim.uid), now)
+
+
+def _reserving_pods(claim: JsonObject, uid: str) -> tuple[str, ...]:
+    if (claim.get("metadata") or {}).get("uid") != uid:  # gone, or re-created: not the claim we hold
+        return ()
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    return tuple(sorted(str(r.get("name")) for r in reserved if r.get("resource") == "pods"))
+
+
+@dataclass(frozen=True)
+class _Holder:
+    namespace: str
+    pod: str
+    claim: str
+
+
+_NOBODY = (_Holder("", "", ""),)
+# Not "namespace" and "pod": Prometheus's Kubernetes targets carry those (this plugin's own pod).
+HOLDER_LABELS = ["claim_namespace", "claim_pod", "claim"]
+GPU_LABELS = ["gpu", "gpu_index"]
+MIG_LABELS = [*GPU_LABELS, "mig", "mig_profile"]
+
+
+class NodeCollector(Collector):
+    def __init__(
+        self, node: str, claims: PreparedClaims, nvml: NvmlSession, gpus: list[GpuInfo], holders: ClaimHolders
+    ) -> None:
+        self._node = node
+        self._claims = claims
+        self._nvml = nvml
+        self._gpus = gpus
+        self._holders = holders
+        self._profile_names = {p.profile_id: p.name for gpu in gpus for p in gpu.mig_profiles}
+
+    def collect(self) -> Iterator[Metric]:
+        prepared = [c for c in self._claims.all().values() if c.state == "PrepareCompleted"]
+        yield from self._prepared(prepared)
+        holders = self._holders_by_device(prepared)
+        yield from self._usage(holders)
+
+    def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
+        devices = [d for c in prepared for d in c.devices]
+        # The node label tells two instances of a rolling update (same node, same answer) apart from two nodes.
+        kinds = GaugeMetricFamily(
+            "fgpu_prepared_devices", "Devices of prepared claims on the node", labels=["node", "kind"]
+        )
+        for kind in get_args(SharingKind):
+            kinds.add_metric([self._node, kind], sum(1 for d in devices if d.kind == kind))
+        yield kinds
+        mps = GaugeMetricFamily("fgpu_mps_clients", "MPS shares prepared on the GPU, each a client", labels=GPU_LABELS)
+        for gpu in self._gpus:
+            mps.add_metric(_gpu_labels(gpu), sum(1 for d in devices if d.kind == "mps" and d.gpu_uuid == gpu.uuid))
+        yield mps
+
+    def _holders_by_device(self, prepared: list[PreparedClaim]) -> dict[str, list[_Holder]]:
+        """GPU or MIG UUID -> who holds it: a MIG device is held by its claim, a GPU by the claims
+        of its whole GPU, MPS or time-sliced shares."""
+        pods = self._holders.pods(prepared)
+        holders: dict[str, list[_Holder]] = {}
+        for claim in prepared:
+            for device in claim.devices:
+                key = _device_key(device)
+                if key:
+                    holders.setdefault(key, []).extend(
+                        _Holder(claim.namespace, pod, claim.name) for pod in pods[claim.uid] or ("",)
+                    )
+        return holders
+
+    def _usage(self, holders: dict[str, list[_Holder]]) -> Iterator[Metric]:
+        labels, mig_labels = [*GPU_LABELS, *HOLDER_LABELS], [*MIG_LABELS, *HOLDER_LABELS]
+        utilization = GaugeMetricFamily(
+            "fgpu_gpu_utilization_ratio", "GPU busy time (NVML; none in MIG mode, unsupported there)", labels=labels
+        )
+        used = GaugeMetricFamily("fgpu_gpu_memory_used_bytes", "GPU memory used", labels=labels)
+        total = GaugeMetricFamily("fgpu_gpu_memory_total_bytes", "GPU memory", labels=labels)
+        instances = GaugeMetricFamily(
+            "fgpu_mig_instances", "MIG instances on the GPU, by profile", labels=[*GPU_LABELS, "mig_profile"]
+        )
+        mig_used = GaugeMetricFamily("fgpu_mig_memory_used_bytes", "MIG device memory used", labels=mig_labels)
+        mig_total = GaugeMetricFamily("fgpu_mig_memory_total_bytes", "MIG device memory", labels=mig_labels)
+        for gpu in self._gpus:
+            try:
+                usage = self._nvml.usage(gpu.index)
+                records = self._nvml.gpu_instances(gpu.index)
+                migs = self._nvml.mig_usage(gpu.index) if records else {}
+            except pynvml.NVMLError as err:  # a lost GPU: its other metrics still go out
+                log.debug("no usage of GPU %s at this scrape: %s", gpu.uuid, err)
+                continue
+            for holder in holders.get(gpu.uuid, _NOBODY):
+                values = [*_gpu_labels(gpu), holder.namespace, holder.pod, holder.claim]
+                if usage.gpu_percent is not None:
+                    utilization.add_metric(values, usage.gpu_percent / 100)
+                used.add_metric(values, usage.memory_used_bytes)
+                total.add_metric(values, usage.memory_total_bytes)
+            for profile, count in collections.Counter(self._profile(r) for r in records).items():
+                instances.add_metric([*_gpu_labels(gpu), profile], count)
+            profiles = {uuid: self._profile(r) for r in records for _, uuid in r.compute_instances}
+            for mig_uuid, mig in migs.items():
+                for holder in holders.get(mig_uuid, _NOBODY):
+                    values = [*_gpu_labels(gpu), mig_uuid, profiles.get(mig_uuid, "")]
+                    values += [holder.namespace, holder.pod, holder.claim]
+                    mig_used.add_metric(values, mig.memory_used_bytes)
+                    mig_total.add_metric(values, mig.memory_total_bytes)
+        yield from (utilization, used, total, instances, mig_used, mig_total)
+
+    def _profile(self, record: GpuInstanceRecord) -> str:
+        return self._profile_names.get(record.profile_id, f"profile-{record.profile_id}")
+
+
+def _device_key(device: PreparedDevice) -> str | None:
+    return device.mig_uuid if device.kind == "mig" else device.gpu_uuid
+
+
+def _gpu_labels(gpu: GpuInfo) -> list[str]:
+    return [gpu.uuid, str(gpu.index)]
+
+
+# --- serving ----------------------------------------------------------------------------------------
+
+
+def node_registry(collector: Collector) -> CollectorRegistry:
+    """This process's metrics: the event counters and the node's state read at scrape time."""
+    registry = CollectorRegistry()
+    registry.register(REGISTRY)
+    registry.register(collector)
+    return registry
+
+
+class MetricsServer(BackgroundWorker):
+    """Serves /metrics on the port. A port in use is tried again until it is free: with hostNetwork
+    the previous instance of a rolling update holds it until it stops, and kubelet needs the new
+    instance up meanwhile, so a bind failure must not end the plugin."""
+
+    thread_name = "metrics"
+
+    def __init__(self, port: int, registry: CollectorRegistry, retry_s: float = 2.0) -> None:
+        super().__init__()
+        self._port = port
+        self._registry = registry
+        self._retry_s = retry_s
+
+    def _run(self) -> None:
+        waiting = False
+        while not self._stop.is_set():
+            try:
+                server, thread = start_http_server(self._port, registry=self._registry)
+            except OSError as err:
+                if not waiting:
+                    log.warning("metrics port %d: %s; trying again every %.0fs", self._port, err, self._retry_s)
+                    waiting = True
+                self._stop.wait(self._retry_s)
+                continue
+            log.info("Prometheus metrics on port %d", self._port)
+            self._stop.wait()
+            server.shutdown()
+            server.server_close()
+            thread.join()

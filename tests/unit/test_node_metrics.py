@@ -1,0 +1,281 @@
+"""The plugin's metrics after prepares and unprepares through the driver, over mock NVML and the
+in-memory API: kubelet's calls go through the DRA service as kubelet's would."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pynvml
+import pytest
+from prometheus_client import CollectorRegistry
+
+from driver.kubeletapi import dra_v1_pb2
+from driver.node import metrics
+from driver.node.claims import ClaimRef
+from driver.node.kubelet.dra_service import DraV1Service
+from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
+from driver.node.state import PreparedClaim
+from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
+from tests.fakes import InMemoryKubeApi, allocated_claim, result
+from tests.node_env import NodeEnv
+
+MIB = 2**20
+
+
+def add_claim(api: InMemoryKubeApi, name: str, results: list[dict], pods: tuple[str, ...] = ()) -> ClaimRef:
+    claim = allocated_claim("team", name, f"uid-{name}", results)
+    claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": f"pod-{pod}"} for pod in pods]
+    api.claims[("team", name)] = claim
+    return ClaimRef("team", name, f"uid-{name}")
+
+
+def mps_share(device: str) -> dict:
+    return {**result(device), "shareID": f"share-{device}", "consumedCapacity": {"memory": "4Gi", "compute": "20"}}
+
+
+def claims_message(refs: list[ClaimRef]) -> list[dra_v1_pb2.Claim]:
+    return [dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in refs]
+
+
+def prepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
+    request = dra_v1_pb2.NodePrepareResourcesRequest(claims=claims_message(refs))
+    return {uid: r.error for uid, r in service.NodePrepareResources(request, None).claims.items()}
+
+
+def unprepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
+    request = dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims_message(refs))
+    return {uid: r.error for uid, r in service.NodeUnprepareResources(request, None).claims.items()}
+
+
+class Samples:
+    """Sample values of a registry, and how much the process-wide counters moved since creation."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._before = self._all()
+
+    def _all(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in self.registry.collect()
+            for s in family.samples
+        }
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+    def delta(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return self._all().get(key, 0.0) - self._before.get(key, 0.0)
+
+    def series(self, name: str) -> list[dict[str, str]]:
+        return [s.labels for family in self.registry.collect() for s in family.samples if s.name == name]
+
+
+@pytest.fixture
+def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
+    api, env = node
+    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
+    return api, env, DraV1Service(env.driver), Samples(node_registry(collector))
+
+
+def test_requests_latency_and_errors_by_reason(plugin):
+    api, _, service, samples = plugin
+    good = add_claim(api, "good", [result("gpu-0")])
+    elsewhere = add_claim(api, "elsewhere", [result("gpu-1", pool="node-b")])
+    missing = ClaimRef("team", "missing", "uid-missing")
+    assert prepare(service, [good])["uid-good"] == ""
+    errors = prepare(service, [good, elsewhere, missing])
+    assert errors["uid-good"] == "" and errors["uid-elsewhere"] and errors["uid-missing"]
+    assert unprepare(service, [good]) == {"uid-good": ""}
+    prepare(service, [])  # the liveness self-probe's call: not counted
+
+    prep, unprep = "NodePrepareResources", "NodeUnprepareResources"
+    assert samples.delta("fgpu_requests_total", method=prep, result="ok") == 1
+    assert samples.delta("fgpu_requests_total", method=prep, result="error") == 1
+    assert samples.delta("fgpu_requests_total", method=unprep, result="ok") == 1
+    assert samples.delta("fgpu_request_duration_seconds_count", method=prep) == 2
+    assert samples.delta("fgpu_request_duration_seconds_sum", method=prep) > 0
+    assert samples.value("fgpu_requests_in_flight", method=prep) == 0
+    assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="not_allocated") == 1
+    assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="not_found") == 1
+    assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="api") == 0
+
+
+def test_failed_steps_are_counted_by_their_source(plugin):
+    api, env, service, samples = plugin
+    taken = add_claim(api, "taken", [result("gpu-4-mig-1g10gb-0")])
+    assert env.session.set_mig_mode(4, True)
+    env.session.create_mig_instance(4, 0, 0, 8)  # someone else's 7g instance spans the placement
+    assert prepare(service, [taken])["uid-taken"]
+    api.unavailable = True
+    assert "API server" in prepare(service, [add_claim(api, "later", [result("gpu-5")])])["uid-later"]
+    assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="mig") == 1
+    assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="api") == 1
+
+
+def test_node_state_and_usage_by_the_pod_holding_the_device(plugin):
+    api, env, service, samples = plugin
+    refs = [
+        add_claim(api, "whole", [result("gpu-0")], pods=("trainer",)),
+        add_claim(api, "mig", [result("gpu-2-mig-1g10gb-0")], pods=("notebook",)),
+        add_claim(api, "mps-a", [mps_share("gpu-3-mps")], pods=("web-1", "web-2")),
+        add_claim(api, "mps-b", [mps_share("gpu-3-mps")]),
+    ]
+    assert set(prepare(service, refs).values()) == {""}
+
+    for kind, count in {"whole": 1, "mig": 1, "mps": 2, "timeslice": 0}.items():
+        assert samples.value("fgpu_prepared_devices", node="node-a", kind=kind) == count
+    gpu3 = {"gpu": env.gpus[3].uuid, "gpu_index": "3"}
+    assert samples.value("fgpu_mps_clients", **gpu3) == 2
+    gpu2 = {"gpu": env.gpus[2].uuid, "gpu_index": "2"}
+    assert samples.value("fgpu_mig_instances", **gpu2, mig_profile="1g.10gb") == 1
+
+    # An MPS GPU: one series per pod of each claim (a claim without pods: pod ""), NVML's load.
+    holders = {
+        (s["claim"], s["claim_pod"]) for s in samples.series("fgpu_gpu_utilization_ratio") if s["gpu"] == gpu3["gpu"]
+    }
+    assert holders == {("mps-a", "web-1"), ("mps-a", "web-2"), ("mps-b", "")}
+    held = {**gpu3, "claim_namespace": "team", "claim_pod": "web-1", "claim": "mps-a"}
+    assert samples.value("fgpu_gpu_utilization_ratio", **held) == SIMULATED_MPS_GPU_PERCENT / 100
+    assert samples.value("fgpu_gpu_memory_total_bytes", **held) == env.gpus[3].memory_bytes
+    nobody = {"gpu": env.gpus[1].uuid, "gpu_index": "1", "claim_namespace": "", "claim_pod": "", "claim": ""}
+    assert samples.value("fgpu_gpu_utilization_ratio", **nobody) == 0
+    assert samples.value("fgpu_gpu_memory_used_bytes", **nobody) == 0
+
+    # A GPU in MIG mode: NVML measures no utilisation there; its MIG device's memory by its pod.
+    assert not [s for s in samples.series("fgpu_gpu_utilization_ratio") if s["gpu"] == gpu2["gpu"]]
+    (mig,) = samples.series("fgpu_mig_memory_total_bytes")
+    (instance,) = env.session.gpu_instances(2)
+    assert mig == {**gpu2, "mig": instance.compute_instances[0][1], "mig_profile": "1g.10gb"} | {
+        "claim_namespace": "team",
+        "claim_pod": "notebook",
+        "claim": "mig",
+    }
+    assert samples.value("fgpu_mig_memory_total_bytes", **mig) == 9984 * MIB  # the dgx-h100 1g.10gb
+    assert 0 < samples.value("fgpu_mig_memory_used_bytes", **mig) < 9984 * MIB
+
+    assert set(unprepare(service, refs).values()) == {""}
+    assert samples.value("fgpu_prepared_devices", node="node-a", kind="mps") == 0
+    assert samples.value("fgpu_mps_clients", **gpu3) == 0
+    assert samples.series("fgpu_mig_instances") == []
+    assert samples.series("fgpu_mig_memory_used_bytes") == []
+
+
+def test_another_instance_sharing_the_state_reports_the_same_devices(plugin):
+    """Rolling update: the state-derived metrics come from the checkpoint, whichever instance
+    prepared the claim."""
+    api, env, service, _ = plugin
+    assert prepare(service, [add_claim(api, "one", [mps_share("gpu-6-mps")], pods=("p",))]) == {"uid-one": ""}
+    other = env.restart(api)
+    samples = Samples(
+        node_registry(NodeCollector("node-a", other.claims, other.session, other.gpus, ClaimHolders(api)))
+    )
+    assert samples.value("fgpu_prepared_devices", node="node-a", kind="mps") == 1
+    assert samples.value("fgpu_mps_clients", gpu=env.gpus[6].uuid, gpu_index="6") == 1
+    pods = {s["claim_pod"] for s in samples.series("fgpu_gpu_memory_used_bytes") if s["claim"] == "one"}
+    assert pods == {"p"}
+
+
+class FlakyApi(InMemoryKubeApi):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def get_claim(self, namespace: str, name: str) -> dict:
+        self.calls += 1
+        return super().get_claim(namespace, name)
+
+
+def test_claim_holders_refresh_and_spare_an_unreachable_api_server():
+    api = FlakyApi()
+    now = [0.0]
+    holders = ClaimHolders(api, refresh_s=60, clock=lambda: now[0])
+    claims = [PreparedClaim(f"uid-{n}", "team", n, ()) for n in ("a", "b")]
+    add_claim(api, "a", [result("gpu-0")], pods=("pa",))
+    add_claim(api, "b", [result("gpu-1")], pods=("pb",))
+    assert holders.pods(claims) == {"uid-a": ("pa",), "uid-b": ("pb",)}
+    add_claim(api, "a", [result("gpu-0")], pods=("pa", "pa2"))
+    now[0] = 30
+    assert holders.pods(claims)["uid-a"] == ("pa",)  # within the refresh period: no new GET
+    api.unavailable = True
+    now[0] = 61
+    calls = api.calls
+    assert holders.pods(claims) == {"uid-a": ("pa",), "uid-b": ("pb",)}  # what was known stays
+    assert api.calls == calls + 1  # one failed GET; the next claim was not tried
+    now[0] = 100
+    assert holders.pods(claims)["uid-a"] == ("pa",)  # still quiet after the failure
+    api.unavailable = False
+    now[0] = 122
+    assert holders.pods(claims)["uid-a"] == ("pa", "pa2")
+    api.claims.pop(("team", "b"))
+    now[0] = 200
+    assert holders.pods(claims[1:]) == {"uid-b": ()}  # a claim gone from the API server: no pod
+
+
+def test_health_hooks_are_exported_before_and_after_events(plugin):
+    _, env, _, samples = plugin
+    families = {family.name for family in samples.registry.collect()}
+    assert {"fgpu_health_events", "fgpu_device_taints"} <= families
+    gpu = env.gpus[0].uuid
+    metrics.record_health_event(gpu, "xid", 79)
+    metrics.record_health_event(gpu, "gpu_lost")
+    assert samples.delta("fgpu_health_events_total", gpu=gpu, kind="xid", xid="79") == 1
+    assert samples.delta("fgpu_health_events_total", gpu=gpu, kind="gpu_lost", xid="") == 1
+    metrics.set_taints_in_force({"NoExecute": 2, "None": 1})
+    assert samples.value("fgpu_device_taints", effect="NoExecute") == 2
+    assert samples.value("fgpu_device_taints", effect="NoSchedule") == 0
+    metrics.set_taints_in_force({})
+    assert samples.value("fgpu_device_taints", effect="NoExecute") == 0
+    assert samples.value("fgpu_device_taints", effect="None") == 0
+
+
+def test_a_gpu_nvml_cannot_read_leaves_the_other_gpus_metrics(plugin, monkeypatch):
+    _, env, _, samples = plugin
+    real = env.session.usage
+
+    def lost(index: int):
+        if index == 5:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return real(index)
+
+    monkeypatch.setattr(env.session, "usage", lost)
+    indexes = {s["gpu_index"] for s in samples.series("fgpu_gpu_memory_total_bytes")}
+    assert indexes == {str(i) for i in range(8)} - {"5"}
+    assert samples.value("fgpu_mps_clients", gpu=env.gpus[5].uuid, gpu_index="5") == 0
+
+
+def test_the_claim_error_reasons_are_the_documented_set():
+    """README lists them; every one is exported from the start at zero."""
+    values = {
+        s.labels["reason"]
+        for family in metrics.REGISTRY.collect()
+        for s in family.samples
+        if s.name == "fgpu_claim_errors_total"
+    }
+    assert values == {"invalid", "not_found", "not_allocated", "mig", "mps", "timeslice", "io", "api", "internal"}
+
+
+def test_metrics_port_in_use_is_tried_again_until_free():
+    """hostNetwork: the previous instance of a rolling update holds the port until it stops."""
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    server = MetricsServer(port, node_registry(metrics.REGISTRY), retry_s=0.05)
+    server.start()
+    try:
+        holder.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the metrics server never bound the freed port"
+                time.sleep(0.05)
+        assert "fgpu_requests_total" in body
+    finally:
+        server.stop()
