@@ -12,6 +12,7 @@ from driver.discovery import discover_gpus
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices
 from driver.node.health.taints import HealthPolicy, device_health, device_taints
+from driver.node.metrics import REGISTRY
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import EventWatch, GpuLostError, NvmlEvent, NvmlSession, gpu_reachable
 from driver.sharing import SharingConfig
@@ -130,6 +131,11 @@ def test_the_monitor_taints_published_slices_retries_and_clears(tmp_path: Path, 
         devices = [d for s in api.slices.values() for d in s["spec"].get("devices", [])]
         return {d["name"]: [t["key"] for t in d["taints"]] for d in devices if d.get("taints")}
 
+    def events(**labels: str) -> float:
+        return REGISTRY.get_sample_value("fgpu_health_events_total", labels) or 0.0
+
+    gpu3, gpu5 = gpus[3].uuid, gpus[5].uuid
+    xids_before, lost_before = events(gpu=gpu3, kind="xid", xid="79"), events(gpu=gpu5, kind="gpu_lost", xid="")
     session.nvml.inject_xid(3, 79)
     api.unavailable = True
     monitor.round(watch)
@@ -138,12 +144,19 @@ def test_the_monitor_taints_published_slices_retries_and_clears(tmp_path: Path, 
     monitor.round(watch)  # a round waits a second for events: the 1 s backoff is over
     assert published_taints() == {"gpu-3": ["gpu.fgpu.dev/xid"], "gpu-3-mps": ["gpu.fgpu.dev/xid"]}
 
+    assert events(gpu=gpu3, kind="xid", xid="79") == xids_before + 1
+    assert REGISTRY.get_sample_value("fgpu_device_taints", {"effect": "NoSchedule"}) == 2
+
     session.nvml.set_gpu_lost(5, True)
     monitor.round(watch)
+    monitor.round(watch)
     assert published_taints()["gpu-5"] == ["gpu.fgpu.dev/unreachable"]
+    assert events(gpu=gpu5, kind="gpu_lost", xid="") == lost_before + 1  # once, not at every probe
+    assert REGISTRY.get_sample_value("fgpu_device_taints", {"effect": "NoExecute"}) == 2
     session.nvml.set_gpu_lost(5, False)
     record.clear()  # the operator: fgpu health clear
     monitor.round(watch)
     assert published_taints() == {}
+    assert REGISTRY.get_sample_value("fgpu_device_taints", {"effect": "NoExecute"}) == 0
     assert all(report.healthy for report in board.wait_newer(0, 0).devices.values())
     watch.close()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from driver.devices import DeviceTaint, DeviceTarget
 from driver.discovery import GpuInfo
 from driver.kube import KubeError
+from driver.node import metrics
 from driver.node.background import BackgroundWorker
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices
 from driver.node.health.taints import DeviceHealthReport, HealthPolicy, describe, device_health, device_taints
@@ -72,6 +74,7 @@ class HealthMonitor(BackgroundWorker):
         self._published: dict[str, tuple[DeviceTaint, ...]] = {}  # in the publisher's slices
         self._retry_at = 0.0
         self._backoff = 1.0
+        self._lost: set[int] = set()  # GPU indices seen unreachable at the last probe
 
     def _run(self) -> None:
         watch = EventWatch(self._session, [g.index for g in self._gpus])
@@ -102,6 +105,7 @@ class HealthMonitor(BackgroundWorker):
         mig = self._mig_slices_of(gpu.index, event.gi_id) if event.gi_id is not None else None
         now = time.time()
         fault = GpuFault(gpu.uuid, "xid" if event.kind == "xid" else "ecc", event.xid, mig, now, now)
+        metrics.record_health_event(gpu.uuid, "xid" if event.kind == "xid" else "ecc_double_bit", event.xid)
         if event.kind == "xid" and event.xid not in self._policy.fault_xids:
             log.warning("GPU %s: XID %s (an application error, not tainting)", gpu.uuid, event.xid)
             return
@@ -110,9 +114,15 @@ class HealthMonitor(BackgroundWorker):
 
     def _probe(self) -> None:
         for gpu in self._gpus:
-            if not gpu_reachable(self._session, gpu.index):
-                now = time.time()
-                self._record.record(GpuFault(gpu.uuid, "lost", first_seen=now, last_seen=now))
+            if gpu_reachable(self._session, gpu.index):
+                self._lost.discard(gpu.index)
+                continue
+            if gpu.index not in self._lost:
+                self._lost.add(gpu.index)
+                log.warning("GPU %s: unreachable", gpu.uuid)
+                metrics.record_health_event(gpu.uuid, "gpu_lost")
+            now = time.time()
+            self._record.record(GpuFault(gpu.uuid, "lost", first_seen=now, last_seen=now))
 
     def refresh(self) -> None:
         """Taints and health from the record as it is now; a failed publish is retried with backoff."""
@@ -131,4 +141,5 @@ class HealthMonitor(BackgroundWorker):
             return
         self._backoff, self._retry_at = 1.0, 0.0
         log.info("device taints in force: %s", ", ".join(sorted(taints)) or "none")
+        metrics.set_taints_in_force(Counter(t.effect for device in taints.values() for t in device))
         self._published = taints
