@@ -17,6 +17,7 @@ up, so the figures are the steady-state cost of one more share.
 
 With `--metrics-port P` (in-memory API) the plugin serves its Prometheus metrics there and this
 process scrapes them every second during the run (15-60 s is usual): the cost of the metrics.
+`--no-health-monitor` runs the plugin without its health monitor: the cost of the monitor.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def device_result(kind: str, caller: int) -> dict:
     return result
 
 
-def serve_in_memory(root: str, claims_json: str, metrics_port: int) -> None:
+def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monitor: bool) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
@@ -83,6 +84,7 @@ def serve_in_memory(root: str, claims_json: str, metrics_port: int) -> None:
         cdi_dir=base / "cdi", state_dir=base / "plugin", nvml="mock:dgx-h100", kubeconfig=None,
         driver_root=default_driver_root("mock:dgx-h100", base / "plugin"), healthcheck_port=-1, sharing=SharingConfig(),
         metrics_port=metrics_port,
+        health_monitor=health_monitor,
     )  # fmt: skip
     PluginProcess(settings, api=api).serve_until_signal()
 
@@ -135,7 +137,7 @@ def run(callers: int, seconds: float, socket_root: str, claims: list[list[dict[s
 
 
 def serve_memory_api(
-    root: str, kind: str, callers: int, per_caller: int, metrics_port: int
+    root: str, kind: str, callers: int, per_caller: int, metrics_port: int, health_monitor: bool
 ) -> tuple[list[list[dict]], object]:
     """Start the plugin with an in-memory API holding every caller's claims (and a resident
     share per GPU for share kinds); returns the callers' claims and the server process."""
@@ -147,7 +149,7 @@ def serve_memory_api(
     resident = [{**ref, "result": device_result(kind, c)} for c, ref in enumerate(claim_refs(8))]
     everything = [r for claims in per_caller_claims for r in claims] + resident
     server = multiprocessing.get_context("spawn").Process(
-        target=serve_in_memory, args=(root, json.dumps(everything), metrics_port)
+        target=serve_in_memory, args=(root, json.dumps(everything), metrics_port, health_monitor)
     )
     server.start()
     plugin = PluginUnderTest(node=NODE, kubeconfig="", root=Path(root))
@@ -190,6 +192,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--claims-per-caller", type=int, default=16)
     parser.add_argument("--metrics-port", type=int, default=-1, help="serve metrics there, scraped every second")
+    parser.add_argument(
+        "--health-monitor", action=argparse.BooleanOptionalAction, default=True, help="the plugin's health monitor"
+    )
     args = parser.parse_args()
     callers = max(args.callers)
 
@@ -197,7 +202,9 @@ def main() -> None:
     cluster = None
     try:
         if args.api == "memory":
-            claims, server = serve_memory_api(root, args.kind, callers, args.claims_per_caller, args.metrics_port)
+            claims, server = serve_memory_api(
+                root, args.kind, callers, args.claims_per_caller, args.metrics_port, args.health_monitor
+            )
         else:
             import kubernetes
 
@@ -227,7 +234,9 @@ def main() -> None:
             if scraper.durations_ms:
                 figures["scrapes"] = len(scraper.durations_ms)
                 figures["scrape_p50_ms"] = round(statistics.median(scraper.durations_ms), 2)
-            print(json.dumps({"api": args.api, "kind": args.kind, **figures}), flush=True)
+            print(
+                json.dumps({"api": args.api, "kind": args.kind, "monitor": args.health_monitor, **figures}), flush=True
+            )
     finally:
         if cluster is not None:
             server.stop()

@@ -26,6 +26,7 @@ import kubernetes
 import pytest
 import yaml
 from kubernetes.dynamic import DynamicClient
+from kubernetes.stream import stream
 
 from tests.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
 from tests.cluster.harness import Cluster, free_port
@@ -344,6 +345,29 @@ def example_pods_left(core: kubernetes.client.CoreV1Api, workloads: list[dict[st
     return any(
         p.metadata.name in names or p.metadata.name.startswith(prefixes) for p in core.list_namespaced_pod(NS).items
     )
+
+
+def in_plugin_pod(core: kubernetes.client.CoreV1Api, release: Release, *command: str) -> str:
+    """`kubectl exec` into the plugin's pod, as an operator would."""
+    (plugin,) = release.plugin_pods()
+    return stream(core.connect_get_namespaced_pod_exec, plugin.metadata.name, NAMESPACE, command=list(command),
+                  stderr=True, stdin=False, stdout=True, tty=False)  # fmt: skip
+
+
+def test_a_mock_fault_in_the_plugin_pod_taints_and_an_operator_clears_it(cluster, real_node, release) -> None:
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+
+    def tainted() -> set[str]:
+        slices = kubernetes.client.ResourceV1Api(cluster.api_client()).list_resource_slice(
+            field_selector=f"spec.nodeName={real_node.name}"
+        )
+        return {d.name for s in slices.items for d in s.spec.devices or [] if d.taints}
+
+    in_plugin_pod(core, release, "fgpu", "mock-fault", "--gpu", "7", "xid", "--xid", "79")  # the chart's env
+    wait_until("GPU 7 tainted", lambda: "gpu-7" in tainted())
+    assert {name.split("-")[1] for name in tainted()} == {"7"}
+    assert "cleared all faults" in in_plugin_pod(core, release, "fgpu", "health", "clear")
+    wait_until("the taints gone", lambda: not tainted())
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
