@@ -217,6 +217,12 @@ def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: R
     logged = [json.loads(line) for line in core.read_namespaced_pod_log(plugin.metadata.name, NAMESPACE).splitlines()]
     # logFormat json; the claim generated for the pod is named after it
     assert any(e["msg"].startswith("prepared claim") and pod_name in e["msg"] for e in logged), logged[-5:]
+    # The claim's status.devices, written under the chart's RBAC (associated-node:patch)
+    claims = kubernetes.client.ResourceV1Api(cluster.api_client()).list_namespaced_resource_claim(NS).items
+    (claim,) = [c for c in claims if c.metadata.name.startswith(f"{pod_name}-")]
+    (entry,) = claim.status.devices
+    assert entry.driver == "gpu.fgpu.dev" and entry.conditions[0].type == "Ready"
+    assert entry.data["gpuUUID"].startswith("GPU-")
 
 
 def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None:

@@ -22,6 +22,9 @@ MANIFESTS = sorted((ROOT / "daemonset").glob("*.yaml")) + sorted((ROOT / "exampl
 CHART_VALUES = {
     "defaults": {},
     "mock, no controller": {"nvml": "mock:dgx-h100", "controller.enabled": False},
+    "MIG profile classes": {
+        "deviceClasses.migProfiles": {"1g.10gb": "nvidia.com/mig-1g.10gb", "3g.40gb": "nvidia.com/mig-3g.40gb"}
+    },
     "test bed": {
         "nvml": "mock:dgx-h100",
         "apiServer.host": "127.0.0.1",

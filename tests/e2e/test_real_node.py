@@ -74,6 +74,24 @@ def test_whole_gpu(cluster, core_api, resource_api, real_node, node_plugin, work
     assert f"nvidia{index}" in listing.split()
 
 
+def test_an_unchanged_pod_asking_for_nvidia_com_gpu_gets_a_whole_gpu(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """Extended resources through DRA: the class gpu.fgpu.dev carries extendedResourceName
+    nvidia.com/gpu, so kube-scheduler makes a claim for the pod, as for a device plugin's resource."""
+    name = unique("pod")
+    manifest = pod(name, real_node.name, "unused")
+    del manifest["spec"]["resourceClaims"]
+    manifest["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    create(cluster, workloads, manifest)
+    wait_running(core_api, name)
+    seen = report(core_api, name)
+    allocated = claim_of(resource_api, name).status.allocation.devices.results
+    assert len(allocated) == 1 and allocated[0].device.startswith("gpu-") and "-" not in allocated[0].device[4:]
+    gpus = [path for path in seen.devices if path.removeprefix("/dev/nvidia").isdigit()]
+    assert gpus == [f"/dev/nvidia{allocated[0].device.removeprefix('gpu-')}"]
+
+
 def test_two_mig_devices_of_one_claim_on_one_gpu(cluster, core_api, resource_api, real_node, node_plugin, workloads):
     name = run_pod(
         cluster, core_api, workloads, real_node, "mig.gpu.fgpu.dev", count=2,

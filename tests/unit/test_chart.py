@@ -188,6 +188,9 @@ def test_plugin_metrics_port_reaches_the_flag_and_a_container_port(monkeypatch: 
     assert build_parser().parse_args([*container["args"], "--node-name=n"]).metrics_port == 9555
     off = find(render({"kubeletPlugin.metricsPort": 0}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
     assert "ports" not in off and "METRICS_PORT" not in {e["name"] for e in off["env"]}
+    # On the node's network a declared port is a host port: the surge pod of an update would not fit.
+    host = find(render({"kubeletPlugin.hostNetwork": True}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert "ports" not in host and {"name": "METRICS_PORT", "value": "9410"} in host["env"]
 
 
 def test_grafana_dashboard_is_an_opt_in_labelled_config_map() -> None:
@@ -197,3 +200,17 @@ def test_grafana_dashboard_is_an_opt_in_labelled_config_map() -> None:
     dashboard = json.loads(config["data"]["fgpu.json"])
     assert dashboard == json.loads((CHART / "dashboards" / "fgpu.json").read_text())
     assert all(target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
+
+
+def test_device_classes_carry_extended_resource_names() -> None:
+    classes = {o["metadata"]["name"]: o["spec"] for o in render() if o["kind"] == "DeviceClass"}
+    assert classes["gpu.fgpu.dev"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert not [name for name, spec in classes.items() if name != "gpu.fgpu.dev" and "extendedResourceName" in spec]
+    profiles = render(
+        {"deviceClasses.extendedResourceName": "", "deviceClasses.migProfiles": {"1g.10gb": "nvidia.com/mig-1g.10gb"}}
+    )
+    classes = {o["metadata"]["name"]: o["spec"] for o in profiles if o["kind"] == "DeviceClass"}
+    assert "extendedResourceName" not in classes["gpu.fgpu.dev"]
+    mig = classes["mig-1g.10gb.gpu.fgpu.dev"]
+    assert mig["extendedResourceName"] == "nvidia.com/mig-1g.10gb"
+    assert mig["selectors"][0]["cel"]["expression"].endswith('.profile == "1g.10gb"')
