@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from driver.allocator.scoring import POLICIES
-from driver.devices import node_inventory
+from driver.devices import node_inventory, shortfall
 from driver.discovery import discover_gpus
 from driver.kube import ClientKubeApi, KubeConfigError, KubeError
 from driver.logs import LOG_FORMATS, configure_logging
@@ -36,9 +36,12 @@ def cmd_discover(args: argparse.Namespace) -> int:
     sharing = sharing_config(args)
     session = NvmlSession.open(args.nvml)
     try:
-        inventory = node_inventory(discover_gpus(session), sharing)
+        gpus = discover_gpus(session)
     finally:
         session.close()
+    for reason in filter(None, (shortfall(gpu, sharing) for gpu in gpus)):
+        print(reason, file=sys.stderr)  # stdout stays the List of slices
+    inventory = node_inventory(gpus, sharing)
     document = {
         "apiVersion": "v1",
         "kind": "List",

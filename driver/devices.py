@@ -22,7 +22,10 @@ from driver.nvml.machine import MigProfileSpec
 from driver.sharing import SharingConfig, SharingKind
 
 AttributeKind = Literal["string", "int", "bool", "version"]
+# Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
 MiB = 2**20
 GiB = 2**30
 MPS_MAX_CLIENTS = 48  # MPS server limit on Volta and newer
@@ -127,7 +130,19 @@ def _product_attributes(gpu: GpuInfo) -> dict[str, Attribute]:
         "cudaDriverVersion": Attribute("version", gpu.cuda_driver_version),
         "index": Attribute("int", gpu.index),
         PCI_BUS_ID_ATTRIBUTE: Attribute("string", gpu.pci_bus_id),
+        **_topology_attributes(gpu),
     }
+
+
+def _topology_attributes(gpu: GpuInfo) -> dict[str, Attribute]:
+    """Where sysfs does not say, no attribute: a device without NUMA affinity must not publish
+    numaNode (upstream), or matchAttribute would pair it with every other such device."""
+    attributes = {}
+    if gpu.pcie_root is not None:
+        attributes[PCIE_ROOT_ATTRIBUTE] = Attribute("string", gpu.pcie_root)
+    if gpu.numa_node is not None:
+        attributes[NUMA_NODE_ATTRIBUTE] = Attribute("int", gpu.numa_node)
+    return attributes
 
 
 def _consumes_all(gpu: GpuInfo) -> dict[str, dict[str, int]]:
@@ -257,8 +272,51 @@ def gpu_targets(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[DeviceTar
 
 
 def node_targets(gpus: list[GpuInfo], sharing: SharingConfig) -> list[DeviceTarget]:
-    """Every device the node offers, in a stable order."""
+    """Every device the node is configured to offer, in a stable order: what prepare accepts (a
+    claim allocated before a GPU's MIG mode changed gets the partitioner's reason, not "unknown
+    device"). The slices carry those of them the GPUs can offer now (node_inventory)."""
     return [t for gpu in sorted(gpus, key=lambda g: g.index) for t in gpu_targets(gpu, sharing.offered(gpu.index))]
+
+
+@dataclass(frozen=True)
+class OfferLimit:
+    """The kinds a GPU cannot offer as it is now, because prepare could not make them real, and why."""
+
+    kinds: frozenset[SharingKind]
+    reason: str
+
+
+NO_LIMIT = OfferLimit(frozenset(), "")
+
+
+def offer_limit(gpu: GpuInfo) -> OfferLimit:
+    """Prepare switches MIG mode as a device needs it (partitioner/mig.py): on for a MIG device, off
+    for whole-GPU use (whole, MPS, time-slicing) once no instance is left. Where a switch waits for
+    a GPU reset (Ampere), the GPU can offer only what its current mode allows."""
+    if not gpu.mig_capable:
+        return OfferLimit(frozenset({"mig"}), "the GPU has no MIG")
+    if not gpu.mig_mode_needs_reset:
+        return NO_LIMIT
+    if gpu.mig_enabled:
+        return OfferLimit(
+            frozenset({"whole", "mps", "timeslice"}),
+            "MIG mode is on and switching it off needs a GPU reset on this GPU "
+            f"(nvidia-smi -i {gpu.index} -mig 0, then reset the GPU)",
+        )
+    return OfferLimit(
+        frozenset({"mig"}),
+        "MIG mode is off and switching it on needs a GPU reset on this GPU "
+        f"(nvidia-smi -i {gpu.index} -mig 1, then reset the GPU)",
+    )
+
+
+def shortfall(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
+    """Why a GPU offers less than it is configured to, in a line; None when it offers all of it."""
+    limit = offer_limit(gpu)
+    missing = sharing.offered(gpu.index) & limit.kinds
+    if not missing:
+        return None
+    return f"GPU {gpu.index} ({gpu.product_name}) offers no {', '.join(sorted(missing))}: {limit.reason}"
 
 
 def device_for(target: DeviceTarget) -> Device:
@@ -273,8 +331,9 @@ def device_for(target: DeviceTarget) -> Device:
 
 
 def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
-    """Every device and counter set the node offers, in a stable order."""
-    devices = [device_for(target) for target in node_targets(gpus, sharing)]
+    """Every device and counter set the node offers now, in a stable order."""
+    targets = node_targets(gpus, sharing)
+    devices = [device_for(t) for t in targets if t.kind not in offer_limit(t.gpu).kinds]
     if not sharing.shared_counters:
         return Inventory(devices=[replace(d, consumes={}) for d in devices], counter_sets=[])
     counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in sorted(gpus, key=lambda g: g.index)]

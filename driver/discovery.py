@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import pynvml
 
 from driver.nvml.geometry import MIG_GEOMETRY
-from driver.nvml.machine import MigProfileSpec, known_mig_profiles
+from driver.nvml.machine import MIG_MODE_NEEDS_RESET, MigProfileSpec, known_mig_profiles
 from driver.nvml.session import NvmlSession, RawGpu
+from driver.sysfs import pci_topology
 
 ARCHITECTURE_NAMES = {7: "Ampere", 8: "Ada Lovelace", 9: "Hopper", 10: "Blackwell"}
 
@@ -27,6 +30,9 @@ class GpuInfo:
     mig_capable: bool
     mig_enabled: bool
     mig_profiles: tuple[MigProfileSpec, ...] = ()
+    mig_mode_needs_reset: bool = False  # a MIG mode change waits for a GPU reset (Ampere)
+    pcie_root: str | None = None  # "pci<domain>:<bus>", as resource.kubernetes.io/pcieRoot has it
+    numa_node: int | None = None  # None: no NUMA affinity
 
 
 def semver(version: str) -> str:
@@ -58,10 +64,13 @@ def _mig_profiles(session: NvmlSession, raw: RawGpu) -> tuple[MigProfileSpec, ..
 
 def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
     driver_version, cuda_driver = session.driver_versions()
+    sysfs_root = session.sysfs_root()
     gpus = []
     for index in range(session.gpu_count()):
         raw = session.describe(index)
         major, minor = raw.cuda_compute_capability
+        bus_id = pci_bus_id(raw.pci_bus_id)
+        topology = pci_topology(bus_id, sysfs_root)
         gpus.append(
             GpuInfo(
                 index=raw.index,
@@ -72,12 +81,28 @@ def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
                 cuda_compute_capability=f"{major}.{minor}.0",
                 driver_version=semver(driver_version),
                 cuda_driver_version=cuda_version(cuda_driver),
-                pci_bus_id=pci_bus_id(raw.pci_bus_id),
+                pci_bus_id=bus_id,
                 memory_bytes=raw.memory_bytes,
                 multiprocessors=raw.multiprocessors,
                 mig_capable=raw.mig_capable,
                 mig_enabled=raw.mig_enabled,
                 mig_profiles=_mig_profiles(session, raw),
+                mig_mode_needs_reset=raw.mig_capable and raw.architecture in MIG_MODE_NEEDS_RESET,
+                pcie_root=topology.pcie_root,
+                numa_node=topology.numa_node,
             )
         )
     return gpus
+
+
+def with_current_mig_mode(session: NvmlSession, gpus: list[GpuInfo]) -> list[GpuInfo]:
+    """The GPUs with their MIG mode as NVML reports it now (nothing else changes while a driver is
+    loaded). A GPU NVML cannot answer for keeps its last mode: the health monitor reports it."""
+    return [_with_current_mig_mode(session, gpu) if gpu.mig_capable else gpu for gpu in gpus]
+
+
+def _with_current_mig_mode(session: NvmlSession, gpu: GpuInfo) -> GpuInfo:
+    try:
+        return replace(gpu, mig_enabled=session.mig_enabled(gpu.index))
+    except pynvml.NVMLError:
+        return gpu

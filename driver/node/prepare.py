@@ -194,15 +194,20 @@ class Driver:
 
     def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
         """Create what the device needs on the GPU; returns it with its CDI edits, and what was done."""
-        gpu_node = f"/dev/nvidia{self._targets[device.device].gpu.minor}"
+        gpu = self._targets[device.device].gpu
+        gpu_node = f"/dev/nvidia{gpu.minor}"
         try:
+            # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
+            released = (
+                device.kind != "mig" and gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+            )
             if device.kind == "mig":
                 assert device.mig_profile_id is not None and device.mig_start is not None
                 assert device.mig_size is not None
                 instance = self._parts.mig.create(
                     device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size
                 )
-                nodes = mig_device_nodes(self._targets[device.device].gpu.minor, instance, self._proc_root)
+                nodes = mig_device_nodes(gpu.minor, instance, self._proc_root)
                 device = replace(
                     device,
                     mig_uuid=instance.uuid,
@@ -228,11 +233,9 @@ class Driver:
                     self._parts.timeslice.set_interval(device.gpu_uuid, interval)
                 device = replace(device, device_nodes=(gpu_node,))
             else:
-                released = self._targets[device.device].gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(
-                    device.gpu_index
-                )
-                done = "none, MIG mode disabled" if released else "none"
+                done = "none"
                 device = replace(device, device_nodes=(gpu_node,))
+            done += ", MIG mode disabled" if released else ""
         except (MigError, ToolError) as err:
             raise ClaimError(str(err), reason=_step_reason(device, err)) from err
         crash_point("prepare:device-ready")

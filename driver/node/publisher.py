@@ -37,8 +37,11 @@ class SlicePublisher(BackgroundWorker):
         self._lock = threading.Lock()
         self._owner: dict[str, Any] | None = None
         self._generation = 0  # the highest pool generation this publisher wrote
+        # Apart from the inventory, so that a new inventory keeps the taints in force.
+        self._taints: dict[str, tuple[DeviceTaint, ...]] = {}
 
     def set_inventory(self, inventory: Inventory) -> None:
+        """Publish these devices now (taints as set); kept from here on even when this write fails."""
         with self._lock:
             self._inventory = inventory
         self.reconcile()
@@ -47,9 +50,13 @@ class SlicePublisher(BackgroundWorker):
         """Publish these taints (device name -> taints; others none) now. The slices keep them
         from here on even when this write fails: the caller retries, and so does the watch loop."""
         with self._lock:
-            devices = [replace(d, taints=taints.get(d.name, ())) for d in self._inventory.devices]
-            self._inventory = replace(self._inventory, devices=devices)
+            self._taints = dict(taints)
         self.reconcile()
+
+    def _desired(self, generation: int) -> list[dict[str, Any]]:
+        devices = [replace(d, taints=self._taints.get(d.name, ())) for d in self._inventory.devices]
+        inventory = replace(self._inventory, devices=devices)
+        return build_slices(self._driver, self._node, inventory, generation, self._owner)
 
     def reconcile(self) -> str | None:
         """Make the API server hold exactly our slices. Returns the resourceVersion of a list that
@@ -63,13 +70,13 @@ class SlicePublisher(BackgroundWorker):
                     raise KubeUnavailableError(f"Node {self._node} does not exist (yet)") from err
             existing, resource_version = self._api.list_slices(self._driver, self._node)
             self._generation = max([self._generation, *(s["spec"]["pool"]["generation"] for s in existing)])
-            desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
+            desired = self._desired(0)
             if self._up_to_date(existing, desired):
                 return resource_version
             # Never go back, even when every slice was deleted: a consumer may still hold old ones.
             self._generation += 1
             generation = self._generation
-            desired = build_slices(self._driver, self._node, self._inventory, generation, self._owner)
+            desired = self._desired(generation)
             by_name = {s["metadata"]["name"]: s for s in existing}
             for body in desired:
                 name = body["metadata"]["name"]
@@ -123,7 +130,7 @@ class SlicePublisher(BackgroundWorker):
     def _watch_until_change(self, resource_version: str) -> None:
         """Return as soon as our slices may differ from what we want, or after the resync period."""
         with self._lock:
-            desired = build_slices(self._driver, self._node, self._inventory, 0, self._owner)
+            desired = self._desired(0)
         wanted = {s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION] for s in desired}
         for event_type, obj in self._api.watch_slices(self._driver, self._node, resource_version, self._resync_s):
             if self._stop.is_set():

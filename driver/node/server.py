@@ -30,6 +30,7 @@ from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.node_lock import NodeClaimLock, SerializedDriver
+from driver.node.offer import OfferWatch
 from driver.node.ownership import InstanceLock
 from driver.node.prepare import Partitioners
 from driver.node.publisher import SlicePublisher
@@ -91,6 +92,8 @@ class PluginProcess:
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
+        self.offer = OfferWatch(self._nvml, self.gpus, settings.sharing, self.publisher.set_inventory)
+        self.offer.log_shortfalls()
         self.health = GatedHealthServicer()
         self.device_health = HealthBoard()
         self.health_monitor = HealthMonitor(
@@ -133,6 +136,7 @@ class PluginProcess:
         if settings.health_monitor:
             self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()
+        self.offer.start()
         self.reconciler.start()
         if settings.health_monitor:
             self.health_monitor.start()
@@ -208,6 +212,7 @@ class PluginProcess:
             time.sleep(self.settings.shutdown_drain_s)
         self.api.close()  # unblocks the publisher's watch
         self.health_monitor.stop()
+        self.offer.stop()
         self.publisher.stop()
         self.reconciler.stop()
         for server in (self._dra_server, self._health_server):

@@ -13,6 +13,8 @@ from driver.nvml.geometry import GEOMETRY_BY_ID
 
 MACHINES_DIR = Path(__file__).resolve().parent / "machines"
 ARCHITECTURES = {"ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}  # NVML_DEVICE_ARCH_*
+# MIG mode changes on Ampere take effect at the next GPU reset; Hopper and newer switch at once.
+MIG_MODE_NEEDS_RESET = frozenset({ARCHITECTURES["ampere"]})
 
 
 class MachineProfileError(ValueError):
@@ -41,8 +43,20 @@ class GpuSpec:
     memory_mib: int
     multiprocessors: int
     mig_capable: bool
-    mig_toggle_without_reset: bool = True
     mig_profiles: dict[int, MigProfileSpec] = field(default_factory=dict)
+
+    @property
+    def mig_toggle_without_reset(self) -> bool:
+        return ARCHITECTURES[self.architecture] not in MIG_MODE_NEEDS_RESET
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the GPUs sit: spread evenly over the NUMA nodes in index order, and `gpus_per_pcie_root`
+    consecutive GPUs behind one PCIe switch under one root complex (as on DGX and HGX boards)."""
+
+    numa_nodes: int = 1
+    gpus_per_pcie_root: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,19 @@ class MachineProfile:
     driver_version: str
     cuda_driver_version: int
     gpu: GpuSpec
+    topology: Topology = Topology()
+
+    def pci_bus(self, index: int) -> int:
+        """The PCI bus number of a GPU (device 0, function 0 on it, domain 0)."""
+        return 0x18 + 0x10 * index
+
+    def numa_node(self, index: int) -> int:
+        return index * self.topology.numa_nodes // self.gpu_count
+
+    def pcie_root_bus(self, index: int) -> int:
+        """The bus of the root complex above a GPU: below the first bus of its group's switch."""
+        first = index - index % self.topology.gpus_per_pcie_root
+        return self.pci_bus(first) - 3
 
 
 def bundled_machines() -> list[str]:
@@ -90,6 +117,10 @@ def _parse_machine(raw: dict[str, Any]) -> MachineProfile:
     mig_capable = bool(gpu["migCapable"])
     if mig_capable and not profiles:
         raise ValueError("a MIG-capable GPU needs migProfiles")
+    topology = raw.get("topology") or {}
+    numa_nodes, per_root = int(topology.get("numaNodes", 1)), int(topology.get("gpusPerPcieRoot", 1))
+    if numa_nodes < 1 or per_root < 1:
+        raise ValueError("topology.numaNodes and topology.gpusPerPcieRoot must be at least 1")
     return MachineProfile(
         name=str(raw["name"]),
         gpu_count=int(raw["gpuCount"]),
@@ -103,9 +134,9 @@ def _parse_machine(raw: dict[str, Any]) -> MachineProfile:
             memory_mib=int(gpu["memoryMiB"]),
             multiprocessors=int(gpu["multiprocessors"]),
             mig_capable=mig_capable,
-            mig_toggle_without_reset=bool(gpu.get("migToggleWithoutReset", True)),
             mig_profiles=profiles,
         ),
+        topology=Topology(numa_nodes, per_root),
     )
 
 

@@ -16,6 +16,7 @@ import ctypes
 import fcntl
 import json
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import pynvml
 from pynvml import NVMLError
 
+from driver.nvml import mock_sysfs
 from driver.nvml.geometry import (
     COMPUTE_INSTANCE_PROFILE_SLICES,
     COMPUTE_SLICES,
@@ -173,6 +175,7 @@ class MockNvml:
         self._lock = threading.RLock()
         self._initialized = 0
         self._state = MachineState(gpus=[GpuState() for _ in range(machine.gpu_count)])
+        self._sysfs: tempfile.TemporaryDirectory[str] | None = None
         if state_file is not None and not state_file.exists():
             state_file.parent.mkdir(parents=True, exist_ok=True)
             state_file.write_text(self._state.to_json())
@@ -282,7 +285,7 @@ class MockNvml:
 
     def nvmlDeviceGetPciInfo(self, device: object) -> pynvml.nvmlPciInfo_t:
         index = self._gpu_index(device)
-        bus = 0x18 + 0x10 * index
+        bus = self.machine.pci_bus(index)
         info = pynvml.nvmlPciInfo_t()
         bus_id = f"00000000:{bus:02X}:00.0".encode()
         info.busId = bus_id
@@ -679,7 +682,8 @@ class MockNvml:
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         eventSet.registered.clear()
 
-    # Not NVML: how a test or a person makes a mock GPU fail (`fgpu mock-fault`, docs/health.md).
+    # Not NVML: the machine around the GPUs, and how a test or a person changes it: fail a GPU
+    # (`fgpu mock-fault`, docs/health.md), reset one.
 
     def inject_xid(self, gpu: int, xid: int, gi_id: int = NO_INSTANCE, ci_id: int = NO_INSTANCE) -> None:
         self._inject(gpu, pynvml.nvmlEventTypeXidCriticalError, xid, gi_id, ci_id)
@@ -690,6 +694,25 @@ class MockNvml:
 
         self._with_gpu(MockDevice(gpu), count, write=True)
         self._inject(gpu, pynvml.nvmlEventTypeDoubleBitEccError, 0, NO_INSTANCE, NO_INSTANCE)
+
+    def sysfs_root(self) -> Path:
+        """The machine's /sys, as far as its GPUs' PCI topology goes (mock_sysfs), laid out in a
+        temporary directory on first use."""
+        with self._lock:
+            if self._sysfs is None:
+                self._sysfs = tempfile.TemporaryDirectory(prefix="fgpu-mock-sysfs-")
+                mock_sysfs.lay_out(Path(self._sysfs.name), self.machine)
+            return Path(self._sysfs.name)
+
+    def reset_gpu(self, gpu: int) -> None:
+        """What `nvidia-smi -r` does to an idle GPU: a pending MIG mode takes effect, volatile
+        counters start over, a GPU that fell off the bus is back."""
+        index = self._gpu_index(MockDevice(gpu))
+        with self._machine(write=True) as machine:
+            state = machine.gpus[index]
+            if state.gpu_instances:
+                raise _fail(pynvml.NVML_ERROR_IN_USE)
+            state.mig_current, state.lost, state.ecc_uncorrected = state.mig_pending, False, 0
 
     def set_gpu_lost(self, gpu: int, lost: bool) -> None:
         """Off the bus (every call on it fails), or back, as after a successful reset."""

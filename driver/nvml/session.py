@@ -21,6 +21,7 @@ from driver.nvml.geometry import (
 )
 from driver.nvml.machine import MigProfileSpec, load_machine
 from driver.nvml.mock import NO_INSTANCE, MockNvml
+from driver.sysfs import SYSFS_ROOT
 
 MOCK_PREFIX = "mock:"
 MOCK_STATE_ENV = "FGPU_NVML_MOCK_STATE"
@@ -118,6 +119,13 @@ class NvmlSession:
             if index not in self._handles:
                 self._handles[index] = self.nvml.nvmlDeviceGetHandleByIndex(index)
             return self._handles[index]
+
+    def sysfs_root(self) -> Path:
+        """Where this machine's /sys is: the host's, or the mock machine's own (its GPUs' PCI
+        topology), so that one sysfs reader serves both."""
+        if isinstance(self.nvml, MockNvml):
+            return self.nvml.sysfs_root()
+        return SYSFS_ROOT
 
     def driver_versions(self) -> tuple[str, int]:
         """(driver version, CUDA driver version as NVML's integer, e.g. 13000)."""

@@ -231,22 +231,27 @@ def restart_with(plugin: NodePlugin, fault_env: dict[str, str]) -> None:
     plugin.registered_after(restart)
 
 
-def test_mig_on_a_gpu_that_cannot_switch_mig_mode_reaches_the_pods_events(
+def test_a_gpu_that_cannot_switch_mig_mode_publishes_no_mig_and_says_why(
     cluster, core_api, resource_api, real_node, node_plugin, workloads
 ):
-    """An A100 with MIG mode off needs a GPU reset to enable it; prepare refuses, and says why."""
+    """An A100 with MIG mode off needs a GPU reset to enable it: the plugin publishes no MIG device
+    and its log says why, so a MIG pod stays unscheduled with the scheduler's reason instead of
+    being placed on a device that prepare cannot make."""
     node_plugin.stop()
     a100 = NodePlugin.on(real_node, nvml="mock:dgx-a100-40gb")
     try:
         a100.start_registered()
         wait_until("the A100 pool", lambda: _pool_product(resource_api, real_node.name) == "NVIDIA A100-SXM4-40GB")
+        assert "GPU 0 (NVIDIA A100-SXM4-40GB) offers no mig: MIG mode is off" in a100.logs()
         template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev")
         name = unique("pod")
         create(cluster, workloads, template, pod(name, real_node.name, template["metadata"]["name"]))
-        events = wait_until("the prepare failure in the pod's events",
-                            lambda: [e for e in pod_events(core_api, name) if "needs a GPU reset" in e])  # fmt: skip
-        assert "enable MIG mode on the node" in events[0]
-        assert core_api.read_namespaced_pod(name, NS).status.phase == "Pending"
+
+        def unschedulable() -> str | None:
+            conditions = core_api.read_namespaced_pod(name, NS).status.conditions or []
+            return next((c.message for c in conditions if c.type == "PodScheduled" and c.status == "False"), None)
+
+        assert "cannot allocate all claims" in wait_until("the scheduler's reason", unschedulable)
         assert not any(a100.cdi_dir.glob("*.json"))
         core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
         wait_until("pod gone", lambda: name not in {p.metadata.name for p in core_api.list_namespaced_pod(NS).items})

@@ -68,6 +68,10 @@ def test_slices_are_accepted_by_the_apiserver_and_come_back(start_plugin, resour
     devices = {d.name: d for s in slices for d in s.spec.devices or []}
     assert len(devices) == 8 * 28
     assert devices["gpu-0"].attributes["productName"].string == "NVIDIA H100 80GB HBM3"
+    # The standard topology attributes, on every device of a GPU (the mock machine's own /sys).
+    gpu_5 = [d.attributes for name, d in devices.items() if name.startswith("gpu-5")]
+    topology = {(a["resource.kubernetes.io/pcieRoot"].string, a["resource.kubernetes.io/numaNode"].int) for a in gpu_5}
+    assert topology == {("pci0000:55", 1)}
     assert devices["gpu-3-mig-2g20gb-4"].consumes_counters[0].counter_set == "gpu-3-counters"
     assert devices["gpu-3-mps"].allow_multiple_allocations
     assert all(s.metadata.owner_references[0].kind == "Node" for s in slices)

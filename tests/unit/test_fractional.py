@@ -71,6 +71,20 @@ def test_mig_on_an_a100_with_mig_off_is_a_clear_error(tmp_path: Path, monkeypatc
     assert env.claims.all() == {}
 
 
+@pytest.mark.parametrize("device", ["gpu-4-mps", "gpu-4-ts"])
+def test_a_share_switches_off_the_mig_mode_a_mig_device_left_on(node, device: str):
+    """Whole-GPU use needs MIG mode off; an H100 switches at once, so a share may follow MIG."""
+    api, env = node
+    mig = claim(api, "mig", [result("gpu-4-mig-1g10gb-0")])
+    assert env.driver.prepare([mig])[mig.uid].error == ""
+    assert env.driver.unprepare([mig]) == {mig.uid: ""}
+    assert env.session.mig_enabled(4)  # unprepare leaves MIG mode as it is
+    ref = claim(api, "share", [share(device, memory="1Gi")])
+    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert not env.session.mig_enabled(4)
+    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+
+
 def test_mps_shares_share_one_daemon_with_their_own_limits(node):
     api, env = node
     first = claim(api, "a", [share("gpu-1-mps", memory="10Gi", compute="25")])
