@@ -88,8 +88,10 @@ class KubeConfigError(ValueError):
 def _check_kubeconfig_files(kubeconfig: str) -> None:
     """The client library reads a kubeconfig (a list of files, like KUBECONFIG) without checking
     that it is YAML or a mapping, and fails with a traceback where it is not."""
-    for name in filter(None, kubeconfig.split(os.pathsep)):
-        path = Path(name)
+    paths = [Path(name) for name in kubeconfig.split(os.pathsep) if name]
+    if not any(path.exists() for path in paths):  # the library would only say "No configuration found"
+        raise YamlFileError("no such file")
+    for path in paths:
         if path.exists() and not isinstance(load_yaml(path) or {}, dict):
             raise YamlFileError(f"{path} is not a kubeconfig (a mapping of clusters, users, contexts)")
 
