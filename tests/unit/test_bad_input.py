@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-GOOD_KUBECONFIG = (  # never dialled: every case stops before the plugin serves
-    "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-    "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
-)
+from tests.unit.test_cli import KUBECONFIG
+
 INPUTS = {
-    "kubeconfig": GOOD_KUBECONFIG,
+    "kubeconfig": KUBECONFIG,
     "not-yaml.yaml": "not: [yaml",
     "string.yaml": "just a string\n",
     "empty.yaml": "",
