@@ -17,10 +17,15 @@ from driver.kube import ClientKubeApi, KubeConfigError, KubeError
 from driver.logs import LOG_FORMATS, configure_logging
 from driver.node.settings import (
     DEFAULT_DRIVER_NAME,
+    FlagParser,
     SettingsError,
     add_common_flags,
     add_plugin_flags,
+    check_offers,
+    env_default,
     plugin_settings,
+    port,
+    seconds,
     sharing_config,
     validate_names,
 )
@@ -37,6 +42,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
     session = NvmlSession.open(args.nvml)
     try:
         gpus = discover_gpus(session)
+        check_offers(gpus, sharing)
     finally:
         session.close()
     for reason in filter(None, (shortfall(gpu, sharing) for gpu in gpus)):
@@ -71,15 +77,16 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from driver.controller.controller import Controller
     from driver.controller.leader import LeaseTimings
 
-    if args.metrics_port:
-        start_http_server(args.metrics_port)
     identity = args.identity or f"{socket.gethostname()}-{os.getpid()}"
     try:
         timings = LeaseTimings(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
                                args.leader_elect_retry_period)  # fmt: skip
     except ValueError as err:
         raise SettingsError(f"--leader-elect-*: {err}") from err
-    controller = Controller(ControllerApi(args.kubeconfig), identity, args.policy, args.lease_namespace, timings)
+    api = ControllerApi(args.kubeconfig)  # a bad client configuration stops it before it serves anything
+    if args.metrics_port > 0:
+        start_http_server(args.metrics_port)
+    controller = Controller(api, identity, args.policy, args.lease_namespace, timings)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()
@@ -124,6 +131,8 @@ def cmd_health_clear(args: argparse.Namespace) -> int:
 
     if not args.state_dir:
         raise SettingsError("--state-dir (or STATE_DIR) is required: the plugin's state directory")
+    if not Path(args.state_dir).is_dir():  # clearing would make it: a mistyped path would seem to work
+        raise SettingsError(f"--state-dir {args.state_dir!r} is not a directory; give the plugin's state directory")
     left = HealthRecord(Path(args.state_dir)).clear(set(args.gpu) if args.gpu else None)
     print(f"cleared; {len(left)} fault(s) of other GPUs left" if args.gpu else "cleared all faults")
     return 0
@@ -150,7 +159,7 @@ def cmd_mock_fault(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
+    parser = FlagParser(prog="fgpu", description="fractional GPUs through Kubernetes DRA")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -167,25 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     policies = list(POLICIES)
     controller = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
     controller.add_argument(
-        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="client configuration [KUBECONFIG]"
+        "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="client configuration [KUBECONFIG]"
     )
     controller.add_argument("--policy", choices=policies, default="binpack", help="placement scoring")
     controller.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
     controller.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
-    controller.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
+    controller.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus metrics here (0 or -1: off)")
     for flag, env, default, what in LEADER_ELECTION_FLAGS:
-        controller.add_argument(flag, type=float, default=os.environ.get(env, default), help=f"{what} [{env}]")
+        controller.add_argument(flag, type=seconds, default=env_default(default, env), help=f"{what} [{env}]")
     controller.set_defaults(func=cmd_controller)
 
     health = commands.add_parser("health", help="the node's GPU faults (run where the plugin's state dir is)")
     health_commands = health.add_subparsers(dest="health_command", required=True)
     clear = health_commands.add_parser("clear", help="forget GPU faults now: their taints go within a second")
-    clear.add_argument("--state-dir", default=os.environ.get("STATE_DIR"), help="the plugin's state dir [STATE_DIR]")
+    clear.add_argument("--state-dir", default=env_default(None, "STATE_DIR"), help="the plugin's state dir [STATE_DIR]")
     clear.add_argument("--gpu", action="append", help="a GPU UUID (repeat; default: every GPU)")
     clear.set_defaults(func=cmd_health_clear)
 
     mock_fault = commands.add_parser("mock-fault", help="make a mock GPU fail, for tests and demos (docs/health.md)")
-    mock_fault.add_argument("--nvml", default=os.environ.get("NVML", ""), help="mock:<machine> [NVML]")
+    mock_fault.add_argument("--nvml", default=env_default("", "NVML"), help="mock:<machine> [NVML]")
     mock_fault.add_argument("--gpu", type=int, required=True, help="GPU index")
     mock_fault.add_argument("fault", choices=["xid", "ecc", "lost", "recover"])
     mock_fault.add_argument("--xid", type=int, default=79, help="the XID number (fault xid)")
@@ -204,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     planner.set_defaults(func=cmd_plan)
 
     status = commands.add_parser("status", help="per node and GPU: what claims hold, what is free, taints")
-    status.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="client configuration [KUBECONFIG]")
+    status.add_argument(
+        "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="client configuration [KUBECONFIG]"
+    )
     status.add_argument("--node", action="append", help="only these nodes (repeatable, or a comma list)")
     status.add_argument("-o", "--output", choices=list(RENDERERS), default="table")
     status.set_defaults(func=cmd_status)

@@ -59,10 +59,18 @@ class FeatureGates:
         unavailable = frozenset().union(*(g.kinds for n, g in GATES.items() if not self.enabled(n)))
         default = sharing.default - unavailable
         per_gpu = {index: kinds - unavailable for index, kinds in sharing.per_gpu.items()}
+        offers = [("every GPU", sharing.default, default)] + [
+            (f"GPU {i}", sharing.per_gpu[i], kinds) for i, kinds in sorted(per_gpu.items())
+        ]
+        for where, asked, kinds in offers:
+            if asked and not kinds:  # would publish nothing there, without a word
+                raise FeatureGateError(
+                    f"{self.describe()}: {where} offers only {', '.join(sorted(asked))}, which the disabled gate(s) "
+                    "rule out; offer another kind (--offer, --sharing-config) or enable the gate"
+                )
         counters = self.enabled(PARTITIONABLE_DEVICES)
         if not counters:
-            offers = [("every GPU", default)] + [(f"GPU {i}", kinds) for i, kinds in sorted(per_gpu.items())]
-            for where, kinds in offers:
+            for where, _, kinds in offers:
                 if len(kinds) > 1:
                     raise FeatureGateError(
                         f"{PARTITIONABLE_DEVICES}=false: {where} offers {', '.join(sorted(kinds))}; without shared "

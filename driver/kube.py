@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
+
+from driver.yamlfile import YamlFileError, load_yaml
 
 JsonObject = dict[str, Any]
 
@@ -81,6 +85,17 @@ class KubeConfigError(ValueError):
     """No usable client configuration: a setup error, reported once, not retried."""
 
 
+def _check_kubeconfig_files(kubeconfig: str) -> None:
+    """The client library reads a kubeconfig (a list of files, like KUBECONFIG) without checking
+    that it is YAML or a mapping, and fails with a traceback where it is not."""
+    paths = [Path(name) for name in kubeconfig.split(os.pathsep) if name]
+    if not any(path.exists() for path in paths):  # the library would only say "No configuration found"
+        raise YamlFileError("no such file")
+    for path in paths:
+        if path.exists() and not isinstance(load_yaml(path) or {}, dict):
+            raise YamlFileError(f"{path} is not a kubeconfig (a mapping of clusters, users, contexts)")
+
+
 def slice_field_selector(driver: str, node: str) -> str:
     return f"spec.driver={driver},spec.nodeName={node}"
 
@@ -92,12 +107,16 @@ class ClientKubeApi:
         configuration = kubernetes.client.Configuration()
         try:
             if kubeconfig:
+                _check_kubeconfig_files(kubeconfig)
                 kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
             else:
                 kubernetes.config.load_incluster_config(client_configuration=configuration)
-        except (kubernetes.config.ConfigException, OSError) as err:
+        except (kubernetes.config.ConfigException, OSError, YamlFileError) as err:
             where = kubeconfig or "the in-cluster service account (no --kubeconfig given)"
-            raise KubeConfigError(f"cannot load the Kubernetes client configuration from {where}: {err}") from err
+            raise KubeConfigError(
+                f"cannot load the Kubernetes client configuration from {where}: {err}; "
+                "give a working kubeconfig (--kubeconfig, KUBECONFIG)"
+            ) from err
         configuration.retries = False
         self._client = kubernetes.client.ApiClient(configuration)
         self._resource = kubernetes.client.ResourceV1Api(self._client)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-import yaml
+from driver.yamlfile import YamlFileError, load_yaml
 
 SharingKind = Literal["whole", "mig", "mps", "timeslice"]
 ALL_KINDS: frozenset[SharingKind] = frozenset(get_args(SharingKind))
@@ -27,8 +27,14 @@ class SharingConfig:
         return self.per_gpu.get(gpu_index, self.default)
 
 
-def parse_kinds(value: str | list[str], where: str) -> frozenset[SharingKind]:
-    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v) for v in value]
+def parse_kinds(value: object, where: str) -> frozenset[SharingKind]:
+    """A comma list (`--offer`) or a YAML list of kinds."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = value
+    else:
+        raise SharingConfigError(f"{where}: expected a list of kinds such as [whole, mps], found {value!r}")
     unknown = sorted(set(items) - ALL_KINDS)
     if unknown:
         raise SharingConfigError(f"{where}: unknown kind(s) {unknown}; valid: {sorted(ALL_KINDS)}")
@@ -42,17 +48,30 @@ def load_sharing_config(offer: str, path: Path | None) -> SharingConfig:
     if path is None:
         return SharingConfig(default=default)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise SharingConfigError(f"cannot read sharing config {path}: {err}") from err
+        raw = load_yaml(path) or {}
+    except YamlFileError as err:
+        raise SharingConfigError(f"sharing config: {err}") from err
+    if not isinstance(raw, dict):
+        raise SharingConfigError(
+            f"{path}: expected a mapping {{offer: [...], gpus: [...]}}, found {type(raw).__name__}"
+        )
     unknown = set(raw) - {"offer", "gpus"}
     if unknown:
         raise SharingConfigError(f"{path}: unknown field(s) {sorted(unknown)}")
     if "offer" in raw:
         default = parse_kinds(raw["offer"], f"{path}: offer")
+    gpus = raw.get("gpus") or []
+    if not isinstance(gpus, list):
+        raise SharingConfigError(f"{path}: gpus must be a list of {{index: <int>, offer: [...]}}")
     per_gpu = {}
-    for i, entry in enumerate(raw.get("gpus") or []):
-        if not isinstance(entry, dict) or set(entry) != {"index", "offer"} or not isinstance(entry["index"], int):
-            raise SharingConfigError(f"{path}: gpus[{i}] must be {{index: <int>, offer: [...]}}")
+    for i, entry in enumerate(gpus):
+        if not isinstance(entry, dict) or set(entry) != {"index", "offer"} or not _is_index(entry["index"]):
+            raise SharingConfigError(f"{path}: gpus[{i}] must be {{index: <int 0 or more>, offer: [...]}}")
+        if entry["index"] in per_gpu:
+            raise SharingConfigError(f"{path}: gpus[{i}]: GPU {entry['index']} has an entry already")
         per_gpu[entry["index"]] = parse_kinds(entry["offer"], f"{path}: gpus[{i}].offer")
     return SharingConfig(default=default, per_gpu=per_gpu)
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0  # YAML's true is an int

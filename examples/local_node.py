@@ -18,6 +18,8 @@ import time
 
 import kubernetes
 
+from driver.nvml.machine import MachineProfileError
+from driver.nvml.session import NvmlSession, NvmlUnavailableError
 from tests.cluster.node import RealNode
 from tests.local_cluster import local_cluster
 from tests.workloads import claim_template, pod, report, wait_running, wait_until
@@ -55,6 +57,11 @@ def main() -> int:
     parser.add_argument("--nvml", default="mock:dgx-h100")
     parser.add_argument("--once", action="store_true", help="exit after the example pods ran")
     args = parser.parse_args()
+    try:  # the plugin's own message, before minutes of starting a control plane it would not join
+        NvmlSession.open(args.nvml).close()
+    except (MachineProfileError, NvmlUnavailableError) as err:
+        print(f"fgpu: {err}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print(NEEDS_ROOT, file=sys.stderr)
         return 1

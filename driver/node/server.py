@@ -35,7 +35,7 @@ from driver.node.ownership import InstanceLock
 from driver.node.prepare import Partitioners
 from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
-from driver.node.settings import PluginSettings
+from driver.node.settings import PluginSettings, check_offers
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
@@ -51,10 +51,15 @@ HOST_INIT_PID = 1  # with hostPID, the host's init: the cgroups MPS daemons join
 class PluginProcess:
     def __init__(self, settings: PluginSettings, api: KubeApi | None = None) -> None:
         self.settings = settings
+        self.api = api or ClientKubeApi(settings.kubeconfig)
         self._nvml = NvmlSession.open(settings.nvml)
         self.gpus = discover_gpus(self._nvml)
+        check_offers(self.gpus, settings.sharing)
         log.info("discovered %d GPU(s): %s", len(self.gpus), ", ".join(g.product_name for g in self.gpus))
-        self.api = api or ClientKubeApi(settings.kubeconfig)
+        # Made only now that the settings, the client configuration and the GPUs passed: a bad one
+        # leaves nothing behind.
+        for directory in (settings.state_dir, settings.cdi_dir, settings.plugin_dir):
+            directory.mkdir(parents=True, exist_ok=True)
         self.claims = PreparedClaims(Checkpoint(settings.checkpoint_path))
         runner = self._tool_runner()
         self.cdi = CdiWriter(
@@ -240,6 +245,4 @@ class PluginProcess:
 
 
 def run_plugin(settings: PluginSettings) -> None:
-    for directory in (settings.state_dir, settings.cdi_dir, Path(settings.plugin_dir)):
-        directory.mkdir(parents=True, exist_ok=True)
     PluginProcess(settings).serve_until_signal()

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_args
+from typing import NoReturn, get_args
 
 from kubernetes.utils import parse_quantity
 
+from driver.devices import gpu_targets
+from driver.discovery import GpuInfo
 from driver.featuregates import GATES, FeatureGateError, FeatureGates
 from driver.node.health.taints import HealthPolicy, TaintEffect
 from driver.node.kubelet.sockets import (
@@ -20,7 +24,7 @@ from driver.node.kubelet.sockets import (
     rolling_update_registrar_socket_file,
 )
 from driver.nvml.session import is_mock
-from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
+from driver.sharing import ALL_KINDS, SharingConfig, SharingConfigError, SharingKind, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
 DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
@@ -84,37 +88,110 @@ class PluginSettings:
         return self.state_dir / "checkpoint.json"
 
 
-def _env_default(parser_default: str | None, env: str) -> str | None:
+class EnvValue(str):
+    """A flag's value taken from its environment variable. Its repr names the variable, so every
+    message that quotes a bad value (argparse's among them) says where it came from."""
+
+    env: str
+
+    def __new__(cls, value: str, env: str) -> EnvValue:
+        self = super().__new__(cls, value)
+        self.env = env
+        return self
+
+    def __repr__(self) -> str:
+        return f"{self.env}={str.__repr__(self)}"
+
+
+def env_default(parser_default: str | None, env: str) -> str | None:
     """A flag's default from its environment variable. Kept a string: argparse converts a string
-    default with the flag's `type`, so a bad value fails as a flag would, in one line."""
-    return os.environ.get(env, parser_default)
+    default with the flag's `type`, so a bad value fails as a flag would, in one line, and only
+    when the flag is not given (a bad variable does not break `--help` or an explicit flag)."""
+    value = os.environ.get(env)
+    return parser_default if value is None else EnvValue(value, env)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block), and with defaults from the environment
+    checked as flags are: argparse leaves a default's choices unchecked and a boolean flag's
+    default unconverted."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if not isinstance(value, str):
+                continue
+            if isinstance(action, argparse.BooleanOptionalAction):
+                if value not in ("true", "false"):
+                    self.error(f"argument {action.option_strings[0]}: {value!r} is not true or false")
+                setattr(parsed, action.dest, value == "true")
+            elif action.choices is not None and value not in action.choices:
+                choices = ", ".join(map(str, action.choices))
+                self.error(f"argument {action.option_strings[0]}: {value!r} is not one of {choices}")
+        return parsed, rest
+
+
+def port(value: str) -> int:
+    """A TCP port, or -1 (off)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -2
+    if not -1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port (0-65535, or -1: off)")
+    return number
+
+
+def interval(value: str) -> float:
+    """A period in seconds, above 0: a loop waits this long between rounds."""
+    number = seconds(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    return number
+
+
+def seconds(value: str) -> float:
+    """A duration in seconds: a finite number, not negative."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 <= number < math.inf:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (0 or more)")
+    return number
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--driver-name", default=_env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"), help="DRA driver name [DRIVER_NAME]"
+        "--driver-name", default=env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"), help="DRA driver name [DRIVER_NAME]"
     )
-    parser.add_argument("--node-name", default=_env_default(None, "NODE_NAME"), help="this node's name [NODE_NAME]")
+    parser.add_argument("--node-name", default=env_default(None, "NODE_NAME"), help="this node's name [NODE_NAME]")
     parser.add_argument(
         "--offer",
-        default=_env_default("whole,mig,mps,timeslice", "OFFER"),
+        default=env_default("whole,mig,mps,timeslice", "OFFER"),
         help="device kinds every GPU offers: whole,mig,mps,timeslice [OFFER]",
     )
     parser.add_argument(
         "--sharing-config",
-        default=_env_default(None, "SHARING_CONFIG"),
+        default=env_default(None, "SHARING_CONFIG"),
         help="YAML file overriding --offer per GPU: gpus: [{index: 0, offer: [mig]}] [SHARING_CONFIG]",
     )
     parser.add_argument(
         "--feature-gates",
-        default=_env_default("", "FEATURE_GATES"),
+        default=env_default("", "FEATURE_GATES"),
         help="Name=true|false,...: "
         + "; ".join(f"{name} (default {gate.default}; needs {gate.needs})" for name, gate in GATES.items())
         + " [FEATURE_GATES]",
     )
     parser.add_argument(
         "--nvml",
-        default=_env_default("real", "NVML"),
+        default=env_default("real", "NVML"),
         help="'real' (the NVML library) or 'mock:<machine|profile.yaml>' [NVML]",
     )
 
@@ -124,89 +201,89 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     add_health_flags(parser)
     parser.add_argument(
         "--registrar-dir",
-        default=_env_default("/var/lib/kubelet/plugins_registry", "REGISTRAR_DIR"),
+        default=env_default("/var/lib/kubelet/plugins_registry", "REGISTRAR_DIR"),
         help="kubelet's plugin registry directory [REGISTRAR_DIR]",
     )
     parser.add_argument(
         "--plugin-dir",
-        default=_env_default(None, "PLUGIN_DIR"),
+        default=env_default(None, "PLUGIN_DIR"),
         help="directory of the DRA socket, default /var/lib/kubelet/plugins/<driver> [PLUGIN_DIR]",
     )
     parser.add_argument(
-        "--cdi-dir", default=_env_default("/var/run/cdi", "CDI_DIR"), help="CDI spec directory [CDI_DIR]"
+        "--cdi-dir", default=env_default("/var/run/cdi", "CDI_DIR"), help="CDI spec directory [CDI_DIR]"
     )
     parser.add_argument(
-        "--state-dir", default=_env_default(None, "STATE_DIR"), help="checkpoint directory, default the plugin dir"
+        "--state-dir", default=env_default(None, "STATE_DIR"), help="checkpoint directory, default the plugin dir"
     )
     parser.add_argument(
-        "--kubeconfig", default=_env_default(None, "KUBECONFIG"), help="kubeconfig; in-cluster config when absent"
+        "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="kubeconfig; in-cluster config when absent"
     )
     parser.add_argument(
         "--driver-root",
-        default=_env_default(None, "DRIVER_ROOT"),
+        default=env_default(None, "DRIVER_ROOT"),
         help="where the NVIDIA driver files are; default /, or with mock NVML a mock driver root laid out "
         f"under the state dir ({MOCK_DRIVER_ROOT}) [DRIVER_ROOT]",
     )
     parser.add_argument(
         "--host-driver-root",
-        default=_env_default(None, "HOST_DRIVER_ROOT"),
+        default=env_default(None, "HOST_DRIVER_ROOT"),
         help="the driver root as the host sees it, when the plugin runs in a container [HOST_DRIVER_ROOT]",
     )
     parser.add_argument(
         "--unprepare-grace",
-        type=float,
-        default=_env_default("300", "UNPREPARE_GRACE"),
+        type=seconds,
+        default=env_default("300", "UNPREPARE_GRACE"),
         help="seconds a prepared claim may be gone from the API server before it is unprepared [UNPREPARE_GRACE]",
     )
     parser.add_argument(
         "--reconcile-interval",
-        type=float,
-        default=_env_default("60", "RECONCILE_INTERVAL"),
+        type=interval,
+        default=env_default("60", "RECONCILE_INTERVAL"),
         help="seconds between checks of prepared claims against the API server [RECONCILE_INTERVAL]",
     )
     parser.add_argument(
         "--mps-shm-size",
-        default=_env_default(None, "MPS_SHM_SIZE"),
+        default=env_default(None, "MPS_SHM_SIZE"),
         help=f"size of each GPU's MPS tmpfs, the /dev/shm of its daemon and MPS clients, default "
         f"{DEFAULT_SHM_BYTES // 2**20}Mi (a limit: pages are used only once written) [MPS_SHM_SIZE]",
     )
     parser.add_argument(
         "--mps-daemon-in-host-cgroups",
         action=argparse.BooleanOptionalAction,
-        default=_env_default("false", "MPS_DAEMON_IN_HOST_CGROUPS") == "true",
+        default=env_default("false", "MPS_DAEMON_IN_HOST_CGROUPS"),
         help="start MPS daemons in the cgroups of the host's PID 1, so that they outlive the plugin's "
         "container (a DaemonSet pod with hostPID) [MPS_DAEMON_IN_HOST_CGROUPS=true]",
     )
     parser.add_argument(
         "--healthcheck-port",
-        type=int,
-        default=_env_default("-1", "HEALTHCHECK_PORT"),
+        type=port,
+        default=env_default("-1", "HEALTHCHECK_PORT"),
         help="TCP port for the gRPC health service (liveness probe); -1 disables [HEALTHCHECK_PORT]",
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
-        default=_env_default("-1", "METRICS_PORT"),
+        type=port,
+        default=env_default("-1", "METRICS_PORT"),
         help="TCP port for Prometheus metrics (/metrics); -1 or 0 disables [METRICS_PORT]",
     )
     parser.add_argument(
         "--rolling-update-uid",
-        default=_env_default("", "POD_UID"),
+        default=env_default("", "POD_UID"),
         help="this pod's UID (downward API metadata.uid): sockets <driver>-<uid>-reg.sock and dra-<uid>.sock, "
         "so that two instances serve side by side during a rolling update; empty: <driver>-reg.sock and "
         "dra.sock [POD_UID]",
     )
     parser.add_argument(
         "--registration-grace",
-        type=float,
-        default=_env_default("60", "REGISTRATION_GRACE"),
+        type=seconds,
+        default=env_default("60", "REGISTRATION_GRACE"),
         help="seconds the health service says SERVING without kubelet's registration, after the socket is "
         "created or a registration failed [REGISTRATION_GRACE]",
     )
     parser.add_argument(
         "--shutdown-drain",
-        type=float,
-        default=_env_default("3", "SHUTDOWN_DRAIN"),
+        type=seconds,
+        default=env_default("3", "SHUTDOWN_DRAIN"),
         help="on SIGTERM, seconds the DRA service keeps serving after the registration socket is removed, "
         "for calls kubelet sent before it noticed [SHUTDOWN_DRAIN]",
     )
@@ -217,13 +294,13 @@ def add_health_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--health-monitor",
         action=argparse.BooleanOptionalAction,
-        default=_env_default("true", "HEALTH_MONITOR") == "true",
+        default=env_default("true", "HEALTH_MONITOR"),
         help="watch the GPUs (XIDs, ECC, reachability), taint failing devices and tell kubelet; "
         "--no-health-monitor where another agent fences GPUs [HEALTH_MONITOR=true|false]",
     )
     parser.add_argument(
         "--health-fault-xids",
-        default=_env_default(",".join(map(str, sorted(default.fault_xids))), "HEALTH_FAULT_XIDS"),
+        default=env_default(",".join(map(str, sorted(default.fault_xids))), "HEALTH_FAULT_XIDS"),
         help="XIDs that are device faults and taint the GPU's devices; others (application errors such as "
         "13, 31, 43, 45) are only logged [HEALTH_FAULT_XIDS]",
     )
@@ -235,14 +312,14 @@ def add_health_flags(parser: argparse.ArgumentParser) -> None:
         env = f"HEALTH_{kind.upper()}_EFFECT"
         parser.add_argument(
             f"--health-{kind}-effect",
-            default=_env_default(value, env),
+            default=env_default(value, env),
             choices=get_args(TaintEffect),
             help=f"taint effect for {what} (None: no taint) [{env}]",
         )
     parser.add_argument(
         "--health-recovery",
-        type=float,
-        default=_env_default(str(int(default.recovery_s)), "HEALTH_RECOVERY"),
+        type=seconds,
+        default=env_default(str(int(default.recovery_s)), "HEALTH_RECOVERY"),
         help="seconds a GPU must be healthy after its last fault before its taints go [HEALTH_RECOVERY]",
     )
 
@@ -252,8 +329,7 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
         xids = frozenset(int(x) for x in args.health_fault_xids.split(",") if x.strip())
     except ValueError as err:
         raise SettingsError(f"--health-fault-xids {args.health_fault_xids!r} is not a list of numbers") from err
-    recovery = non_negative("--health-recovery", args.health_recovery)
-    return HealthPolicy(xids, args.health_fault_effect, args.health_lost_effect, recovery)
+    return HealthPolicy(xids, args.health_fault_effect, args.health_lost_effect, args.health_recovery)
 
 
 def validate_names(args: argparse.Namespace) -> None:
@@ -261,6 +337,11 @@ def validate_names(args: argparse.Namespace) -> None:
         raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
     if not args.node_name:
         raise SettingsError("--node-name (or NODE_NAME) is required")
+    if not DNS_SUBDOMAIN.match(args.node_name) or len(args.node_name) > 253:
+        raise SettingsError(
+            f"--node-name {args.node_name!r} is not a node name (a DNS subdomain: lower case letters, digits, "
+            "'-' and '.', at most 253 characters); give the Node object's name"
+        )
 
 
 def validate_pod_uid(uid: str) -> str:
@@ -278,6 +359,41 @@ def sharing_config(args: argparse.Namespace) -> SharingConfig:
         raise SettingsError(str(err)) from err
 
 
+def check_offers(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
+    """Refuse what this node cannot honour rather than publish less, or nothing, without a word:
+    a sharing config entry for a GPU it lacks or asking a GPU for a kind it cannot offer, and a
+    GPU left with no device at all."""
+    indices = sorted(gpu.index for gpu in gpus)
+    missing = sorted(set(sharing.per_gpu) - set(indices))
+    if missing:
+        raise SettingsError(
+            f"--sharing-config names GPU index(es) {missing}, but this node's GPUs are {indices}; remove those entries"
+        )
+    for gpu in gpus:
+        unable = sorted(kind for kind in sharing.per_gpu.get(gpu.index, ()) if not _can_offer(gpu, kind))
+        if unable:
+            raise SettingsError(
+                f"--sharing-config asks GPU {gpu.index} ({gpu.product_name}) for {', '.join(unable)}, which it "
+                f"cannot offer; it can offer {_offerable(gpu)}"
+            )
+    idle = [gpu for gpu in gpus if not gpu_targets(gpu, sharing.offered(gpu.index))]
+    if idle:
+        first = idle[0]
+        raise SettingsError(
+            f"GPU(s) {', '.join(str(gpu.index) for gpu in idle)} would offer no device: {first.product_name} cannot "
+            f"offer {', '.join(sorted(sharing.offered(first.index))) or 'nothing'}, only {_offerable(first)}; "
+            "change --offer or --sharing-config"
+        )
+
+
+def _can_offer(gpu: GpuInfo, kind: SharingKind) -> bool:
+    return bool(gpu_targets(gpu, frozenset({kind})))
+
+
+def _offerable(gpu: GpuInfo) -> str:
+    return ", ".join(sorted(kind for kind in ALL_KINDS if _can_offer(gpu, kind)))
+
+
 def default_driver_root(nvml: str, state_dir: Path) -> Path:
     return state_dir / MOCK_DRIVER_ROOT if is_mock(nvml) else Path("/")
 
@@ -292,10 +408,15 @@ def size_bytes(flag: str, value: str) -> int:
     return size
 
 
-def non_negative(flag: str, value: float) -> float:
-    if value < 0:
-        raise SettingsError(f"{flag} {value} is negative")
-    return value
+def check_directory(flag: str, path: Path) -> None:
+    """A directory the plugin writes in: there and writable, or creatable where its nearest existing
+    ancestor is a writable directory. Checked up front, so that a bad one stops the plugin before
+    it has made any of the others."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise SettingsError(f"{flag} {path}: {existing} is not a directory; give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SettingsError(f"{flag} {path}: {existing} is not writable; give a directory this user can write")
 
 
 def plugin_settings(args: argparse.Namespace) -> PluginSettings:
@@ -321,11 +442,14 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         mps_daemon_in_host_cgroups=args.mps_daemon_in_host_cgroups,
         rolling_update_uid=validate_pod_uid(args.rolling_update_uid),
         registration_grace_s=args.registration_grace,
-        shutdown_drain_s=non_negative("--shutdown-drain", args.shutdown_drain),
+        shutdown_drain_s=args.shutdown_drain,
         health=health_policy(args),
         health_monitor=args.health_monitor,
         metrics_port=args.metrics_port,
     )
+    for flag, directory in (("--registrar-dir", settings.registrar_dir), ("--plugin-dir", settings.plugin_dir),
+                            ("--cdi-dir", settings.cdi_dir), ("--state-dir", settings.state_dir)):  # fmt: skip
+        check_directory(flag, directory)
     for socket in (settings.registration_socket, settings.dra_socket):
         try:
             check_socket_path(socket)

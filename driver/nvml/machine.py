@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from driver.nvml.geometry import GEOMETRY_BY_ID
+from driver.yamlfile import YamlFileError, load_yaml
 
 MACHINES_DIR = Path(__file__).resolve().parent / "machines"
 ARCHITECTURES = {"ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}  # NVML_DEVICE_ARCH_*
@@ -96,9 +95,11 @@ def load_machine(name_or_path: str) -> MachineProfile:
                 f"unknown mock machine {name_or_path!r}; bundled: {', '.join(bundled_machines())}"
             )
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise MachineProfileError(f"cannot read machine profile {path}: {err}") from err
+        raw = load_yaml(path)
+    except YamlFileError as err:
+        raise MachineProfileError(f"machine profile: {err}") from err
+    if not isinstance(raw, dict):
+        raise MachineProfileError(f"invalid machine profile {path}: expected a mapping, found {type(raw).__name__}")
     try:
         return _parse_machine(raw)
     except (KeyError, TypeError, ValueError) as err:

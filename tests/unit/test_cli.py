@@ -3,6 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+KUBECONFIG = (  # never dialled: the plugin stops before it serves
+    "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+    "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
+)
+
 
 def run_plugin(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     command = [
@@ -28,11 +33,8 @@ def test_bad_sharing_config_names_the_problem(tmp_path: Path):
 
 
 def test_a_driver_root_that_is_not_a_mock_one_is_refused_with_mock_gpus(tmp_path: Path):
-    kubeconfig = tmp_path / "kubeconfig"  # never dialled: the plugin stops before it serves
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
-    )
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
     host_like = tmp_path / "host"
     (host_like / "usr/bin").mkdir(parents=True)
     (host_like / "usr/bin/nvidia-smi").write_text("not ours")
@@ -52,9 +54,11 @@ def discover(*flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_json_logs_are_one_object_a_line(tmp_path: Path):
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")  # no context: the plugin stops after discovery
+    kubeconfig.write_text(KUBECONFIG)
+    root = tmp_path / "root"
+    (root / "usr").mkdir(parents=True)  # not a mock driver root: the plugin stops after discovery
     run = discover("--log-format=json", "kubelet-plugin", "--node-name=n1", "--nvml=mock:l4x4",
-                   f"--plugin-dir={tmp_path}", f"--kubeconfig={kubeconfig}")  # fmt: skip
+                   f"--plugin-dir={tmp_path}", f"--kubeconfig={kubeconfig}", f"--driver-root={root}")  # fmt: skip
     logged = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
     assert {"ts", "level", "logger", "msg"} <= logged[0].keys()
     assert next(e["msg"] for e in logged if e["logger"] == "driver.node.server").startswith("discovered 4 GPU(s)")

@@ -308,7 +308,9 @@ def test_plan_prints_allocations_reasons_and_free_capacity(tmp_path: Path):
 
 def test_plan_reports_bad_files(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kind: ResourceSlice\nspec: {devices: [{name: d, capacity: {memory: {value: lots}}}]}\n")
+    bad.write_text(
+        "kind: ResourceSlice\nmetadata: {name: s}\nspec: {devices: [{name: d, capacity: {memory: {value: lots}}}]}\n"
+    )
     command = [
         sys.executable,
         "-m",
