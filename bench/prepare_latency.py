@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -245,6 +246,7 @@ def main() -> None:
             server.terminate()
             server.join()
         stop_fake_daemons(Path(root))
+        shutil.rmtree(root, ignore_errors=True)  # the machine as it was: no temp dir left
 
 
 if __name__ == "__main__":

@@ -102,6 +102,10 @@ class EnvValue(str):
     def __repr__(self) -> str:
         return f"{self.env}={str.__repr__(self)}"
 
+    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
+        # copy and pickle: a value such as NODE_NAME ends up in records that are deep-copied
+        return str(self), self.env
+
 
 def env_default(parser_default: str | None, env: str) -> str | None:
     """A flag's default from its environment variable. Kept a string: argparse converts a string

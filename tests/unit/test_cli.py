@@ -104,3 +104,16 @@ def test_mock_fault_and_health_clear_say_what_is_wrong_in_one_line(tmp_path: Pat
     )
     run = fgpu("health", "clear", f"--state-dir={tmp_path}", "--gpu=GPU-x")
     assert (run.returncode, run.stdout.strip()) == (0, "cleared; 0 fault(s) of other GPUs left")
+
+
+def test_values_from_the_environment_can_be_copied_and_pickled(monkeypatch):
+    import copy
+    import pickle
+
+    from driver.cli import build_parser
+
+    monkeypatch.setenv("NODE_NAME", "node-from-env")
+    args = build_parser().parse_args(["kubelet-plugin"])
+    # The node name ends up in checkpoint records, which are deep-copied (a prepare failed on it).
+    assert copy.deepcopy(args.node_name) == "node-from-env" == pickle.loads(pickle.dumps(args.node_name))
+    assert repr(copy.deepcopy(args.node_name)) == "NODE_NAME='node-from-env'"
