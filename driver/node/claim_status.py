@@ -51,6 +51,8 @@ def field_manager(driver: str, node: str) -> str:
 def device_data(device: PreparedDevice) -> JsonObject:
     """The entry's `data`: facts of the prepared device; fields a record predates are left out."""
     data: JsonObject = {"kind": device.kind, "gpuUUID": device.gpu_uuid, "gpuIndex": device.gpu_index}
+    if device.admin_access:
+        return {**data, "adminAccess": True}  # the GPU's node only: no instance, limits or interval of its own
     if device.kind == "mig":
         data["mig"] = _present(
             uuid=device.mig_uuid,

@@ -232,7 +232,7 @@ class NodeCollector(Collector):
         yield from self._usage(holders)
 
     def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
-        devices = [d for c in prepared for d in c.devices]
+        devices = [d for c in prepared for d in c.devices if d.holds]  # admin access holds nothing
         # The node label tells two instances of a rolling update (same node, same answer) apart from two nodes.
         kinds = GaugeMetricFamily(
             "fgpu_prepared_devices", "Devices of prepared claims on the node", labels=["node", "kind"]

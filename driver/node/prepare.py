@@ -157,8 +157,9 @@ class Driver:
                 kind=target.kind,
                 gpu_index=target.gpu.index,
                 gpu_uuid=target.gpu.uuid,
+                admin_access=all(r.admin_access for r in results),
             )
-            devices.append(self._configure(device, target, results, allocation))
+            devices.append(device if device.admin_access else self._configure(device, target, results, allocation))
         return PreparedClaim(
             ref.uid, ref.namespace, ref.name, tuple(devices), state="PrepareStarted", owner=self._instance.id
         )
@@ -196,6 +197,8 @@ class Driver:
         """Create what the device needs on the GPU; returns it with its CDI edits, and what was done."""
         gpu = self._targets[device.device].gpu
         gpu_node = f"/dev/nvidia{gpu.minor}"
+        if device.admin_access:  # the GPU's node, for monitoring; nothing made or changed on it
+            return replace(device, device_nodes=(gpu_node,)), "admin access, nothing created"
         try:
             # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
             released = (
@@ -250,7 +253,7 @@ class Driver:
     def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
         """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
         return any(
-            d.kind == "timeslice" and d.gpu_index == gpu_index and d.timeslice_interval == interval
+            d.kind == "timeslice" and d.holds and d.gpu_index == gpu_index and d.timeslice_interval == interval
             for other_uid, c in self._claims.all().items()
             if other_uid != uid and c.state == "PrepareCompleted"
             for d in c.devices
@@ -311,7 +314,11 @@ class Driver:
 
     def _release(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
         """Undo what the device made on the GPU; returns what was destroyed."""
-        still_used = any(d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices)
+        if device.admin_access:
+            return "admin access ended, nothing destroyed"
+        still_used = any(
+            d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
+        )
         if device.kind == "mig":
             record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
             if record is None:
@@ -354,7 +361,7 @@ class Driver:
             (d.gpu_index, d.mig_profile_id, d.mig_start)
             for c in prepared.values()
             for d in c.devices
-            if d.kind == "mig"
+            if d.kind == "mig" and d.holds
         }
         for index in sorted({t.gpu.index for t in self._targets.values() if t.kind == "mig"}):
             with self._lock(f"gpu/{index}"):
@@ -364,7 +371,9 @@ class Driver:
                         self._parts.mig.destroy(index, record.gi_id)
 
     def _sweep_mps(self, prepared: dict[str, PreparedClaim]) -> None:
-        shares = {(d.gpu_index, d.gpu_uuid) for c in prepared.values() for d in c.devices if d.kind == "mps"}
+        shares = {
+            (d.gpu_index, d.gpu_uuid) for c in prepared.values() for d in c.devices if d.kind == "mps" and d.holds
+        }
         for index, uuid in sorted(shares):
             with self._lock(f"gpu/{index}"):
                 # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
@@ -465,7 +474,7 @@ def _within(limit: int | None, allocated: int, field: str, capacity: str) -> int
 def _needs_journal(claim: PreparedClaim) -> bool:
     """Whole GPUs change nothing on the node but the CDI spec, which the start-up sweep covers; MIG
     instances, MPS daemons and timeslice settings must be journaled before they are made."""
-    return any(device.kind != "whole" for device in claim.devices)
+    return any(device.kind != "whole" and device.holds for device in claim.devices)
 
 
 def _quantity(value: str | None, default: int) -> int:

@@ -46,6 +46,14 @@ class PreparedDevice:
     device_nodes: tuple[str, ...] = ()
     env: tuple[str, ...] = ()
     mounts: tuple[tuple[str, str], ...] = ()
+    # Admin access (KEP-5018, a monitoring claim): access to the GPU without making, changing or
+    # holding anything, so it keeps no MIG instance, MPS daemon or timeslice setting alive.
+    admin_access: bool = False
+
+    @property
+    def holds(self) -> bool:
+        """Whether the device holds what it made on the GPU (an admin-access one holds nothing)."""
+        return not self.admin_access
 
     def cdi_device(self) -> CdiDevice:
         return CdiDevice(name=self.device, device_nodes=self.device_nodes, env=self.env, mounts=self.mounts)

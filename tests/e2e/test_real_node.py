@@ -23,6 +23,7 @@ from tests.integration.test_plugin_process import complete_pool
 from tests.node_plugin import NodePlugin
 from tests.workloads import (
     claim_template,
+    delete_namespace,
     deployment,
     pod,
     pod_events,
@@ -90,6 +91,40 @@ def test_an_unchanged_pod_asking_for_nvidia_com_gpu_gets_a_whole_gpu(
     assert len(allocated) == 1 and allocated[0].device.startswith("gpu-") and "-" not in allocated[0].device[4:]
     gpus = [path for path in seen.devices if path.removeprefix("/dev/nvidia").isdigit()]
     assert gpus == [f"/dev/nvidia{allocated[0].device.removeprefix('gpu-')}"]
+
+
+def test_admin_access_monitors_a_gpu_in_use_without_touching_it(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """KEP-5018: a claim with adminAccess, in a namespace labelled for it, gets a device another pod
+    holds; the container sees the GPU and none of the share's MPS settings, and nothing changes."""
+    on_gpu0 = 'device.attributes["gpu.fgpu.dev"].index == 0'
+    user = run_pod(cluster, core_api, workloads, real_node, "mps.gpu.fgpu.dev", selector=on_gpu0,
+                   capacity={"memory": "2Gi"})  # fmt: skip
+    daemons = node_plugin.logs().count("daemon started")
+    namespace = unique("admin")
+    client = cluster.api_client()
+    core_api.create_namespace(
+        {"metadata": {"name": namespace, "labels": {"resource.kubernetes.io/admin-access": "true"}}}
+    )
+    try:
+        template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", selector=on_gpu0)
+        template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+        name = unique("monitor")
+        kubernetes.utils.create_from_dict(client, template, namespace=namespace)
+        kubernetes.utils.create_from_dict(
+            client, pod(name, real_node.name, template["metadata"]["name"]), namespace=namespace
+        )
+        wait_running(core_api, name, namespace)
+        seen = report(core_api, name, namespace)
+        assert seen.devices.get("/dev/nvidia0") == MOCK_NODE
+        assert not [k for k in seen.env if k.startswith("CUDA_MPS")]
+        assert node_plugin.logs().count("daemon started") == daemons  # nothing started for the monitor
+    finally:
+        delete_namespace(core_api, namespace)
+    assert "admin access ended, nothing destroyed" in node_plugin.logs()
+    assert core_api.read_namespaced_pod(user, NS).status.phase == "Running"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in report(core_api, user).env
 
 
 def test_two_mig_devices_of_one_claim_on_one_gpu(cluster, core_api, resource_api, real_node, node_plugin, workloads):

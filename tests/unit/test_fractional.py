@@ -244,3 +244,34 @@ def test_claims_on_different_gpus_run_in_parallel_and_one_gpu_is_serialised(node
     results = env.driver.prepare(refs)
     assert [r.error for r in results.values()] == [""] * 4
     assert overlaps == []  # two claims on GPU 2 never changed it at the same time
+
+
+def admin(device: str) -> dict:
+    entry = result(device, request="monitor")
+    entry["adminAccess"] = True
+    return entry
+
+
+def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_anything(node):
+    api, env = node
+    uuid = env.gpus[1].uuid
+    user = claim(api, "user", [share("gpu-1-mps", memory="10Gi", compute="25")])
+    mig_user = claim(api, "mig-user", [result("gpu-2-mig-3g40gb-4")])
+    monitor = claim(api, "monitor", [admin("gpu-1-mps"), admin("gpu-2-mig-3g40gb-4"), admin("gpu-3")])
+    assert env.driver.prepare([user, mig_user])[user.uid].error == ""
+    instances = env.session.gpu_instances(2)
+
+    outcome = env.driver.prepare([monitor])[monitor.uid]
+    assert outcome.error == "" and outcome.summary.count("admin access, nothing created") == 3
+    edits = {d["name"]: d["containerEdits"] for d in spec(env, monitor.uid)["devices"]}
+    assert [n["path"] for n in edits["uid-monitor-gpu-1-mps"]["deviceNodes"]] == ["/dev/nvidia1"]
+    assert not [e for e in edits["uid-monitor-gpu-1-mps"].get("env", []) if e.startswith("CUDA_MPS")]
+    assert env.session.gpu_instances(2) == instances  # the user's instance, nothing more
+    assert not env.session.mig_enabled(3)  # a whole GPU: nothing switched
+
+    env.driver.unprepare([user])  # the monitor does not keep the user's MPS daemon
+    assert not env.mps.running(uuid)
+    assert env.driver.unprepare([monitor]) == {monitor.uid: ""}
+    assert env.session.gpu_instances(2) == instances  # the monitor's end destroys nothing of others
+    env.driver.unprepare([mig_user])
+    assert env.session.gpu_instances(2) == []
