@@ -64,13 +64,13 @@ def _mig_profiles(session: NvmlSession, raw: RawGpu) -> tuple[MigProfileSpec, ..
 
 def discover_gpus(session: NvmlSession) -> list[GpuInfo]:
     driver_version, cuda_driver = session.driver_versions()
-    sysfs_root = session.sysfs_root()
+    raws = [session.describe(index) for index in range(session.gpu_count())]
+    with session.sysfs_root() as sysfs_root:
+        topologies = [pci_topology(pci_bus_id(raw.pci_bus_id), sysfs_root) for raw in raws]
     gpus = []
-    for index in range(session.gpu_count()):
-        raw = session.describe(index)
+    for raw, topology in zip(raws, topologies, strict=True):
         major, minor = raw.cuda_compute_capability
         bus_id = pci_bus_id(raw.pci_bus_id)
-        topology = pci_topology(bus_id, sysfs_root)
         gpus.append(
             GpuInfo(
                 index=raw.index,

@@ -175,7 +175,6 @@ class MockNvml:
         self._lock = threading.RLock()
         self._initialized = 0
         self._state = MachineState(gpus=[GpuState() for _ in range(machine.gpu_count)])
-        self._sysfs: tempfile.TemporaryDirectory[str] | None = None
         if state_file is not None and not state_file.exists():
             state_file.parent.mkdir(parents=True, exist_ok=True)
             state_file.write_text(self._state.to_json())
@@ -695,14 +694,13 @@ class MockNvml:
         self._with_gpu(MockDevice(gpu), count, write=True)
         self._inject(gpu, pynvml.nvmlEventTypeDoubleBitEccError, 0, NO_INSTANCE, NO_INSTANCE)
 
-    def sysfs_root(self) -> Path:
+    @contextlib.contextmanager
+    def sysfs_root(self) -> Iterator[Path]:
         """The machine's /sys, as far as its GPUs' PCI topology goes (mock_sysfs), laid out in a
-        temporary directory on first use."""
-        with self._lock:
-            if self._sysfs is None:
-                self._sysfs = tempfile.TemporaryDirectory(prefix="fgpu-mock-sysfs-")
-                mock_sysfs.lay_out(Path(self._sysfs.name), self.machine)
-            return Path(self._sysfs.name)
+        temporary directory while it is read: a process killed later leaves nothing behind."""
+        with tempfile.TemporaryDirectory(prefix="fgpu-mock-sysfs-") as root:
+            mock_sysfs.lay_out(Path(root), self.machine)
+            yield Path(root)
 
     def reset_gpu(self, gpu: int) -> None:
         """What `nvidia-smi -r` does to an idle GPU: a pending MIG mode takes effect, volatile

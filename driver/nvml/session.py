@@ -4,6 +4,7 @@ NVML calls are slow under contention."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -120,12 +121,15 @@ class NvmlSession:
                 self._handles[index] = self.nvml.nvmlDeviceGetHandleByIndex(index)
             return self._handles[index]
 
-    def sysfs_root(self) -> Path:
-        """Where this machine's /sys is: the host's, or the mock machine's own (its GPUs' PCI
-        topology), so that one sysfs reader serves both."""
+    @contextlib.contextmanager
+    def sysfs_root(self) -> Iterator[Path]:
+        """Where this machine's /sys is, while it is read: the host's, or the mock machine's own
+        (its GPUs' PCI topology), so that one sysfs reader serves both."""
         if isinstance(self.nvml, MockNvml):
-            return self.nvml.sysfs_root()
-        return SYSFS_ROOT
+            with self.nvml.sysfs_root() as root:
+                yield root
+        else:
+            yield SYSFS_ROOT
 
     def driver_versions(self) -> tuple[str, int]:
         """(driver version, CUDA driver version as NVML's integer, e.g. 13000)."""
