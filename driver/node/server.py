@@ -80,11 +80,12 @@ class PluginProcess:
             ),
             timeslice=TimeSlicer(runner),
         )
+        targets = node_targets(self.gpus, settings.sharing)
         self.driver = SerializedDriver(
             NodeClaimLock(settings.state_dir),
             settings.driver_name,
             settings.node_name,
-            node_targets(self.gpus, settings.sharing),
+            targets,
             self.api,
             self.claims,
             self.cdi,
@@ -104,7 +105,7 @@ class PluginProcess:
         self.health_monitor = HealthMonitor(
             self._nvml,
             self.gpus,
-            node_targets(self.gpus, settings.sharing),
+            targets,
             HealthRecord(settings.state_dir),
             settings.health,
             self.publisher.set_taints,

@@ -38,7 +38,8 @@ class DeviceHealthReport:
 
 
 def in_force(fault: GpuFault, now: float, policy: HealthPolicy) -> bool:
-    return now - fault.last_seen < policy.recovery_s
+    """A device fault (not an application XID) last seen within the recovery period."""
+    return now - fault.last_seen < policy.recovery_s and (fault.kind != "xid" or fault.xid in policy.fault_xids)
 
 
 def affects(fault: GpuFault, target: DeviceTarget) -> bool:
@@ -73,7 +74,7 @@ def device_taints(
     for target in targets:
         by_key: dict[str, DeviceTaint] = {}
         for fault in active:
-            if affects(fault, target) and (fault.kind != "xid" or fault.xid in policy.fault_xids):
+            if affects(fault, target):
                 taint = taint_of(fault, policy)
                 if taint.effect != "None":
                     by_key.setdefault(taint.key, taint)
@@ -86,7 +87,7 @@ def device_health(
     targets: list[DeviceTarget], faults: list[GpuFault], now: float, policy: HealthPolicy
 ) -> dict[str, DeviceHealthReport]:
     """Every device's health as kubelet hears it: unhealthy while a fault that taints it is in force."""
-    active = [f for f in faults if in_force(f, now, policy) and (f.kind != "xid" or f.xid in policy.fault_xids)]
+    active = [f for f in faults if in_force(f, now, policy)]
     report = {}
     for target in targets:
         reasons = [describe(f) for f in active if affects(f, target)]
