@@ -13,7 +13,9 @@ namespace=fgpu-system
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # One file per template (empty ones are not written), then grouped by what a user applies.
-"$helm" template fgpu "$here/chart/fgpu" --namespace "$namespace" --set namespace.create=true --kube-version 1.36.0 \
+# The admission webhook stays out: its certificate is made per install, which only Helm can do.
+"$helm" template fgpu "$here/chart/fgpu" --namespace "$namespace" --set namespace.create=true --set webhook.enabled=false \
+  --kube-version 1.36.0 \
   --output-dir "$work" > /dev/null
 
 write() {

@@ -1,4 +1,4 @@
-"""The `fgpu` command: discover, kubelet-plugin, controller, plan, status."""
+"""The `fgpu` command: discover, kubelet-plugin, controller, webhook, plan, status, health, mock-fault."""
 
 from __future__ import annotations
 
@@ -90,6 +90,22 @@ def cmd_controller(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()
+    return 0
+
+
+def cmd_webhook(args: argparse.Namespace) -> int:
+    from driver.admission.server import WebhookSettings, run_webhook
+
+    if args.port < 1:
+        raise SettingsError(f"--port {args.port}: the webhook needs a port (1-65535)")
+    settings = WebhookSettings(args.driver_name, args.bind_address, args.port, args.tls_cert_file,
+                               args.tls_private_key_file)  # fmt: skip
+    try:
+        run_webhook(settings)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+    except OSError as err:  # the address is taken or cannot be bound
+        raise SettingsError(f"--bind-address/--port {args.bind_address}:{args.port}: {err.strerror or err}") from err
     return 0
 
 
@@ -201,6 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     mock_fault.add_argument("--gi", type=int, help="GPU instance id the XID is attributed to (with --ci)")
     mock_fault.add_argument("--ci", type=int, default=0, help="compute instance id (with --gi)")
     mock_fault.set_defaults(func=cmd_mock_fault)
+
+    webhook = commands.add_parser("webhook", help="refuse bad gpu.fgpu.dev opaque configs at admission (HTTPS)")
+    webhook.add_argument("--driver-name", default=env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"),
+                         help="whose opaque configs to check [DRIVER_NAME]")  # fmt: skip
+    webhook.add_argument("--bind-address", default="0.0.0.0", help="listen on this address")
+    webhook.add_argument(
+        "--port", type=port, default=env_default("8443", "WEBHOOK_PORT"), help="HTTPS port [WEBHOOK_PORT]"
+    )
+    webhook.add_argument("--tls-cert-file", type=Path, required=True, help="serving certificate (PEM)")
+    webhook.add_argument("--tls-private-key-file", type=Path, required=True, help="its private key (PEM)")
+    webhook.set_defaults(func=cmd_webhook)
 
     planner = commands.add_parser("plan", help="dry run: allocate claims from files, explain failures")
     planner.add_argument("--slices", type=Path, nargs="+", required=True, help="ResourceSlices (YAML or JSON)")

@@ -142,6 +142,10 @@ class Pki:
         subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
         self._sign(name, subject, extension="extendedKeyUsage=clientAuth")
 
+    def sign_server(self, name: str, common_name: str, addresses: str) -> None:
+        """A serving certificate `<name>.crt` for `addresses` (a subjectAltName list, e.g. IP:127.0.0.1)."""
+        self._sign(name, f"/CN={common_name}", extension=f"subjectAltName={addresses}")
+
     def _sign(self, name: str, subject: str, extension: str) -> None:
         extfile = self.directory / f"{name}.ext"
         extfile.write_text(extension + "\n")
@@ -243,6 +247,9 @@ class Cluster:
             f"--kubelet-client-key={pki.path('kubelet-client.key')}",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--service-cluster-ip-range=10.96.0.0/24",
+            # No kube-proxy here: webhooks (fgpu's admission webhook) are called at their Service's
+            # endpoint addresses, the pods' own, which the host reaches through the node's bridge.
+            "--enable-aggregator-routing=true",
             f"--feature-gates={FEATURE_GATES}",
             # As kubeadm and managed clusters do: DRA drivers (fgpu's DaemonSet) run privileged.
             "--allow-privileged=true",

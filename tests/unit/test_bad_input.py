@@ -39,6 +39,7 @@ PLUGIN = [
     "--state-dir={out}/state",
 ]
 DISCOVER = ["discover", "--node-name=n1", "--nvml=mock:l4x4"]
+WEBHOOK = ["webhook", "--tls-cert-file={in}/file", "--tls-private-key-file={in}/file"]
 PLAN = ["plan", "--classes={in}/class.yaml", "--claims={in}/class.yaml", "--slices"]
 NOT_A_DIR = "{in}/file is not a directory; give a directory path"
 KUBECONFIG_ERROR = "cannot load the Kubernetes client configuration from {in}/"
@@ -221,6 +222,21 @@ CASES = [
         "--leader-elect-*: lease timings",
     ),
     ("controller kubeconfig not YAML", ["controller", "--kubeconfig={in}/not-yaml.yaml"], {}, "is not valid YAML"),
+    (
+        "webhook certificate missing",
+        [*WEBHOOK, "--tls-cert-file={in}/missing.crt"],
+        {},
+        "fgpu: --tls-cert-file/--tls-private-key-file: cannot load {in}/missing.crt: [Errno 2] No such file",
+    ),
+    (
+        "webhook certificate not PEM",
+        [*WEBHOOK, "--tls-cert-file={in}/file", "--tls-private-key-file={in}/file"],
+        {},
+        "cannot load {in}/file: [SSL]",
+    ),
+    ("webhook port zero", [*WEBHOOK, "--port=0"], {}, "fgpu: --port 0: the webhook needs a port (1-65535)"),
+    ("webhook env port garbage", WEBHOOK, {"WEBHOOK_PORT": "https"}, "--port: WEBHOOK_PORT='https' is not a port"),
+    ("webhook without certificate", ["webhook"], {}, "the following arguments are required: --tls-cert-file"),
 ]
 
 
@@ -263,8 +279,9 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(
 
 
 def test_a_bad_environment_variable_does_not_break_help():
-    env = {"UNPREPARE_GRACE": "abc", "HEALTH_MONITOR": "yes", "LEASE_DURATION": "x", "HEALTHCHECK_PORT": "-9"}
-    for args in (["--help"], ["kubelet-plugin", "--help"], ["controller", "--help"]):
+    env = {"UNPREPARE_GRACE": "abc", "HEALTH_MONITOR": "yes", "LEASE_DURATION": "x", "HEALTHCHECK_PORT": "-9",
+           "WEBHOOK_PORT": "x"}  # fmt: skip
+    for args in (["--help"], ["kubelet-plugin", "--help"], ["controller", "--help"], ["webhook", "--help"]):
         run = fgpu(args, env)
         assert (run.returncode, run.stderr) == (0, ""), run.stderr
     run = fgpu(["discover", "--node-name=n1", "--nvml=mock:l4x4", "-o", "json"], env)  # not its flags: unaffected

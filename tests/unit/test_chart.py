@@ -3,6 +3,7 @@ daemonset/ match it (daemonset/render.sh). The apiserver's verdict on them: test
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -75,11 +76,11 @@ def test_mock_nvml_has_no_driver_root_mount() -> None:
     assert "driver-root" not in {v["name"] for v in daemonset["spec"]["template"]["spec"]["volumes"]}
 
 
-def test_one_image_for_plugin_and_controller() -> None:
+def test_one_image_for_plugin_controller_and_webhook() -> None:
     objects = render({"image.repository": "registry.example/fgpu", "image.tag": "1.2.3"})
     images = {
-        find(objects, kind)["spec"]["template"]["spec"]["containers"][0]["image"]
-        for kind in ("DaemonSet", "Deployment")
+        find(objects, kind, name)["spec"]["template"]["spec"]["containers"][0]["image"]
+        for kind, name in (("DaemonSet", ""), ("Deployment", "controller"), ("Deployment", "webhook"))
     }
     assert images == {"registry.example/fgpu:1.2.3"}
     default = render()
@@ -88,8 +89,8 @@ def test_one_image_for_plugin_and_controller() -> None:
 
 def test_api_server_address_for_host_network_pods() -> None:
     objects = render({"apiServer.host": "127.0.0.1", "apiServer.port": "6443", "kubeletPlugin.hostNetwork": True})
-    for kind in ("DaemonSet", "Deployment"):
-        env = container_env(find(objects, kind))
+    for kind, name in (("DaemonSet", ""), ("Deployment", "controller")):
+        env = container_env(find(objects, kind, name))
         assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
     assert find(objects, "DaemonSet")["spec"]["template"]["spec"]["hostNetwork"] is True
     with pytest.raises(AssertionError, match="go together"):
@@ -214,3 +215,44 @@ def test_device_classes_carry_extended_resource_names() -> None:
     mig = classes["mig-1g.10gb.gpu.fgpu.dev"]
     assert mig["extendedResourceName"] == "nvidia.com/mig-1g.10gb"
     assert mig["selectors"][0]["cel"]["expression"].endswith('.profile == "1g.10gb"')
+
+
+def test_webhook_serves_its_certificate_and_the_apiserver_trusts_it(tmp_path: Path) -> None:
+    objects = render({"webhook.failurePolicy": "Fail", "driverName": "gpu.example.com"}, namespace="gpus")
+    secret = find(objects, "Secret", "webhook-tls")
+    deployment = find(objects, "Deployment", "webhook")
+    spec = deployment["spec"]["template"]["spec"]
+    args = build_parser().parse_args(spec["containers"][0]["args"])
+    assert (args.driver_name, args.port) == ("gpu.example.com", 8443)
+    mounted = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert args.tls_cert_file.parent.as_posix() in mounted and args.tls_private_key_file.name in secret["data"]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    # The serving certificate names the Service, and the webhooks trust its CA.
+    service = find(objects, "Service", "webhook")
+    (tmp_path / "ca.crt").write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
+    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    verified = subprocess.run(
+        ["openssl", "verify", "-CAfile", tmp_path / "ca.crt", "-verify_hostname",
+         f"{service['metadata']['name']}.gpus.svc", tmp_path / "tls.crt"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stderr
+    configuration = find(objects, "ValidatingWebhookConfiguration")
+    assert [w["name"] for w in configuration["webhooks"]] == [
+        "resourceclaims.gpu.example.com",
+        "resourceclaimtemplates.gpu.example.com",
+        "deviceclasses.gpu.example.com",
+    ]
+    for webhook in configuration["webhooks"]:
+        assert webhook["failurePolicy"] == "Fail" and webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert webhook["clientConfig"]["service"] == {
+            "name": service["metadata"]["name"], "namespace": "gpus", "path": "/validate", "port": 443
+        }  # fmt: skip
+        assert '== "gpu.example.com"' in webhook["matchConditions"][0]["expression"]
+    assert not [o for o in render({"webhook.enabled": False}) if "webhook" in o["metadata"]["name"]]
+
+
+def test_the_rendered_manifests_leave_the_webhook_to_helm() -> None:
+    # Its certificate is made per install; a rendered one would be the same secret key for everyone.
+    for path in sorted((ROOT / "daemonset").glob("*.yaml")):
+        assert "ValidatingWebhookConfiguration" not in path.read_text() and "PRIVATE KEY" not in path.read_text()

@@ -1,0 +1,72 @@
+"""Admission review of fgpu's opaque device configs (pure: AdmissionReview in, response out).
+
+ResourceClaims, ResourceClaimTemplates and DeviceClasses carry `opaque` configs for a driver; those
+for ours are checked with the very rules prepare applies (driver/node/claim_config.py), so a bad
+config is refused at `kubectl apply`, naming the field, instead of failing the pod at start.
+What depends on the allocated device (a limit within the allocated capacity, a strategy that fits
+the device's kind) is known only at prepare, and checked there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from driver.node.claim_config import parse_device_config
+from driver.node.claims import ClaimError
+
+REVIEW_API_VERSION = "admission.k8s.io/v1"
+
+# Where each kind keeps its list of device configs.
+CONFIG_PATHS: dict[str, tuple[str, ...]] = {
+    "ResourceClaim": ("spec", "devices", "config"),
+    "ResourceClaimTemplate": ("spec", "spec", "devices", "config"),
+    "DeviceClass": ("spec", "config"),
+}
+
+
+class ReviewError(ValueError):
+    """The request is not an AdmissionReview this webhook can answer."""
+
+
+def config_errors(kind: str, obj: dict[str, Any], driver: str) -> list[str]:
+    """One line per bad opaque config of `driver` in the object, each naming its field."""
+    path = CONFIG_PATHS.get(kind)
+    if path is None:
+        return []
+    configs: Any = obj
+    for key in path:
+        configs = configs.get(key) if isinstance(configs, dict) else None
+    errors = []
+    for index, entry in enumerate(configs if isinstance(configs, list) else []):
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") != driver:
+            continue  # another driver's config, or none: not ours to judge
+        field = ".".join(path) + f"[{index}].opaque.parameters"
+        try:
+            parse_device_config(opaque.get("parameters"))
+        except ClaimError as err:
+            errors.append(f"{field}: {err}")
+    return errors
+
+
+def review(document: Any, driver: str) -> dict[str, Any]:
+    """The AdmissionReview answering `document` (an AdmissionReview with a request)."""
+    request = document.get("request") if isinstance(document, dict) else None
+    if not isinstance(request, dict) or not request.get("uid"):
+        raise ReviewError("not an AdmissionReview with a request uid")
+    if document.get("apiVersion") != REVIEW_API_VERSION:
+        raise ReviewError(
+            f"AdmissionReview apiVersion must be {REVIEW_API_VERSION}, got {document.get('apiVersion')!r}"
+        )
+    kind = (request.get("kind") or {}).get("kind", "")
+    obj = request.get("object") if isinstance(request.get("object"), dict) else {}
+    errors = config_errors(kind, obj, driver)
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": not errors}
+    if errors:
+        name = (obj.get("metadata") or {}).get("name") or (obj.get("metadata") or {}).get("generateName", "")
+        response["status"] = {
+            "code": 422,
+            "reason": "Invalid",
+            "message": f"{kind} {name}: " + "; ".join(errors),
+        }
+    return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}
