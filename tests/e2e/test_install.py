@@ -127,6 +127,8 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         # On the node's network a container port is a host port: two replicas on one node need none.
         "controller.metricsPort": 0,
         "controller.nodeSelector": on_node,
+        "webhook.nodeSelector": on_node,
+        "webhook.replicas": 1,
         # The session's cluster fixture already made the DeviceClasses, for every test.
         "deviceClasses.create": False,
     }
@@ -223,6 +225,31 @@ def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: R
     (entry,) = claim.status.devices
     assert entry.driver == "gpu.fgpu.dev" and entry.conditions[0].type == "Ready"
     assert entry.data["gpuUUID"].startswith("GPU-")
+
+
+def test_the_webhook_refuses_a_bad_config_through_its_service(cluster, release: Release) -> None:
+    resource = kubernetes.client.ResourceV1Api(cluster.api_client())
+    parameters = {"apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig", "sharing": {"strategy": "Shared"}}
+    config = {"opaque": {"driver": "gpu.fgpu.dev", "parameters": parameters}}
+
+    def refused() -> str | None:
+        template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", config=[config])
+        try:
+            resource.create_namespaced_resource_claim_template(NS, template)
+        except kubernetes.client.ApiException as err:
+            return json.loads(err.body)["message"]
+        # Admitted (failurePolicy Ignore) while the Service has no ready endpoint yet.
+        resource.delete_namespaced_resource_claim_template(template["metadata"]["name"], NS)
+        return None
+
+    message = wait_until("the webhook answering through its Service", refused, timeout_s=60)
+    assert message.startswith('admission webhook "resourceclaimtemplates.gpu.fgpu.dev" denied the request: ')
+    assert "sharing.strategy must be MPS or TimeSlicing, got 'Shared'" in message
+
+
+def webhook_ca(cluster: Cluster) -> str:
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    return core.read_namespaced_secret(f"{RELEASE}-webhook-tls", NAMESPACE).data["ca.crt"]
 
 
 def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None:
@@ -428,6 +455,7 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     daemons = mps_daemons(release)
     assert len(daemons) == 1, daemons
     (old,) = release.plugin_pods()
+    ca = webhook_ca(cluster)
     upgrade = release.start_helm(*release.upgrade_command(TAGS[1]))
     try:
         # During the rollout: a new plugin pod beside the old one, and a claim prepared meanwhile.
@@ -452,6 +480,7 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     container_ids(core, [during, after])
     # The MPS daemon joined the host init's cgroups (hostPID), so it outlived the old plugin's container.
     assert daemons_after == daemons
+    assert webhook_ca(cluster) == ca  # the webhook's certificate is kept: no pod waits on a new one
 
 
 def test_uninstall_leaves_prepared_pods_alone(cluster, real_node, release: Release) -> None:
