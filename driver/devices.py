@@ -26,6 +26,7 @@ AttributeKind = Literal["string", "int", "bool", "version"]
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+NOT_OFFERED_ATTRIBUTE = "notOffered"  # on a GPU's devices: what it holds back and why
 MiB = 2**20
 GiB = 2**30
 MPS_MAX_CLIENTS = 48  # MPS server limit on Volta and newer
@@ -284,6 +285,8 @@ class OfferLimit:
 
     kinds: frozenset[SharingKind]
     reason: str
+    # The reason in a device attribute (at most 64 characters), where an admin can act on it.
+    note: str = ""
 
 
 NO_LIMIT = OfferLimit(frozenset(), "")
@@ -302,11 +305,13 @@ def offer_limit(gpu: GpuInfo) -> OfferLimit:
             frozenset({"whole", "mps", "timeslice"}),
             "MIG mode is on and switching it off needs a GPU reset on this GPU "
             f"(nvidia-smi -i {gpu.index} -mig 0, then reset the GPU)",
+            "MIG mode on, switching needs a GPU reset",
         )
     return OfferLimit(
         frozenset({"mig"}),
         "MIG mode is off and switching it on needs a GPU reset on this GPU "
         f"(nvidia-smi -i {gpu.index} -mig 1, then reset the GPU)",
+        "MIG mode off, switching needs a GPU reset",
     )
 
 
@@ -317,6 +322,20 @@ def shortfall(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
     if not missing:
         return None
     return f"GPU {gpu.index} ({gpu.product_name}) offers no {', '.join(sorted(missing))}: {limit.reason}"
+
+
+def not_offered_note(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
+    """What the GPU's devices carry in NOT_OFFERED_ATTRIBUTE, so that `fgpu status` can say why a GPU
+    offers less: the kinds held back and the note, e.g. "mig: MIG mode off, switching needs a GPU reset"."""
+    limit = offer_limit(gpu)
+    missing = sharing.offered(gpu.index) & limit.kinds
+    return f"{','.join(sorted(missing))}: {limit.note}" if missing and limit.note else None
+
+
+def _with_note(device: Device, note: str | None) -> Device:
+    if note is None:
+        return device
+    return replace(device, attributes={**device.attributes, NOT_OFFERED_ATTRIBUTE: Attribute("string", note)})
 
 
 def device_for(target: DeviceTarget) -> Device:
@@ -333,7 +352,8 @@ def device_for(target: DeviceTarget) -> Device:
 def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
     """Every device and counter set the node offers now, in a stable order."""
     targets = node_targets(gpus, sharing)
-    devices = [device_for(t) for t in targets if t.kind not in offer_limit(t.gpu).kinds]
+    notes = {gpu.index: not_offered_note(gpu, sharing) for gpu in gpus}
+    devices = [_with_note(device_for(t), notes[t.gpu.index]) for t in targets if t.kind not in offer_limit(t.gpu).kinds]
     if not sharing.shared_counters:
         return Inventory(devices=[replace(d, consumes={}) for d in devices], counter_sets=[])
     counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in sorted(gpus, key=lambda g: g.index)]

@@ -8,6 +8,8 @@ Fields of `-o json` / `-o yaml` (stable; quantities are Kubernetes quantity stri
   nodes[]:       name, problem (why the node's devices cannot be shown, else null), gpus[]
   gpus[]:        index, uuid, product, healthy (no taint under `<driver>/`), state (free: nothing
                  allocated; partial: in use, more fits; full: nothing more fits), offers[] (whole, mig, mps, timeslice),
+                 notOffered (the kinds it holds back and why, e.g. "mig: MIG mode off, switching
+                 needs a GPU reset"; null when it offers all it is configured to),
                  wholeFree, migPlaceable[], shares[], claims[], taints[]
   migPlaceable[]: device, profile, start, size: each MIG placement that could still be allocated
   shares[]:      device, kind (mps | timeslice), count (shares allocated), open (a new share fits),
@@ -36,6 +38,7 @@ from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
 from driver.allocator.state import AllocatedState
+from driver.devices import NOT_OFFERED_ATTRIBUTE
 from driver.node.claim_config import config_for_request
 from driver.node.claims import ClaimError, ClaimRef, allocation_for_node
 
@@ -94,6 +97,7 @@ class GpuStatus:
     healthy: bool
     state: str
     offers: list[str]
+    not_offered: str | None
     whole_free: bool
     mig_placeable: list[MigPlaceable]
     shares: list[ShareStatus]
@@ -249,6 +253,7 @@ def _gpu(
         healthy=not any(t.key.startswith(f"{driver}/") for t in taints),
         state=summary,
         offers=sorted({k for k in kinds.values() if k}, key=list(KIND_OF_TYPE.values()).index),
+        not_offered=next((str(n) for d in devices if (n := _attribute(d, NOT_OFFERED_ATTRIBUTE))), None),
         whole_free=whole_free,
         mig_placeable=mig,
         shares=shares,
@@ -371,6 +376,7 @@ def render_table(status: ClusterStatus) -> str:
     ]
     lines = _table(["NODE", "GPU", "PRODUCT", "HEALTH", "STATE", "FREE"], rows)
     lines += [f"{node.name}: {node.problem}" for node in status.nodes if node.problem]
+    lines += [f"{node.name} GPU {gpu.index} offers no {gpu.not_offered}" for node, gpu in gpus if gpu.not_offered]
     claims = [_claim_row(h, node.name, str(gpu.index)) for node, gpu in gpus for h in gpu.claims]
     claims += [_claim_row(h, h.pool, "?") for h in status.unpublished]
     if claims:

@@ -212,8 +212,8 @@ def test_json_and_yaml_carry_the_documented_field_names():
     assert list(document) == ["nodes", "unpublished"]
     gpu = document["nodes"][0]["gpus"][2]
     assert list(gpu) == [
-        "index", "uuid", "product", "healthy", "state", "offers", "wholeFree", "migPlaceable", "shares", "claims",
-        "taints",
+        "index", "uuid", "product", "healthy", "state", "offers", "notOffered", "wholeFree", "migPlaceable",
+        "shares", "claims", "taints",
     ]  # fmt: skip
     assert list(gpu["claims"][0]) == [
         "claim", "request", "pool", "device", "kind", "profile", "placementStart", "placementSize", "shareID",
@@ -243,3 +243,15 @@ def test_the_table_has_a_row_per_gpu_and_per_holding():
     assert holdings[1].split() == ["team/w", "n1", "0", "gpu-0", "whole", "GPU", "team/w-0"]
     assert holdings[2].split() == ["team/m", "n1", "1", "gpu-1-mig-3g40gb-4", "mig", "3g.40gb", "at", "4", "-"]
     assert holdings[3].split()[4:] == ["mps", "memory", "10Gi,", "compute", "25,", "clients", "1", "-"]
+
+
+def test_a_gpu_that_offers_less_says_why():
+    a100 = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-a100-40gb")), SharingConfig())
+    status = cluster_status(build_slices(DRIVER, "a1", a100, generation=1, owner=None), [], DRIVER)
+    gpu = gpus(status, "a1")[0]
+    assert gpu.offers == ["whole", "mps", "timeslice"]
+    assert gpu.not_offered == "mig: MIG mode off, switching needs a GPU reset"
+    assert "a1 GPU 0 offers no mig: MIG mode off, switching needs a GPU reset" in render_table(status).splitlines()
+    # A GPU that offers all it is configured to: nothing to say.
+    h100 = cluster_status(h100_slices("n1"), [], DRIVER)
+    assert gpus(h100)[0].not_offered is None and "offers no" not in render_table(h100)

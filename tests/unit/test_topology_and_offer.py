@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from driver.devices import (
+    NOT_OFFERED_ATTRIBUTE,
     NUMA_NODE_ATTRIBUTE,
     PCIE_ROOT_ATTRIBUTE,
     Attribute,
@@ -110,6 +112,14 @@ def test_an_a100_offers_what_its_mig_mode_allows_and_says_why():
         "on this GPU (nvidia-smi -i 0 -mig 1, then reset the GPU)"
     )
     assert shortfall(gpus[0], SharingConfig(default=frozenset({"whole", "mps"}))) is None  # MIG not asked for
+    # Its devices say so in the slice, within an attribute's 64 characters, for `fgpu status`.
+    notes = {d.attributes[NOT_OFFERED_ATTRIBUTE].value for d in node_inventory(gpus, SharingConfig()).devices}
+    assert notes == {"mig: MIG mode off, switching needs a GPU reset"}
+    asked_less = node_inventory(gpus, SharingConfig(default=frozenset({"whole", "mps"})))
+    assert not [d for d in asked_less.devices if NOT_OFFERED_ATTRIBUTE in d.attributes]
+    switched = [replace(gpu, mig_enabled=True) for gpu in gpus]
+    [note] = {d.attributes[NOT_OFFERED_ATTRIBUTE].value for d in node_inventory(switched, SharingConfig()).devices}
+    assert note == "mps,timeslice,whole: MIG mode on, switching needs a GPU reset" and len(note) <= 64
     # An H100 switches MIG mode at once: prepare does it, so it offers everything.
     h100 = discover_gpus(NvmlSession.open("mock:dgx-h100"))[0]
     assert shortfall(h100, SharingConfig()) is None
