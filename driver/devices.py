@@ -4,10 +4,13 @@ Per GPU `gpu-<i>` (index i), as the node's sharing configuration offers:
 - `gpu-<i>`: the whole GPU;
 - `gpu-<i>-mig-<profile>-<start>`: one device per MIG profile and placement;
 - `gpu-<i>-mps`: MPS shares (allowMultipleAllocations; capacity memory, compute, clients);
-- `gpu-<i>-ts`: time-sliced shares (allowMultipleAllocations; capacity memory, for accounting).
+- `gpu-<i>-ts`: time-sliced shares (allowMultipleAllocations; capacity memory, for accounting);
+- `gpu-<i>-mig-<profile>-<start>-mps` / `-ts`: MPS or time-sliced shares inside that MIG partition
+  (offered kinds mig-mps, mig-timeslice; the partition's memory and, for MPS, compute).
 A counter set `gpu-<i>-counters` per GPU makes them exclusive where the hardware needs it: the
 whole GPU, every share device and the 7g profile consume all of it, a MIG device its memory
-slices (and the media-extensions counter for +me profiles).
+slices (and the media-extensions counter for +me profiles); a share device inside a partition the
+same as the partition, once however many shares it holds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Literal
 from driver.discovery import GpuInfo
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
 from driver.nvml.machine import MigProfileSpec
-from driver.sharing import SharingConfig, SharingKind
+from driver.sharing import MIG_KINDS, SharingConfig, SharingKind
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 # Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).
@@ -108,6 +111,10 @@ def mig_device_name(gpu_index: int, profile_name: str, start: int) -> str:
     return f"gpu-{gpu_index}-mig-{re.sub(r'[^a-z0-9]', '', profile_name.lower())}-{start}"
 
 
+def mig_share_device_name(gpu_index: int, profile_name: str, start: int, kind: SharingKind) -> str:
+    return f"{mig_device_name(gpu_index, profile_name, start)}-{'mps' if kind == 'mig-mps' else 'ts'}"
+
+
 def mps_device_name(gpu: GpuInfo) -> str:
     return f"gpu-{gpu.index}-mps"
 
@@ -172,22 +179,30 @@ def mig_placements(gpu: GpuInfo) -> list[MigPlacement]:
     ]
 
 
-def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
-    profile = placement.profile
-    geometry = GEOMETRY_BY_ID[profile.profile_id]
+def _placement_counters(gpu: GpuInfo, placement: MigPlacement) -> dict[str, dict[str, int]]:
+    geometry = GEOMETRY_BY_ID[placement.profile.profile_id]
     counters = {f"memory-slice-{k}": 1 for k in sorted(memory_slots(placement.start, placement.size))}
     if geometry.media_extensions or geometry.memory_slices == MEMORY_SLICES:
         counters["media-extensions"] = 1
+    return {counter_set_name(gpu): counters}
+
+
+def _placement_attributes(gpu: GpuInfo, placement: MigPlacement, device_type: str) -> dict[str, Attribute]:
+    return {
+        "type": Attribute("string", device_type),
+        "profile": Attribute("string", placement.profile.name),
+        "parentUUID": Attribute("string", gpu.uuid),
+        "placementStart": Attribute("int", placement.start),
+        "placementSize": Attribute("int", placement.size),
+        **_product_attributes(gpu),
+    }
+
+
+def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
+    profile = placement.profile
     return Device(
         name=mig_device_name(gpu.index, profile.name, placement.start),
-        attributes={
-            "type": Attribute("string", "mig"),
-            "profile": Attribute("string", profile.name),
-            "parentUUID": Attribute("string", gpu.uuid),
-            "placementStart": Attribute("int", placement.start),
-            "placementSize": Attribute("int", placement.size),
-            **_product_attributes(gpu),
-        },
+        attributes=_placement_attributes(gpu, placement, "mig"),
         capacity={
             "memory": profile.memory_mib * MiB,
             "multiprocessors": profile.multiprocessors,
@@ -197,14 +212,46 @@ def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
             "jpegEngines": profile.jpeg_engines,
             "ofaEngines": profile.ofa_engines,
         },
-        consumes={counter_set_name(gpu): counters},
+        consumes=_placement_counters(gpu, placement),
     )
 
 
+def mig_share_device(gpu: GpuInfo, placement: MigPlacement, kind: SharingKind) -> Device:
+    """Shares of one MIG partition: the partition is made with the first share and isolated from
+    the rest of the GPU by hardware; its shares split it as MPS or time-slicing do a whole GPU.
+    memory: the partition's, in the share steps; compute (MPS): a percentage of its multiprocessors."""
+    memory = _share_steps(placement.profile.memory_mib * MiB)
+    memory_policy = RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, memory)
+    if kind == "mig-mps":
+        capacity = {"memory": memory, "compute": 100, "clients": MPS_MAX_CLIENTS}
+        policies = {"memory": memory_policy, **_MPS_POLICIES}
+    else:
+        capacity, policies = {"memory": memory}, {"memory": memory_policy}
+    return Device(
+        name=mig_share_device_name(gpu.index, placement.profile.name, placement.start, kind),
+        attributes=_placement_attributes(gpu, placement, kind),
+        capacity=capacity,
+        request_policies=policies,
+        consumes=_placement_counters(gpu, placement),
+        allow_multiple_allocations=True,
+    )
+
+
+def _share_steps(memory_bytes: int) -> int:
+    """Memory as a share capacity: the API wants the capacity (and max) to be min plus a whole
+    number of steps, so it is rounded down to a multiple of the 256Mi step."""
+    return memory_bytes - memory_bytes % SHARE_MEMORY_STEP
+
+
 def share_memory(gpu: GpuInfo) -> int:
-    """The GPU's memory as a share capacity: the API wants the capacity (and max) to be min plus a
-    whole number of steps, so it is rounded down to a multiple of the 256Mi step."""
-    return gpu.memory_bytes - gpu.memory_bytes % SHARE_MEMORY_STEP
+    return _share_steps(gpu.memory_bytes)
+
+
+# compute: active thread percentage, default 10, in steps of 5; clients: one per share.
+_MPS_POLICIES = {
+    "compute": RequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
+    "clients": RequestPolicy(default=1, minimum=1, step=1, maximum=1),
+}
 
 
 def mps_device(gpu: GpuInfo) -> Device:
@@ -220,8 +267,7 @@ def mps_device(gpu: GpuInfo) -> Device:
         capacity={"memory": share_memory(gpu), "compute": 100, "clients": MPS_MAX_CLIENTS},
         request_policies={
             "memory": RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu)),
-            "compute": RequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
-            "clients": RequestPolicy(default=1, minimum=1, step=1, maximum=1),
+            **_MPS_POLICIES,
         },
         consumes=_consumes_all(gpu),
         allow_multiple_allocations=True,
@@ -272,11 +318,28 @@ def gpu_targets(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[DeviceTar
     return targets
 
 
+def mig_share_targets(gpu: GpuInfo, offered: frozenset[SharingKind], sharing: SharingConfig) -> list[DeviceTarget]:
+    if not gpu.mig_capable:
+        return []
+    return [
+        DeviceTarget(mig_share_device_name(gpu.index, p.profile.name, p.start, kind), kind, gpu, p)
+        for kind in ("mig-mps", "mig-timeslice")
+        if kind in offered
+        for p in mig_placements(gpu)
+        if sharing.shares_mig_profile(gpu.index, p.profile.name)
+    ]
+
+
 def node_targets(gpus: list[GpuInfo], sharing: SharingConfig) -> list[DeviceTarget]:
     """Every device the node is configured to offer, in a stable order: what prepare accepts (a
     claim allocated before a GPU's MIG mode changed gets the partitioner's reason, not "unknown
     device"). The slices carry those of them the GPUs can offer now (node_inventory)."""
-    return [t for gpu in sorted(gpus, key=lambda g: g.index) for t in gpu_targets(gpu, sharing.offered(gpu.index))]
+    return [
+        target
+        for gpu in sorted(gpus, key=lambda g: g.index)
+        for offered in (sharing.offered(gpu.index),)
+        for target in gpu_targets(gpu, offered) + mig_share_targets(gpu, offered, sharing)
+    ]
 
 
 @dataclass(frozen=True)
@@ -297,7 +360,7 @@ def offer_limit(gpu: GpuInfo) -> OfferLimit:
     for whole-GPU use (whole, MPS, time-slicing) once no instance is left. Where a switch waits for
     a GPU reset (Ampere), the GPU can offer only what its current mode allows."""
     if not gpu.mig_capable:
-        return OfferLimit(frozenset({"mig"}), "the GPU has no MIG")
+        return OfferLimit(MIG_KINDS, "the GPU has no MIG")
     if not gpu.mig_mode_needs_reset:
         return NO_LIMIT
     if gpu.mig_enabled:
@@ -308,7 +371,7 @@ def offer_limit(gpu: GpuInfo) -> OfferLimit:
             "MIG mode on, switching needs a GPU reset",
         )
     return OfferLimit(
-        frozenset({"mig"}),
+        MIG_KINDS,
         "MIG mode is off and switching it on needs a GPU reset on this GPU "
         f"(nvidia-smi -i {gpu.index} -mig 1, then reset the GPU)",
         "MIG mode off, switching needs a GPU reset",
@@ -341,9 +404,11 @@ def _with_note(device: Device, note: str | None) -> Device:
 def device_for(target: DeviceTarget) -> Device:
     if target.kind == "whole":
         return whole_gpu_device(target.gpu)
-    if target.kind == "mig":
+    if target.kind in MIG_KINDS:
         assert target.placement is not None
-        return mig_device(target.gpu, target.placement)
+        if target.kind == "mig":
+            return mig_device(target.gpu, target.placement)
+        return mig_share_device(target.gpu, target.placement, target.kind)
     if target.kind == "mps":
         return mps_device(target.gpu)
     return timeslice_device(target.gpu)

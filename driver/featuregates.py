@@ -26,10 +26,12 @@ GATES: dict[str, FeatureGate] = {
     # Counters keep a GPU's whole device, MIG placements and shares apart: without them only one
     # kind per GPU can be offered, and not MIG (its placements overlap).
     PARTITIONABLE_DEVICES: FeatureGate(
-        True, "DRAPartitionableDevices (kube-apiserver, kube-scheduler)", frozenset({"mig"})
+        True, "DRAPartitionableDevices (kube-apiserver, kube-scheduler)", frozenset({"mig", "mig-mps", "mig-timeslice"})
     ),
     CONSUMABLE_CAPACITY: FeatureGate(
-        True, "DRAConsumableCapacity (kube-apiserver, kube-scheduler, kubelet)", frozenset({"mps", "timeslice"})
+        True,
+        "DRAConsumableCapacity (kube-apiserver, kube-scheduler, kubelet)",
+        frozenset({"mps", "timeslice", "mig-mps", "mig-timeslice"}),
     ),
 }
 

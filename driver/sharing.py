@@ -8,8 +8,11 @@ from typing import Literal, get_args
 
 from driver.yamlfile import YamlFileError, load_yaml
 
-SharingKind = Literal["whole", "mig", "mps", "timeslice"]
+# mig-mps, mig-timeslice: MPS or time-sliced shares inside a MIG partition (docs/sharing.md).
+SharingKind = Literal["whole", "mig", "mps", "timeslice", "mig-mps", "mig-timeslice"]
 ALL_KINDS: frozenset[SharingKind] = frozenset(get_args(SharingKind))
+MIG_KINDS: frozenset[SharingKind] = frozenset({"mig", "mig-mps", "mig-timeslice"})  # need MIG mode on
+DEFAULT_KINDS: frozenset[SharingKind] = frozenset({"whole", "mig", "mps", "timeslice"})
 
 
 class SharingConfigError(ValueError):
@@ -18,13 +21,21 @@ class SharingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SharingConfig:
-    default: frozenset[SharingKind] = ALL_KINDS
+    default: frozenset[SharingKind] = DEFAULT_KINDS
     per_gpu: dict[int, frozenset[SharingKind]] = field(default_factory=dict)
     # Counter sets that keep one GPU's devices apart (the cluster's DRAPartitionableDevices).
     shared_counters: bool = True
+    # The MIG profiles whose partitions offer shares (mig-mps, mig-timeslice); None: every profile.
+    # Each placement of each profile is a device per kind, so a short list keeps the slices small.
+    mig_share_profiles: frozenset[str] | None = None
+    per_gpu_mig_share_profiles: dict[int, frozenset[str]] = field(default_factory=dict)
 
     def offered(self, gpu_index: int) -> frozenset[SharingKind]:
         return self.per_gpu.get(gpu_index, self.default)
+
+    def shares_mig_profile(self, gpu_index: int, profile: str) -> bool:
+        profiles = self.per_gpu_mig_share_profiles.get(gpu_index, self.mig_share_profiles)
+        return profiles is None or profile in profiles
 
 
 def parse_kinds(value: object, where: str) -> frozenset[SharingKind]:
@@ -41,12 +52,24 @@ def parse_kinds(value: object, where: str) -> frozenset[SharingKind]:
     return frozenset(items)  # type: ignore[arg-type]
 
 
-def load_sharing_config(offer: str, path: Path | None) -> SharingConfig:
+def parse_profiles(value: object, where: str) -> frozenset[str] | None:
+    """A comma list (`--mig-share-profiles`) or a YAML list of MIG profile names; empty: every profile."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        items = value
+    else:
+        raise SharingConfigError(f"{where}: expected a list of MIG profiles such as [3g.40gb], found {value!r}")
+    return frozenset(items) or None
+
+
+def load_sharing_config(offer: str, path: Path | None, mig_share_profiles: str = "") -> SharingConfig:
     """`--offer whole,mig,mps,timeslice` for every GPU; a YAML file may override per GPU:
-    `gpus: [{index: 0, offer: [mig]}, {index: 1, offer: [mps, timeslice]}]`."""
+    `gpus: [{index: 0, offer: [mig]}, {index: 1, offer: [mps, mig-mps], migShareProfiles: [3g.40gb]}]`."""
     default = parse_kinds(offer, "--offer")
+    profiles = parse_profiles(mig_share_profiles, "--mig-share-profiles")
     if path is None:
-        return SharingConfig(default=default)
+        return SharingConfig(default=default, mig_share_profiles=profiles)
     try:
         raw = load_yaml(path) or {}
     except YamlFileError as err:
@@ -55,22 +78,35 @@ def load_sharing_config(offer: str, path: Path | None) -> SharingConfig:
         raise SharingConfigError(
             f"{path}: expected a mapping {{offer: [...], gpus: [...]}}, found {type(raw).__name__}"
         )
-    unknown = set(raw) - {"offer", "gpus"}
+    unknown = set(raw) - {"offer", "gpus", "migShareProfiles"}
     if unknown:
         raise SharingConfigError(f"{path}: unknown field(s) {sorted(unknown)}")
     if "offer" in raw:
         default = parse_kinds(raw["offer"], f"{path}: offer")
+    if "migShareProfiles" in raw:
+        profiles = parse_profiles(raw["migShareProfiles"], f"{path}: migShareProfiles")
     gpus = raw.get("gpus") or []
     if not isinstance(gpus, list):
         raise SharingConfigError(f"{path}: gpus must be a list of {{index: <int>, offer: [...]}}")
     per_gpu = {}
+    per_gpu_profiles = {}
     for i, entry in enumerate(gpus):
-        if not isinstance(entry, dict) or set(entry) != {"index", "offer"} or not _is_index(entry["index"]):
-            raise SharingConfigError(f"{path}: gpus[{i}] must be {{index: <int 0 or more>, offer: [...]}}")
+        if (
+            not isinstance(entry, dict)
+            or not {"index", "offer"} <= set(entry) <= {"index", "offer", "migShareProfiles"}
+            or not _is_index(entry["index"])
+        ):
+            raise SharingConfigError(
+                f"{path}: gpus[{i}] must be {{index: <int 0 or more>, offer: [...]}}, migShareProfiles optional"
+            )
         if entry["index"] in per_gpu:
             raise SharingConfigError(f"{path}: gpus[{i}]: GPU {entry['index']} has an entry already")
         per_gpu[entry["index"]] = parse_kinds(entry["offer"], f"{path}: gpus[{i}].offer")
-    return SharingConfig(default=default, per_gpu=per_gpu)
+        if "migShareProfiles" in entry:
+            found = parse_profiles(entry["migShareProfiles"], f"{path}: gpus[{i}].migShareProfiles")
+            if found is not None:
+                per_gpu_profiles[entry["index"]] = found
+    return SharingConfig(default, per_gpu, mig_share_profiles=profiles, per_gpu_mig_share_profiles=per_gpu_profiles)
 
 
 def _is_index(value: object) -> bool:

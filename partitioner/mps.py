@@ -127,9 +127,10 @@ class MpsPartitioner:
     def running(self, gpu_uuid: str) -> bool:
         return self.daemon_pid(gpu_uuid) is not None
 
-    def start(self, gpu_index: int, gpu_uuid: str) -> bool:
-        """Start the GPU's control daemon unless one runs (then it is adopted); True when started.
-        The GPU goes to EXCLUSIVE_PROCESS so that only the MPS server holds a context on it."""
+    def start(self, gpu_index: int, gpu_uuid: str, exclusive_gpu: bool = True) -> bool:
+        """Start the control daemon of a GPU, or of a MIG device (`gpu_uuid` its MIG UUID), unless one
+        runs (then it is adopted); True when started. `exclusive_gpu`: the GPU goes to EXCLUSIVE_PROCESS
+        so that only the MPS server holds a context on it (not for a partition: the mode is the GPU's)."""
         if self.running(gpu_uuid):
             return False
         for directory in (self.pipe_dir(gpu_uuid), self.log_dir(gpu_uuid), self.shm_dir(gpu_uuid)):
@@ -138,7 +139,8 @@ class MpsPartitioner:
         if not tmpfs.is_mounted(shm):  # after a crash between here and the launch it already is
             tmpfs.mount_tmpfs(self._runner, shm, self._shm_bytes, source=f"fgpu-mps-{gpu_uuid}")
         crash_point("prepare:mps-shm-mounted")
-        self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        if exclusive_gpu:
+            self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
         control = self._runner.locate(MPS_CONTROL)
         self._runner.run(
             "unshare", "--mount", "--propagation", "private", "--", *self._launcher(), str(shm), control,
@@ -160,16 +162,18 @@ class MpsPartitioner:
         # each hierarchy agree (a container on cgroup v2 has a namespace of its own).
         return ("nsenter", f"--target={pid}", "--cgroup", "--", *join)
 
-    def stop(self, gpu_index: int, gpu_uuid: str) -> bool:
-        """Stop the daemon (if it runs), put the GPU back to DEFAULT, unmount the GPU's tmpfs and
-        remove its directories; True when a daemon was stopped. Safe to repeat after a crash."""
+    def stop(self, gpu_index: int, gpu_uuid: str, exclusive_gpu: bool = True) -> bool:
+        """Stop the daemon (if it runs), put the GPU back to DEFAULT (`exclusive_gpu`: start set it),
+        unmount its tmpfs and remove its directories; True when a daemon was stopped. Safe to repeat
+        after a crash."""
         pid = self.daemon_pid(gpu_uuid)
         if pid is not None:
             self._runner.run(MPS_CONTROL, stdin="quit\n", env=self._env(gpu_uuid))
             _wait_for_exit(pid, gpu_uuid)
             log.debug("stopped the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
         crash_point("unprepare:mps-daemon-stopped")
-        self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_DEFAULT)
+        if exclusive_gpu:
+            self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_DEFAULT)
         if tmpfs.is_mounted(self.shm_dir(gpu_uuid)):
             tmpfs.unmount(self._runner, self.shm_dir(gpu_uuid))
         shutil.rmtree(self._root / gpu_uuid, ignore_errors=True)

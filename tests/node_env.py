@@ -22,7 +22,7 @@ from driver.node.prepare import Driver, Partitioners
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
-from driver.sharing import SharingConfig
+from driver.sharing import ALL_KINDS, SharingConfig
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner
@@ -94,7 +94,7 @@ def build_node(root: Path, api: KubeApi, machine: str = "dgx-h100", session: Nvm
     driver = Driver(
         "gpu.fgpu.dev",
         "node-a",
-        node_targets(gpus, SharingConfig()),
+        node_targets(gpus, SharingConfig(default=ALL_KINDS, mig_share_profiles=frozenset({"3g.40gb"}))),
         api,
         claims,
         cdi,

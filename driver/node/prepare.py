@@ -40,6 +40,7 @@ from driver.node.claims import (
 from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.sharing import MIG_KINDS
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
 from partitioner.runner import ToolError
@@ -168,16 +169,15 @@ class Driver:
         self, device: PreparedDevice, target: DeviceTarget, results: list[AllocatedDevice], allocation: ClaimAllocation
     ) -> PreparedDevice:
         config = config_for_request(allocation.configs, device.request_names[0])
-        if target.kind == "mig":
-            assert target.placement is not None
-            return replace(
+        if target.placement is not None:  # a MIG partition, or a share inside one
+            device = replace(
                 device,
                 mig_profile_id=target.placement.profile.profile_id,
                 mig_profile=target.placement.profile.name,
                 mig_start=target.placement.start,
                 mig_size=target.placement.size,
             )
-        if target.kind == "mps":
+        if target.kind in ("mps", "mig-mps"):
             if config.strategy not in (None, "MPS"):
                 raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")
             memory = sum(_quantity(r.consumed_capacity.get("memory"), SHARE_DEFAULT_MEMORY) for r in results)
@@ -185,10 +185,16 @@ class Driver:
             memory = _within(config.pinned_memory_bytes, memory, "sharing.mps.pinnedMemoryLimit", "memory")
             threads = _within(config.thread_percentage, threads, "sharing.mps.activeThreadPercentage", "compute")
             return replace(device, mps_memory_bytes=memory, mps_thread_percentage=min(threads, 100))
-        if target.kind == "timeslice":
+        if target.kind in ("timeslice", "mig-timeslice"):
             if config.strategy not in (None, "TimeSlicing"):
                 raise ClaimError(
                     f"device {device.device} is a time-sliced share; its config asks for {config.strategy}"
+                )
+            if target.kind == "mig-timeslice" and config.interval not in (None, "Default"):
+                # The interval is a setting of the whole GPU, which other partitions share.
+                raise ClaimError(
+                    f"device {device.device} is a time-sliced share of a MIG partition, whose interval cannot be "
+                    f"set (it is the GPU's); remove sharing.timeSlicing.interval {config.interval}"
                 )
             return replace(device, timeslice_interval=config.interval or "Default")
         return device
@@ -202,9 +208,13 @@ class Driver:
         try:
             # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
             released = (
-                device.kind != "mig" and gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+                device.kind not in MIG_KINDS
+                and gpu.mig_capable
+                and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
             )
-            if device.kind == "mig":
+            if device.kind in MIG_KINDS:
+                # A share joins its partition when an earlier share of the same device made it.
+                joined = device.kind != "mig" and self._partition_held(ref.uid, device.device)
                 assert device.mig_profile_id is not None and device.mig_start is not None
                 assert device.mig_size is not None
                 instance = self._parts.mig.create(
@@ -219,7 +229,17 @@ class Driver:
                     device_nodes=nodes,
                 )
                 done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
+                done += " joined" if joined else ""
                 done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
+                if device.kind == "mig-mps":
+                    # The partition's own daemon, bound to its MIG device; the GPU's compute mode is
+                    # left alone: it is the whole GPU's, and other partitions may not use MPS.
+                    started = self._parts.mps.start(device.gpu_index, instance.uuid, exclusive_gpu=False)
+                    limits = _mps_limits(device)
+                    device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(instance.uuid))
+                    done += f", MPS share {limits}, daemon {'started' if started else 'already running'}"
+                elif device.kind == "mig-timeslice":
+                    done += ", time-sliced share"
             elif device.kind == "mps":
                 started = self._parts.mps.start(device.gpu_index, device.gpu_uuid)
                 limits = _mps_limits(device)
@@ -249,6 +269,15 @@ class Driver:
         if target is not None and target.placement is not None:
             return target.placement.profile.name
         return f"profile {device.mig_profile_id}"  # a device the node no longer publishes
+
+    def _partition_held(self, uid: str, device_name: str) -> bool:
+        """Whether another claim's share of this device (a share inside a MIG partition) holds it."""
+        return any(
+            d.device == device_name and d.holds
+            for other_uid, c in self._claims.all().items()
+            if other_uid != uid and c.state != "UnprepareStarted"
+            for d in c.devices
+        )
 
     def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
         """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
@@ -319,13 +348,16 @@ class Driver:
         still_used = any(
             d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
         )
+        if device.kind in ("mig-mps", "mig-timeslice"):
+            if any(d.holds and d.device == device.device for c in others for d in c.devices):
+                return "share ended, partition kept for other shares"
+            stopped = ""
+            if device.kind == "mig-mps" and device.mig_uuid:
+                was_running = self._parts.mps.stop(device.gpu_index, device.mig_uuid, exclusive_gpu=False)
+                stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
+            return "last share ended, " + stopped + self._destroy_partition(device)
         if device.kind == "mig":
-            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
-            if record is None:
-                return f"MIG {self._profile_name(device)} already gone"
-            self._parts.mig.destroy(device.gpu_index, record.gi_id)
-            cis = ",".join(str(ci) for ci, _ in record.compute_instances)
-            return f"MIG {self._profile_name(device)} gi {record.gi_id} ci {cis} destroyed"
+            return self._destroy_partition(device)
         if device.kind == "mps":
             share = f"MPS share {_mps_limits(device)} ended"
             if still_used:
@@ -339,6 +371,14 @@ class Driver:
             return "timeslice reset to Default"
         return "none"
 
+    def _destroy_partition(self, device: PreparedDevice) -> str:
+        record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+        if record is None:
+            return f"MIG {self._profile_name(device)} already gone"
+        self._parts.mig.destroy(device.gpu_index, record.gi_id)
+        cis = ",".join(str(ci) for ci, _ in record.compute_instances)
+        return f"MIG {self._profile_name(device)} gi {record.gi_id} ci {cis} destroyed"
+
     # --- start-up recovery ----------------------------------------------------------------------
 
     def recover(self) -> None:
@@ -350,7 +390,8 @@ class Driver:
                 ref = ClaimRef(claim.namespace, claim.name, claim.uid)
                 self._per_claim(ref, lambda r=ref: self._unprepare_one(r))
         prepared = self._claims.all()
-        for sweep in (self._sweep_mig, self._sweep_mps, self._sweep_cdi):
+        # MPS first: a partition's orphaned daemon goes before its MIG instance.
+        for sweep in (self._sweep_mps, self._sweep_mig, self._sweep_cdi):
             try:
                 sweep(prepared)
             except Exception:  # serving kubelet matters more; the next start sweeps again
@@ -361,9 +402,9 @@ class Driver:
             (d.gpu_index, d.mig_profile_id, d.mig_start)
             for c in prepared.values()
             for d in c.devices
-            if d.kind == "mig" and d.holds
+            if d.kind in MIG_KINDS and d.holds
         }
-        for index in sorted({t.gpu.index for t in self._targets.values() if t.kind == "mig"}):
+        for index in sorted({t.gpu.index for t in self._targets.values() if t.kind in MIG_KINDS}):
             with self._lock(f"gpu/{index}"):
                 for record in self._parts.mig.instances(index):
                     if (index, record.profile_id, record.start) not in owned:
@@ -371,21 +412,32 @@ class Driver:
                         self._parts.mig.destroy(index, record.gi_id)
 
     def _sweep_mps(self, prepared: dict[str, PreparedClaim]) -> None:
+        """Daemons of GPUs (whole-GPU shares) and of MIG partitions (keyed by the MIG device's UUID)."""
         shares = {
-            (d.gpu_index, d.gpu_uuid) for c in prepared.values() for d in c.devices if d.kind == "mps" and d.holds
+            (d.gpu_index, d.mig_uuid if d.kind == "mig-mps" else d.gpu_uuid, d.kind == "mps")
+            for c in prepared.values()
+            for d in c.devices
+            if d.kind in ("mps", "mig-mps") and d.holds and (d.kind == "mps" or d.mig_uuid)
         }
-        for index, uuid in sorted(shares):
+        for index, uuid, exclusive in sorted(shares):
             with self._lock(f"gpu/{index}"):
                 # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
-                started = self._parts.mps.start(index, uuid)
-            log.info("MPS daemon of GPU %s %s", uuid, "started" if started else "adopted")
-        wanted = {uuid for _, uuid in shares}
+                started = self._parts.mps.start(index, uuid, exclusive_gpu=exclusive)
+            log.info("MPS daemon of %s %s", uuid, "started" if started else "adopted")
+        wanted = {uuid for _, uuid, _ in shares}
         gpus = {t.gpu.uuid: t.gpu.index for t in self._targets.values()}
+        partitions = {
+            uuid: index
+            for index in sorted({t.gpu.index for t in self._targets.values() if t.kind == "mig-mps"})
+            for record in self._parts.mig.instances(index)
+            for _, uuid in record.compute_instances
+        }
         for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
-            if uuid in gpus:
-                log.warning("stopping the MPS daemon of GPU %s and unmounting its tmpfs: no MPS share there", uuid)
-                with self._lock(f"gpu/{gpus[uuid]}"):
-                    self._parts.mps.stop(gpus[uuid], uuid)
+            if uuid in gpus or uuid in partitions:
+                index = gpus.get(uuid, partitions.get(uuid, -1))
+                log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
+                with self._lock(f"gpu/{index}"):
+                    self._parts.mps.stop(index, uuid, exclusive_gpu=uuid in gpus)
 
     def _sweep_cdi(self, prepared: dict[str, PreparedClaim]) -> None:
         on_disk = self._cdi.claim_uids_on_disk()  # listed before the records are read again

@@ -179,7 +179,14 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offer",
         default=env_default("whole,mig,mps,timeslice", "OFFER"),
-        help="device kinds every GPU offers: whole,mig,mps,timeslice [OFFER]",
+        help="device kinds every GPU offers: whole,mig,mps,timeslice (also mig-mps,mig-timeslice: shares "
+        "inside a MIG partition) [OFFER]",
+    )
+    parser.add_argument(
+        "--mig-share-profiles",
+        default=env_default("", "MIG_SHARE_PROFILES"),
+        help="MIG profiles whose partitions offer mig-mps/mig-timeslice shares, e.g. 3g.40gb,7g.80gb "
+        "(default: every profile) [MIG_SHARE_PROFILES]",
     )
     parser.add_argument(
         "--sharing-config",
@@ -357,7 +364,8 @@ def validate_pod_uid(uid: str) -> str:
 def sharing_config(args: argparse.Namespace) -> SharingConfig:
     """What each GPU offers: --offer and --sharing-config, less what disabled feature gates rule out."""
     try:
-        sharing = load_sharing_config(args.offer, Path(args.sharing_config) if args.sharing_config else None)
+        path = Path(args.sharing_config) if args.sharing_config else None
+        sharing = load_sharing_config(args.offer, path, args.mig_share_profiles)
         return FeatureGates.parse(args.feature_gates).restrict(sharing)
     except (SharingConfigError, FeatureGateError) as err:
         raise SettingsError(str(err)) from err

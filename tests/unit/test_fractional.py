@@ -275,3 +275,80 @@ def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_
     assert env.session.gpu_instances(2) == instances  # the monitor's end destroys nothing of others
     env.driver.unprepare([mig_user])
     assert env.session.gpu_instances(2) == []
+
+
+def test_mps_shares_inside_a_mig_partition_share_its_daemon_and_the_last_destroys_it(node):
+    api, env = node
+    device = "gpu-3-mig-3g40gb-4-mps"
+    first = claim(api, "a", [share(device, memory="10Gi", compute="25")])
+    second = claim(api, "b", [share(device, memory="20Gi", compute="50")])
+    outcome = env.driver.prepare([first])[first.uid]
+    assert outcome.error == "" and "MIG 3g.40gb gi" in outcome.summary and "daemon started" in outcome.summary
+    [instance] = env.session.gpu_instances(3)
+    assert (instance.profile_id, instance.start) == (9, 4)
+    mig_uuid = instance.compute_instances[0][1]
+    joined = env.driver.prepare([second])[second.uid]
+    assert joined.error == "" and "joined" in joined.summary and "daemon already running" in joined.summary
+    assert len(env.session.gpu_instances(3)) == 1  # one partition, two shares
+    assert env.mps.running(mig_uuid) and not env.mps.running(env.gpus[3].uuid)
+    # The GPU's compute mode is the whole GPU's: a partition's daemon leaves it alone.
+    assert env.session.compute_mode(3) == pynvml.NVML_COMPUTEMODE_DEFAULT
+    for ref, memory, threads in ((first, "10240M", "25"), (second, "20480M", "50")):
+        edits = spec(env, ref.uid)["devices"][0]["containerEdits"]
+        assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={threads}" in edits["env"]
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={memory}" in edits["env"]
+        assert edits["deviceNodes"][0]["path"] == "/dev/nvidia3" and len(edits["deviceNodes"]) == 3
+        assert [m["hostPath"] for m in edits["mounts"]] == [
+            str(env.mps.pipe_dir(mig_uuid)),
+            str(env.mps.shm_dir(mig_uuid)),
+        ]
+    assert {d.mig_uuid for r in (first, second) for d in env.claims.get(r.uid).devices} == {mig_uuid}
+    assert env.driver.unprepare([first]) == {first.uid: ""}
+    assert env.mps.running(mig_uuid) and len(env.session.gpu_instances(3)) == 1
+    assert env.driver.unprepare([second]) == {second.uid: ""}
+    assert not env.mps.running(mig_uuid) and env.session.gpu_instances(3) == []
+    assert not env.mps.pipe_dir(mig_uuid).parent.exists()
+
+
+def test_time_sliced_shares_inside_a_mig_partition(node):
+    api, env = node
+    device = "gpu-2-mig-3g40gb-0-ts"
+    first = claim(api, "a", [share(device, memory="4Gi")])
+    second = claim(api, "b", [share(device, memory="8Gi")])
+    assert env.driver.prepare([first, second]) == {
+        first.uid: env.driver.prepare([first])[first.uid],
+        second.uid: env.driver.prepare([second])[second.uid],
+    }
+    [instance] = env.session.gpu_instances(2)
+    nodes = {
+        tuple(n["path"] for n in spec(env, r.uid)["devices"][0]["containerEdits"]["deviceNodes"])
+        for r in (first, second)
+    }
+    assert len(nodes) == 1  # both containers get the same MIG device
+    assert env.driver.unprepare([first]) == {first.uid: ""} and env.session.gpu_instances(2) == [instance]
+    assert env.driver.unprepare([second]) == {second.uid: ""} and env.session.gpu_instances(2) == []
+    interval = opaque(
+        {
+            "apiVersion": CONFIG,
+            "kind": "ShareConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+        }
+    )
+    ref = claim(api, "long", [share(device, memory="4Gi")], config=[interval])
+    error = env.driver.prepare([ref])[ref.uid].error
+    assert "interval cannot be set (it is the GPU's)" in error and env.session.gpu_instances(2) == []
+
+
+def test_restart_keeps_a_partitions_daemon_and_sweeps_an_orphaned_one(node):
+    api, env = node
+    kept = claim(api, "kept", [share("gpu-5-mig-3g40gb-4-mps", memory="4Gi")])
+    gone = claim(api, "gone", [share("gpu-6-mig-3g40gb-0-mps", memory="4Gi")])
+    assert env.driver.prepare([kept, gone])[gone.uid].error == ""
+    kept_uuid = env.claims.get(kept.uid).devices[0].mig_uuid
+    gone_uuid = env.claims.get(gone.uid).devices[0].mig_uuid
+    env.claims.commit(removed=[gone.uid])  # as if its unprepare were lost with the plugin
+    restarted = env.restart(api)
+    restarted.driver.recover()
+    assert restarted.mps.running(kept_uuid) and not restarted.mps.running(gone_uuid)
+    assert env.session.gpu_instances(6) == [] and len(env.session.gpu_instances(5)) == 1
+    assert restarted.driver.unprepare([kept]) == {kept.uid: ""} and env.session.gpu_instances(5) == []
