@@ -7,13 +7,15 @@ them, the allocations as it counts them, the counters they leave and the capacit
 Fields of `-o json` / `-o yaml` (stable; quantities are Kubernetes quantity strings):
   nodes[]:       name, problem (why the node's devices cannot be shown, else null), gpus[]
   gpus[]:        index, uuid, product, healthy (no taint under `<driver>/`), state (free: nothing
-                 allocated; partial: in use, more fits; full: nothing more fits), offers[] (whole, mig, mps, timeslice),
+                 allocated; partial: in use, more fits; full: nothing more fits), offers[] (whole, mig, mps,
+                 timeslice, mig-mps, mig-timeslice),
                  notOffered (the kinds it holds back and why, e.g. "mig: MIG mode off, switching
                  needs a GPU reset"; null when it offers all it is configured to),
                  wholeFree, migPlaceable[], shares[], claims[], taints[]
   migPlaceable[]: device, profile, start, size: each MIG placement that could still be allocated
-  shares[]:      device, kind (mps | timeslice), count (shares allocated), open (a new share fits),
-                 capacity {name: quantity}, free {name: quantity} (what is left; empty when not open)
+  shares[]:      device, kind (mps | timeslice | mig-mps | mig-timeslice), count (shares allocated),
+                 open (a new share fits), capacity {name: quantity}, free {name: quantity} (what is
+                 left; empty when not open)
   claims[]:      claim (namespace/name), request, pool, device, kind, profile, placementStart,
                  placementSize (MIG), shareID, consumedCapacity {name: quantity}, interval (the
                  time-slice interval the claim's config sets), configError, pods[] (reservedFor)
@@ -42,8 +44,16 @@ from driver.devices import NOT_OFFERED_ATTRIBUTE
 from driver.node.claim_config import config_for_request
 from driver.node.claims import ClaimError, ClaimRef, allocation_for_node
 
-KIND_OF_TYPE = {"gpu": "whole", "mig": "mig", "mps": "mps", "timeslice": "timeslice"}  # the `type` attribute
-SHARE_KINDS = ("mps", "timeslice")
+# The `type` attribute -> the kind; mig-mps and mig-timeslice are shares inside a MIG partition.
+KIND_OF_TYPE = {
+    "gpu": "whole",
+    "mig": "mig",
+    "mps": "mps",
+    "timeslice": "timeslice",
+    "mig-mps": "mig-mps",
+    "mig-timeslice": "mig-timeslice",
+}
+SHARE_KINDS = ("mps", "timeslice", "mig-mps", "mig-timeslice")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node.claims import ClaimRef
 from driver.node.state import PreparedDevice
+from driver.sharing import MIG_KINDS
 from partitioner.mps import CONTAINER_PIPE_DIR
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def device_data(device: PreparedDevice) -> JsonObject:
     data: JsonObject = {"kind": device.kind, "gpuUUID": device.gpu_uuid, "gpuIndex": device.gpu_index}
     if device.admin_access:
         return {**data, "adminAccess": True}  # the GPU's node only: no instance, limits or interval of its own
-    if device.kind == "mig":
+    if device.kind in MIG_KINDS:  # a partition, or a share inside one
         data["mig"] = _present(
             uuid=device.mig_uuid,
             profile=device.mig_profile,
@@ -61,13 +62,13 @@ def device_data(device: PreparedDevice) -> JsonObject:
             gpuInstanceID=device.mig_gi_id,
             computeInstanceID=device.mig_ci_id,
         )
-    elif device.kind == "mps":
+    if device.kind in ("mps", "mig-mps"):
         data["mps"] = _present(
             pinnedMemoryLimitBytes=device.mps_memory_bytes,
             activeThreadPercentage=device.mps_thread_percentage,
             pipeDirectory=CONTAINER_PIPE_DIR,  # where the container finds the daemon
         )
-    elif device.kind == "timeslice":
+    elif device.kind in ("timeslice", "mig-timeslice"):
         data["timeSlice"] = _present(interval=device.timeslice_interval)
     return data
 

@@ -29,7 +29,7 @@ from driver.node.background import BackgroundWorker
 from driver.node.claims import ErrorReason
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
-from driver.sharing import SharingKind
+from driver.sharing import MIG_KINDS, SharingKind
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class NodeCollector(Collector):
 
 
 def _device_key(device: PreparedDevice) -> str | None:
-    return device.mig_uuid if device.kind == "mig" else device.gpu_uuid
+    return device.mig_uuid if device.kind in MIG_KINDS else device.gpu_uuid
 
 
 def _gpu_labels(gpu: GpuInfo) -> list[str]:

@@ -97,6 +97,17 @@ def test_api_server_address_for_host_network_pods() -> None:
         render({"apiServer.host": "127.0.0.1"})
 
 
+def test_shares_inside_mig_partitions_reach_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = find(render({"offer": ["mig", "mig-mps"], "migShareProfiles": ["3g.40gb", "7g.80gb"]}), "DaemonSet")
+    for name, value in container_env(plugin).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    args = build_parser().parse_args([*plugin["spec"]["template"]["spec"]["containers"][0]["args"], "--node-name=n"])
+    sharing = sharing_config(args)
+    assert sharing.default == {"mig", "mig-mps"} and sharing.mig_share_profiles == {"3g.40gb", "7g.80gb"}
+    assert "MIG_SHARE_PROFILES" not in container_env(find(render(), "DaemonSet"))
+
+
 def test_sharing_config_becomes_a_mounted_file() -> None:
     sharing = {"gpus": [{"index": 0, "offer": ["mig"]}]}
     objects = render({"sharing": sharing, "offer": ["whole", "mps"]})
@@ -152,6 +163,8 @@ def test_device_classes_follow_the_driver_name() -> None:
         "mig.gpu.example.com",
         "mps.gpu.example.com",
         "timeslice.gpu.example.com",
+        "mig-mps.gpu.example.com",
+        "mig-timeslice.gpu.example.com",
     ]
     assert all('device.driver == "gpu.example.com"' in c["spec"]["selectors"][0]["cel"]["expression"] for c in classes)
 
