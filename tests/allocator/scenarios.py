@@ -1,6 +1,7 @@
-"""Hypothesis strategies for allocation scenarios: nodes with GPUs offered whole, as MIG placements
-and as MPS shares (counters make them exclusive), taints, and claims mixing classes, counts,
-firstAvailable, constraints, selectors (some that fail at runtime), tolerations and capacity."""
+"""Hypothesis strategies for allocation scenarios: nodes with GPUs offered whole, as MIG placements,
+as MPS shares and as MPS shares inside a MIG placement (counters make them exclusive; a shared
+device draws its counters once however many claims hold it), taints, and claims mixing classes,
+counts, firstAvailable, constraints, selectors (some that fail at runtime), tolerations and capacity."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ CLASSES = [
     {"name": "gpu", "expression": f'device.attributes["{DRIVER}"].type == "gpu"'},
     {"name": "mig", "expression": f'device.attributes["{DRIVER}"].type == "mig"'},
     {"name": "mps", "expression": f'device.attributes["{DRIVER}"].type == "mps"'},
+    {"name": "mig-mps", "expression": f'device.attributes["{DRIVER}"].type == "mig-mps"'},
     {"name": "any", "expression": f'device.driver == "{DRIVER}"'},
 ]
 SELECTORS = [
@@ -56,7 +58,7 @@ def gpu_devices(draw: st.DrawFn, gpu: int) -> tuple[dict[str, Any], list[dict[st
     counter_set = f"gpu-{gpu}"
     everything = {"counterSet": counter_set, "counters": counters}
     devices = []
-    kinds = draw(st.sets(st.sampled_from(["whole", "mig", "mps"]), min_size=1))
+    kinds = draw(st.sets(st.sampled_from(["whole", "mig", "mps", "mig-mps"]), min_size=1))
     taint = draw(st.sampled_from([None, None, None, "NoSchedule", "NoExecute", "None"]))
     if "whole" in kinds:
         device = {"name": f"gpu-{gpu}", "attributes": _attrs("gpu", gpu, model, version)}
@@ -76,15 +78,30 @@ def gpu_devices(draw: st.DrawFn, gpu: int) -> tuple[dict[str, Any], list[dict[st
                 devices.append(device)
     if "mps" in kinds:
         device = {"name": f"gpu-{gpu}-mps", "attributes": _attrs("mps", gpu, model, version)}
-        device["allowMultipleAllocations"] = True
-        policy = {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi", "max": f"{memory_gib}Gi"}}
-        device["capacity"] = {
+        device.update(_shares(memory_gib, [everything]))
+        devices.append(device)
+    if "mig-mps" in kinds:  # shares inside a partition: the placement's counters, once for all its shares
+        for size, starts in MIG_PLACEMENTS.items():
+            for start in draw(st.sets(st.sampled_from(starts), max_size=len(starts))):
+                device = {"name": f"gpu-{gpu}-mig-{size}-{start}-mps"}
+                device["attributes"] = _attrs("mig-mps", gpu, model, version, slices=size)
+                used = {f"slice-{k}": {"value": "1"} for k in range(start, start + size)}
+                device.update(_shares(memory_gib * size // 4, [{"counterSet": counter_set, "counters": used}]))
+                devices.append(device)
+    return {"name": counter_set, "counters": counters}, devices
+
+
+def _shares(memory_gib: int, consumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """What makes a device MPS shares: multiple allocations, consumable memory and clients."""
+    policy = {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi", "max": f"{memory_gib}Gi"}}
+    return {
+        "allowMultipleAllocations": True,
+        "capacity": {
             "memory": {"value": f"{memory_gib}Gi", "requestPolicy": policy},
             "clients": {"value": "4", "requestPolicy": {"default": "1", "validValues": ["1"]}},
-        }
-        device["consumesCounters"] = [everything]
-        devices.append(device)
-    return {"name": counter_set, "counters": counters}, devices
+        },
+        "consumesCounters": consumes,
+    }
 
 
 @st.composite
@@ -159,7 +176,7 @@ def requests(draw: st.DrawFn, name: str) -> dict[str, Any]:
                     )
                 )
             ]
-        if cls in ("mps", "any") and draw(st.booleans()):
+        if cls in ("mps", "mig-mps", "any") and draw(st.booleans()):
             body["capacity"] = {"requests": {"memory": draw(st.sampled_from(["512Mi", "3Gi", "10Gi", "30Gi", "70Gi"]))}}
         if draw(st.integers(0, 29)) == 0:
             body["adminAccess"] = True

@@ -13,7 +13,7 @@ from driver.allocator.state import AllocatedState
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
-from driver.sharing import SharingConfig
+from driver.sharing import ALL_KINDS, SharingConfig
 from driver.slices import build_slices
 from tests.conftest import ROOT
 
@@ -218,3 +218,22 @@ def test_a_pool_offered_to_every_node_is_shared_between_them():
     assert "nodeSelector" not in whole.allocation  # usable from any node
     # Taken through one node, the fabric GPUs are gone for the other too.
     assert isinstance(cluster.allocate(mig, nodes=["n1" if whole.node == "n2" else "n2"]), Failure)
+
+
+def test_binpack_fills_a_shared_partition_before_opening_another():
+    sharing = SharingConfig(default=ALL_KINDS, mig_share_profiles=frozenset({"3g.40gb"}))
+    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), sharing)
+    slices = build_slices(DRIVER, "n1", inventory, generation=1, owner=None)
+    packed, first_fit = allocator(slices), allocator(slices, policy="first-fit")
+    memory = {"requests": {"memory": "10Gi"}}
+    on_gpu_5 = f'{profile("3g.40gb")} && device.attributes["{DRIVER}"].index == 5'
+    opened = devices(place(packed, claim("s0", exactly("mig-mps.gpu.fgpu.dev", selector=on_gpu_5, capacity=memory))))
+    assert opened[0].startswith("gpu-5-mig-3g40gb-") and opened[0].endswith("-mps")
+    share = exactly("mig-mps.gpu.fgpu.dev", selector=profile("3g.40gb"), capacity=memory)
+    # 3g.40gb holds 39.5Gi of shares in 256Mi steps: two more of 10Gi join it, the next opens another.
+    placed = [devices(place(packed, claim(f"s{i}", share)))[0] for i in range(1, 4)]
+    assert placed[:2] == opened * 2 and placed[2] != opened[0]
+    assert devices(place(first_fit, claim("f", share))) == ["gpu-0-mig-3g40gb-0-mps"]  # what binpack avoids
+    # The partition's counters keep the GPU's whole device from it.
+    whole = claim("w", exactly("gpu.fgpu.dev", selector=f'device.attributes["{DRIVER}"].index == 5'))
+    assert isinstance(packed.allocate(whole), Failure)
