@@ -388,6 +388,7 @@ def check_offers(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
                 f"--sharing-config asks GPU {gpu.index} ({gpu.product_name}) for {', '.join(unable)}, which it "
                 f"cannot offer; it can offer {_offerable(gpu)}"
             )
+    _check_mig_share_profiles(gpus, sharing)
     idle = [gpu for gpu in gpus if not gpu_targets(gpu, sharing.offered(gpu.index))]
     if idle:
         first = idle[0]
@@ -395,6 +396,18 @@ def check_offers(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
             f"GPU(s) {', '.join(str(gpu.index) for gpu in idle)} would offer no device: {first.product_name} cannot "
             f"offer {', '.join(sorted(sharing.offered(first.index))) or 'nothing'}, only {_offerable(first)}; "
             "change --offer or --sharing-config"
+        )
+
+
+def _check_mig_share_profiles(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
+    """A profile no GPU of the node has is a typo: its partitions would silently offer no share."""
+    named = set(sharing.mig_share_profiles or ()).union(*sharing.per_gpu_mig_share_profiles.values())
+    known = {profile.name for gpu in gpus for profile in gpu.mig_profiles}
+    unknown = sorted(named - known)
+    if unknown:
+        raise SettingsError(
+            f"--mig-share-profiles / migShareProfiles name MIG profile(s) {', '.join(unknown)} that no GPU of this "
+            f"node has; its GPUs have {', '.join(sorted(known)) or 'no MIG'}"
         )
 
 

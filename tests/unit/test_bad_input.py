@@ -27,6 +27,7 @@ INPUTS = {
     "no-metadata.yaml": "kind: ResourceClaim\nspec: {}\n",
     "list-of-numbers.yaml": "kind: List\nitems: [1, 2]\n",
     "class.yaml": "kind: DeviceClass\nmetadata: {name: gpu}\n",
+    "mig-profiles-number.yaml": "migShareProfiles: 3\n",
 }
 PLUGIN = [
     "kubelet-plugin",
@@ -213,6 +214,19 @@ CASES = [
         "fgpu mock-fault: argument --gpu: invalid int value: 'x'",
     ),
     ("mock-fault unknown fault", ["mock-fault", "--nvml=mock:l4x4", "--gpu=0", "fire"], {}, "invalid choice: 'fire'"),
+    (
+        "mig share profile unknown",
+        [*DISCOVER, "--offer=mig,mig-mps", "--mig-share-profiles=3g.40gb"],
+        {},
+        "fgpu: --mig-share-profiles / migShareProfiles name MIG profile(s) 3g.40gb that no GPU of this node has; "
+        "its GPUs have no MIG",
+    ),
+    (
+        "mig share profiles not a list",
+        [*DISCOVER, "--sharing-config={in}/mig-profiles-number.yaml"],
+        {},
+        "migShareProfiles: expected a list of MIG profiles such as [3g.40gb], found 3",
+    ),
     ("controller port too large", ["controller", "--metrics-port=99999"], {}, "--metrics-port: '99999' is not a port"),
     ("controller env seconds garbage", ["controller"], {"LEASE_DURATION": "x"}, "LEASE_DURATION='x' is not a number"),
     (

@@ -90,3 +90,26 @@ def test_request_policies_are_valid_for_the_api(machine: str):
             assert (top - policy.minimum) % policy.step == 0, (device.name, name)
             assert (device.capacity[name] - policy.minimum) % policy.step == 0, (device.name, name)
             assert policy.minimum <= policy.default <= top
+
+
+def test_mig_share_profiles_from_the_flag_the_file_and_per_gpu(tmp_path: Path):
+    config = tmp_path / "sharing.yaml"
+    config.write_text(
+        "migShareProfiles: [1g.10gb]\n"
+        "gpus: [{index: 2, offer: [mig-mps, mig-timeslice], migShareProfiles: [3g.40gb, 7g.80gb]}]\n"
+    )
+    sharing = load_sharing_config("whole,mig-mps", config, mig_share_profiles="2g.20gb")
+    assert sharing.mig_share_profiles == {"1g.10gb"}  # the file's top level wins over the flag
+    assert sharing.shares_mig_profile(0, "1g.10gb") and not sharing.shares_mig_profile(0, "3g.40gb")
+    assert sharing.shares_mig_profile(2, "7g.80gb") and not sharing.shares_mig_profile(2, "1g.10gb")
+    names = set(by_name(inventory(sharing=sharing)))
+    assert {
+        "gpu-0-mig-1g10gb-6-mps",
+        "gpu-2-mig-3g40gb-4-mps",
+        "gpu-2-mig-3g40gb-4-ts",
+        "gpu-2-mig-7g80gb-0-ts",
+    } <= names
+    assert "gpu-0-mig-1g10gb-6" not in names and "gpu-0-mig-1g10gb-6-ts" not in names  # not offered on GPU 0
+    assert not any(n.startswith("gpu-2-mig-1g10gb") for n in names)
+    every = load_sharing_config("mig-mps", None)
+    assert every.mig_share_profiles is None and every.shares_mig_profile(5, "4g.40gb")
