@@ -18,7 +18,10 @@ NS = "default"
 @pytest.fixture(scope="module")
 def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
     resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
-    plugin = NodePlugin.on(real_node).start_registered()
+    plugin = NodePlugin.on(real_node)
+    # Shares inside 3g partitions too (not offered by default): each is a device per placement.
+    plugin.extra_args += ["--offer=whole,mig,mps,timeslice,mig-mps", "--mig-share-profiles=3g.40gb"]
+    plugin.start_registered()
     try:
         wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
         yield plugin

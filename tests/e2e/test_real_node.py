@@ -163,6 +163,61 @@ def test_two_mps_shares_with_different_limits_on_one_gpu(
     assert any(name.startswith("cuda.shm") for name in seen_small.shm & seen_large.shm)
 
 
+def test_two_mps_shares_inside_one_mig_partition(cluster, core_api, resource_api, real_node, node_plugin, workloads):
+    in_gpu3 = 'device.attributes["gpu.fgpu.dev"].index == 3 && device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"'
+    shares = [
+        run_pod(
+            cluster,
+            core_api,
+            workloads,
+            real_node,
+            "mig-mps.gpu.fgpu.dev",
+            selector=in_gpu3,
+            capacity={"memory": memory, "compute": compute},
+        )
+        for memory, compute in (("4Gi", "20"), ("10Gi", "50"))
+    ]
+    devices = {claim_of(resource_api, name).status.allocation.devices.results[0].device for name in shares}
+    assert len(devices) == 1 and next(iter(devices)).endswith("-mps"), devices  # one partition, two shares
+    [instance] = node_plugin.gpus().gpu_instances(3)
+    mig_uuid = instance.compute_instances[0][1]
+    small, large = (report(core_api, name) for name in shares)
+    assert (small.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], large.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == (
+        "20",
+        "50",
+    )
+    assert small.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert large.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+    # Both containers see the same MIG device (the GPU's node and the instance's two capabilities)
+    # and the partition's own daemon, whose segment is in the /dev/shm they share.
+    assert small.devices == large.devices and len([p for p in small.devices if "nvidia-caps" in p]) == 2
+    assert small.devices.get("/dev/nvidia3") == MOCK_NODE
+    assert any(name.startswith("cuda.shm") for name in small.shm & large.shm), (small.shm, large.shm)
+    assert (node_plugin.state_dir / "mps" / mig_uuid / "pipe" / "nvidia-cuda-mps-control.pid").exists()
+
+    # The whole GPU waits: the partition's counters are drawn while a share holds it.
+    whole_template = claim_template(
+        unique("tpl"), "gpu.fgpu.dev", selector='device.attributes["gpu.fgpu.dev"].index == 3'
+    )
+    whole = unique("pod")
+    create(cluster, workloads, whole_template, pod(whole, real_node.name, whole_template["metadata"]["name"]))
+    wait_until("kube-scheduler finding no room for the whole GPU", lambda: unschedulable(core_api, whole))
+    core_api.delete_namespaced_pod(shares[0], NS, grace_period_seconds=1)
+    wait_until("the first share gone", lambda: not [p for p in core_api.list_namespaced_pod(NS).items
+                                                    if p.metadata.name == shares[0]])  # fmt: skip
+    assert node_plugin.gpus().gpu_instances(3) == [instance]  # kept for the other share
+    assert core_api.read_namespaced_pod(whole, NS).status.phase == "Pending"
+    core_api.delete_namespaced_pod(shares[1], NS, grace_period_seconds=1)
+    wait_running(core_api, whole)
+    assert node_plugin.gpus().gpu_instances(3) == []  # destroyed with the last share
+    assert not (node_plugin.state_dir / "mps" / mig_uuid).exists()  # its daemon stopped, tmpfs gone
+
+
+def unschedulable(core_api, name: str) -> bool:
+    conditions = core_api.read_namespaced_pod(name, NS).status.conditions or []
+    return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable" for c in conditions)
+
+
 def test_time_sliced_share(cluster, core_api, resource_api, real_node, node_plugin, workloads):
     name = run_pod(cluster, core_api, workloads, real_node, "timeslice.gpu.fgpu.dev", capacity={"memory": "2Gi"})
     seen = report(core_api, name)

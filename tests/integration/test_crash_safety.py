@@ -28,7 +28,10 @@ RESULTS = [
     {"request": "mig", "device": "gpu-1-mig-3g40gb-0"},
     {"request": "mps", "device": "gpu-2-mps", "consumedCapacity": {"memory": "8Gi", "compute": "20"}},
     {"request": "ts", "device": "gpu-3-ts", "consumedCapacity": {"memory": "4Gi"}},
+    # An MPS share inside a MIG partition: the partition made, then the partition's own daemon.
+    {"request": "part", "device": "gpu-4-mig-3g40gb-4-mps", "consumedCapacity": {"memory": "6Gi", "compute": "30"}},
 ]
+MIG_KINDS = ("mig", "mig-mps")
 
 
 @pytest.fixture
@@ -36,6 +39,7 @@ def node(cluster) -> Iterator[tuple[PluginUnderTest, NvmlSession]]:
     plugin = PluginUnderTest(node="node-a", kubeconfig=str(cluster.kubeconfig))
     state = plugin.root / "gpus.json"
     plugin.extra_env = {**fake_tools_env(plugin.root), MOCK_STATE_ENV: str(state)}
+    plugin.extra_args = ["--offer=whole,mig,mps,timeslice,mig-mps", "--mig-share-profiles=3g.40gb"]
     gpus = MockNvml(load_machine("dgx-h100"), state)
     session = NvmlSession(gpus)  # the test's own view of the same GPUs
     try:
@@ -65,7 +69,7 @@ def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
         (d["gpu_index"], d["mig_profile_id"], d["mig_start"])
         for c in checkpoint.values()
         for d in c["devices"]
-        if d["kind"] == "mig"
+        if d["kind"] in MIG_KINDS
     }
     existing = {(i, r.profile_id, r.start) for i in range(8) for r in session.gpu_instances(i)}
     assert existing == owned_mig
@@ -73,7 +77,9 @@ def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
         p.name.removeprefix("k8s.gpu.fgpu.dev-claim_").removesuffix(".json") for p in plugin.cdi_dir.glob("*.json")
     }
     assert specs == set(checkpoint)
+    # A GPU's daemon by its UUID, a partition's by its MIG device's.
     mps_gpus = {d["gpu_uuid"] for c in checkpoint.values() for d in c["devices"] if d["kind"] == "mps"}
+    mps_gpus |= {d["mig_uuid"] for c in checkpoint.values() for d in c["devices"] if d["kind"] == "mig-mps"}
     assert mps_daemons(plugin) == mps_gpus
     mps_dirs = {p.name for p in (plugin.state_dir / "mps").glob("*")} if (plugin.state_dir / "mps").exists() else set()
     assert mps_dirs == mps_gpus
