@@ -8,9 +8,11 @@ Two set-ups, both with the durable checkpoint (fsync per batch) and mock dgx-h10
 Callers are separate processes (no shared GIL with the plugin or each other), each looping
 prepare(claim) -> unprepare(claim) over its own claims.
 
-With `--kind mig|mps|timeslice` (in-memory API) each caller cycles one MIG placement or share on
-its own GPU; for shares a resident share per GPU keeps the MPS daemon (or the timeslice setting)
-up, so the figures are the steady-state cost of one more share.
+With `--kind mig|mps|timeslice|mig-mps` (in-memory API) each caller cycles one MIG placement or
+share on its own GPU; for shares a resident share per GPU keeps the MPS daemon (the timeslice
+setting, the 3g.40gb partition and its daemon) up, so the figures are the steady-state cost of one
+more share. `--kind mig-mps-first` has no resident share: each cycle is a partition's first share
+(partition and daemon made) and last (both gone).
 
   python -m bench.prepare_latency --api memory --callers 1 8 32 --seconds 10
   python -m bench.prepare_latency --api memory --kind mps --callers 1 8 --seconds 10
@@ -48,8 +50,13 @@ KIND_DEVICE = {
     "mig": lambda caller: f"gpu-{caller % 8}-mig-1g10gb-{caller // 8 % 7}",
     "mps": lambda caller: f"gpu-{caller % 8}-mps",
     "timeslice": lambda caller: f"gpu-{caller % 8}-ts",
+    # An MPS share inside a 3g.40gb partition: with a resident share (a later share joining the
+    # partition and its daemon), and without (the first share: partition and daemon made and gone).
+    "mig-mps": lambda caller: f"gpu-{caller % 8}-mig-3g40gb-4-mps",
+    "mig-mps-first": lambda caller: f"gpu-{caller % 8}-mig-3g40gb-4-mps",
 }
-SHARED_KINDS = ("mps", "timeslice")
+SHARED_KINDS = ("mps", "timeslice", "mig-mps")  # a resident share keeps the daemon (setting, partition) up
+MPS_KINDS = ("mps", "mig-mps", "mig-mps-first")
 
 
 def claim_refs(count: int) -> list[dict[str, str]]:
@@ -60,9 +67,9 @@ def claim_refs(count: int) -> list[dict[str, str]]:
 
 def device_result(kind: str, caller: int) -> dict:
     result = {"request": "gpu", "driver": "gpu.fgpu.dev", "pool": NODE, "device": KIND_DEVICE[kind](caller)}
-    if kind in SHARED_KINDS:
+    if kind in (*SHARED_KINDS, *MPS_KINDS):
         result["shareID"] = str(uuid.uuid4())
-        result["consumedCapacity"] = {"memory": "4Gi", "compute": "10"} if kind == "mps" else {"memory": "4Gi"}
+        result["consumedCapacity"] = {"memory": "4Gi", "compute": "10"} if kind in MPS_KINDS else {"memory": "4Gi"}
     return result
 
 
@@ -70,7 +77,7 @@ def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monit
     """Child process: the real plugin services over real sockets, with an in-memory API."""
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
-    from driver.sharing import SharingConfig
+    from driver.sharing import ALL_KINDS, SharingConfig
     from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
 
     api = InMemoryKubeApi()
@@ -83,7 +90,8 @@ def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monit
     settings = PluginSettings(
         driver_name="gpu.fgpu.dev", node_name=NODE, registrar_dir=base / "registry", plugin_dir=base / "plugin",
         cdi_dir=base / "cdi", state_dir=base / "plugin", nvml="mock:dgx-h100", kubeconfig=None,
-        driver_root=default_driver_root("mock:dgx-h100", base / "plugin"), healthcheck_port=-1, sharing=SharingConfig(),
+        driver_root=default_driver_root("mock:dgx-h100", base / "plugin"), healthcheck_port=-1,
+        sharing=SharingConfig(default=ALL_KINDS, mig_share_profiles=frozenset({"3g.40gb"})),
         metrics_port=metrics_port,
         health_monitor=health_monitor,
     )  # fmt: skip

@@ -16,6 +16,7 @@ STALL_ENV = "FGPU_STALL_AT"
 STALL_SECONDS_ENV = "FGPU_STALL_S"
 PREPARE_STEPS = (
     "prepare:journaled",
+    "prepare:partition-made",  # a share's MIG partition exists, its MPS daemon not started yet
     "prepare:mps-shm-mounted",  # the GPU's MPS tmpfs is mounted, its daemon not started yet
     "prepare:device-ready",
     "prepare:cdi-written",

@@ -231,6 +231,8 @@ class Driver:
                 done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
                 done += " joined" if joined else ""
                 done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
+                if device.kind != "mig":
+                    crash_point("prepare:partition-made")
                 if device.kind == "mig-mps":
                     # The partition's own daemon, bound to its MIG device; the GPU's compute mode is
                     # left alone: it is the whole GPU's, and other partitions may not use MPS.
@@ -352,8 +354,13 @@ class Driver:
             if any(d.holds and d.device == device.device for c in others for d in c.devices):
                 return "share ended, partition kept for other shares"
             stopped = ""
-            if device.kind == "mig-mps" and device.mig_uuid:
-                was_running = self._parts.mps.stop(device.gpu_index, device.mig_uuid, exclusive_gpu=False)
+            # A claim a crash left half-prepared has no MIG UUID in its record yet: the instance has.
+            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+            mig_uuid = device.mig_uuid or (
+                record.compute_instances[0][1] if record and record.compute_instances else ""
+            )
+            if device.kind == "mig-mps" and mig_uuid:
+                was_running = self._parts.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
                 stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
             return "last share ended, " + stopped + self._destroy_partition(device)
         if device.kind == "mig":
@@ -433,7 +440,8 @@ class Driver:
             for _, uuid in record.compute_instances
         }
         for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
-            if uuid in gpus or uuid in partitions:
+            # A partition's daemon whose instance is gone too is still known by its MIG UUID.
+            if uuid in gpus or uuid in partitions or uuid.startswith("MIG-"):
                 index = gpus.get(uuid, partitions.get(uuid, -1))
                 log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
                 with self._lock(f"gpu/{index}"):
