@@ -111,6 +111,8 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         "image.tag": TAGS[0],
         "image.pullPolicy": "Never",
         "nvml": "mock:dgx-h100",
+        "offer": ["whole", "mig", "mps", "timeslice", "mig-mps"],  # examples/mig-mps-shares.yaml
+        "migShareProfiles": ["3g.40gb"],
         "logFormat": "json",
         "apiServer.host": "127.0.0.1",
         "apiServer.port": api_port(cluster),
