@@ -18,8 +18,9 @@ setup: $(VENV)/.installed
 cluster:
 	tests/cluster/build.sh
 
-# The main job: a local node with the fgpu plugin on mock GPUs (NVML=real for real ones), the
-# real control plane and a kubelet stand-in; runs an example pod, then serves until Ctrl-C.
+# The main job: a local cluster (the real control plane, a real kubelet and containerd) with the
+# fgpu plugin on mock GPUs (NVML=real for real ones); runs example pods, prints what their
+# containers see, then serves until Ctrl-C. Needs root.
 run: setup cluster
 	$(PYTHON) -m examples.local_node --nvml $(NVML)
 
