@@ -15,6 +15,7 @@ the claims and ledgers are read afresh from the API server before anything else 
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -103,6 +104,14 @@ def _gang_label(claim: dict[str, Any]) -> str | None:
 
 def gated(pod: dict[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
+
+
+class Unwritten(enum.Enum):
+    """A claim write that failed: refused by the API server (nothing written), or unanswered (a
+    timeout, a server error: it may have been written, so what it records must be kept)."""
+
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
 
 
 @dataclass
@@ -380,7 +389,11 @@ class Controller:
 
     def _write_unit(self, unit: Unit) -> None:
         """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
-        go as soon as it is written. A failure undoes what the unit wrote, as far as it can."""
+        go as soon as it is written. After a failed status write, the entries of the claims not
+        written are dropped, except where the write may have landed (no answer): that claim may hold
+        the devices, so its entry stays until a pass reads the claim afresh (_resolve_undecided).
+        Members of a gang already written stay too: this replica's view is stale now, so the next
+        pass, after reading afresh, places the rest of the gang or takes the gang back."""
         prepared = [self._protect(unit.objects[p.claim.key]) for p in unit.placements]
         decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
         if len(decided) < len(unit.placements):
@@ -389,19 +402,17 @@ class Controller:
         if recorded is None:
             return
         gang = len(decided) > 1
-        written: list[dict[str, Any]] = []
         for index, (placement, obj) in enumerate(decided):
-            result = self._write_status(obj, placement) if self.acting() else None
-            if result is None:
-                unwritten = {o["metadata"]["uid"] for _, o in decided[index:]}
+            result = self._write_status(obj, placement) if self.acting() else Unwritten.REFUSED
+            if isinstance(result, Unwritten):
+                first = index + (result is Unwritten.UNKNOWN)
+                unwritten = {o["metadata"]["uid"] for _, o in decided[first:]}
                 self._forget(
                     {pool: {u: e for u, e in added.items() if u in unwritten} for pool, added in recorded.items()}
                 )
-                self._take_back(written)
                 if gang:
                     metrics.GANGS.labels("interrupted").inc()
                 return
-            written.append(result)
         if gang:
             metrics.GANGS.labels("allocated").inc()
         self._lift_pods(unit.objects)
@@ -438,20 +449,22 @@ class Controller:
         if not self.acting():
             return None
         meta = {**obj["metadata"], "finalizers": [*finalizers, DELETE_PROTECTION]}
-        return self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+        updated = self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+        return None if isinstance(updated, Unwritten) else updated
 
-    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | None:
+    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | Unwritten:
         stop_point("status", placement.claim.key)
         allocation = {**placement.allocation, "allocationTimestamp": timestamp()}
         body = {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
         updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
-        if updated is not None:
+        if not isinstance(updated, Unwritten):
             metrics.ALLOCATIONS.labels("allocated").inc()
             log.info("allocated %s on %s", placement.claim.key, placement.node)
         return updated
 
-    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | None:
-        """One write conditioned on the claim's resourceVersion; None (and the pass ends) on failure."""
+    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | Unwritten:
+        """One write conditioned on the claim's resourceVersion; on failure the pass ends, and the
+        result says whether the write may have landed all the same."""
         try:
             updated = call(body)
         except ConflictError:
@@ -459,16 +472,16 @@ class Controller:
             metrics.CONFLICTS.inc()
             metrics.ALLOCATIONS.labels("conflict").inc()
             self.stale.set()
-            return None
+            return Unwritten.REFUSED
         except NotFoundError:
             log.info("claim %s is gone", key)
             self.stale.set()
-            return None
-        except KubeError as error:  # an outage: nothing lost, a later pass tries again
+            return Unwritten.REFUSED
+        except KubeError as error:  # a timeout or an outage: a later pass, reading afresh, sees what it did
             metrics.ALLOCATIONS.labels("error").inc()
             log.warning("cannot write claim %s: %s", key, error)
             self.stale.set()
-            return None
+            return Unwritten.UNKNOWN
         self.informers["claims"].update(updated)
         return updated
 
@@ -480,7 +493,8 @@ class Controller:
             if not self.acting():
                 return
             status = {k: v for k, v in (obj.get("status") or {}).items() if k != "allocation"}
-            if self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj)) is None:
+            cleared_claim = self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj))
+            if isinstance(cleared_claim, Unwritten):
                 log.error("could not take back the allocation of %s", object_key(obj))
                 continue
             for pool in entries_for(obj, (obj.get("status") or {}).get("allocation") or {}):
@@ -535,7 +549,7 @@ class Controller:
             return False
         annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: entry.version}
         body = {**claim, "metadata": {**claim["metadata"], "annotations": annotations}}
-        return self._claim_write(self.api.replace_claim, body, entry.claim) is not None
+        return not isinstance(self._claim_write(self.api.replace_claim, body, entry.claim), Unwritten)
 
     # --- gates --------------------------------------------------------------------------------
 
