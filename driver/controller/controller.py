@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.allocate import AllocationError, NodeAllocator
@@ -129,6 +129,9 @@ class Unit:
 
     placements: list[Placement]
     objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
+    # Gang members allocated earlier (by an interrupted pass) that this unit completes: their
+    # resourceVersion is moved first, so that a take-back decided on them elsewhere fails.
+    kept: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Controller:
@@ -374,7 +377,7 @@ class Controller:
                 self._take_back(allocated)
             return None
         self._count((present[p.claim.key], p) for p in outcome)
-        return Unit(outcome, present)
+        return Unit(outcome, present, kept=allocated)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)
@@ -394,6 +397,8 @@ class Controller:
         the devices, so its entry stays until a pass reads the claim afresh (_resolve_undecided).
         Members of a gang already written stay too: this replica's view is stale now, so the next
         pass, after reading afresh, places the rest of the gang or takes the gang back."""
+        if not all(self.acting() and self._fence(obj) for obj in unit.kept):
+            return
         prepared = [self._protect(unit.objects[p.claim.key]) for p in unit.placements]
         decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
         if len(decided) < len(unit.placements):
@@ -547,9 +552,15 @@ class Controller:
             return True
         if not self.acting():
             return False
-        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: entry.version}
+        return self._fence(claim)
+
+    def _fence(self, claim: dict[str, Any]) -> bool:
+        """Move the claim's resourceVersion (an annotation naming the version it had), so that every
+        write decided on that version, by any replica, fails; False if this write failed."""
+        version = claim["metadata"]["resourceVersion"]
+        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: version}
         body = {**claim, "metadata": {**claim["metadata"], "annotations": annotations}}
-        return not isinstance(self._claim_write(self.api.replace_claim, body, entry.claim), Unwritten)
+        return not isinstance(self._claim_write(self.api.replace_claim, body, object_key(claim)), Unwritten)
 
     # --- gates --------------------------------------------------------------------------------
 

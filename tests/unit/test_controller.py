@@ -587,6 +587,25 @@ def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pod
     assert_no_device_given_twice(api)
 
 
+def test_a_take_back_decided_before_another_replica_completed_the_gang_fails(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
+    for i in range(2):
+        api.put("claims", opt_in_claim(f"w{i}", 2, **gang))
+        api.put("pods", gated_pod(f"p{i}", f"w{i}"))
+    api.failing_status_writes = {2}
+    stale = replicas(api, "a")
+    stale.run_pass()  # w0 written, w1 not
+    decided_on = stale.informers["claims"].get("ml/w0")  # it decides to take w0 back, then stops
+    successor = replicas(api, "b")
+    successor.run_pass()  # completes the gang, w0 kept
+    assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
+    assert all(gates(api, f"p{i}") == ["other"] for i in range(2))
+    stale._take_back([decided_on])  # it resumes: the write its decision leads to
+    assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())  # refused: w0 was fenced
+    assert_no_device_given_twice(api)
+
+
 def test_a_status_write_that_may_have_landed_keeps_its_entry(h100_slices, replicas):
     api = fake_cluster(h100_slices)
     api.put("claims", opt_in_claim("x", 8))
