@@ -182,7 +182,10 @@ class Controller:
             self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
             metrics.LEADER.set(self.leader.leading())
-            if not self.acting() or not all(i.synced.is_set() for i in self.informers.values()):
+            if not all(i.synced.is_set() for i in self.informers.values()):
+                continue
+            if not self.acting():
+                self._keep_ready()
                 continue
             try:
                 self.run_pass()
@@ -193,6 +196,13 @@ class Controller:
         self._writers.shutdown(wait=True)
         elector.join()
         self.leader.release()  # after the last write: the standby may start at once
+
+    def _keep_ready(self) -> None:
+        """A standby keeps its allocator current with its caches (reads only, no writes), so that
+        when it wins the lease its first pass places claims at once, instead of first parsing every
+        slice and evaluating every class's selectors on every device."""
+        self.ledgers.begin(self.informers["ledgers"].items())
+        self.allocator()
 
     def stop(self) -> None:
         log.info("stopping")

@@ -651,3 +651,17 @@ def test_pods_go_as_soon_as_their_unit_is_written(h100_slices, replicas):
     replicas(api).run_pass()
     assert gates(api, "pod-a") == ["other"]
     assert gates(api, "pod-b") == ["gpu.fgpu.dev/allocation", "other"]
+
+
+def test_a_standby_keeps_its_allocator_ready_and_writes_nothing(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 2))
+    standby = replicas(api)
+    standby.leader.leading = lambda: False  # type: ignore[method-assign]
+    standby._keep_ready()
+    ready = standby._counted
+    assert ready is not None and not api.status_writes and not api.store["ledgers"]
+    standby.leader.leading = lambda: True  # type: ignore[method-assign]  # it wins the lease
+    standby.run_pass()
+    assert standby._counted is ready  # the first pass placed on it, nothing rebuilt
+    assert len(devices_of(claims_in(api)["x"])) == 2
