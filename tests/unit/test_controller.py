@@ -564,12 +564,18 @@ def test_controller_waits_for_the_whole_gang_and_reports_once(h100_slices, repli
     assert sorted(api.status_writes) == ["w0", "w1", "w2"]
 
 
-def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pods_released_then(h100_slices, replicas):
-    api = fake_cluster(h100_slices)
-    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
-    for i in range(3):
+def gang_with_pods(slices: str, size: int) -> FakeApi:
+    """A gang of `size` claims of 2 GPUs (w0, w1, ...), a gated pod for each (p0, p1, ...)."""
+    api = fake_cluster(slices)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": str(size)}
+    for i in range(size):
         api.put("claims", opt_in_claim(f"w{i}", 2, **gang))
         api.put("pods", gated_pod(f"p{i}", f"w{i}"))
+    return api
+
+
+def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pods_released_then(h100_slices, replicas):
+    api = gang_with_pods(h100_slices, 3)
     api.failing_status_writes = {3}  # two members written, the third write fails
     controller = replicas(api)
     controller.run_pass()
@@ -588,11 +594,7 @@ def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pod
 
 
 def test_a_take_back_decided_before_another_replica_completed_the_gang_fails(h100_slices, replicas):
-    api = fake_cluster(h100_slices)
-    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
-    for i in range(2):
-        api.put("claims", opt_in_claim(f"w{i}", 2, **gang))
-        api.put("pods", gated_pod(f"p{i}", f"w{i}"))
+    api = gang_with_pods(h100_slices, 2)
     api.failing_status_writes = {2}
     stale = replicas(api, "a")
     stale.run_pass()  # w0 written, w1 not
