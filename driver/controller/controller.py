@@ -430,7 +430,7 @@ class Controller:
                 return
         if gang:
             metrics.GANGS.labels("allocated").inc()
-        self._lift_pods(unit.objects)
+        self._lift_pods([*unit.objects, *(object_key(obj) for obj in unit.kept)])  # the whole gang's pods
 
     def _record(self, decided: list[tuple[Placement, dict[str, Any]]]) -> dict[PoolId, dict[str, Entry]] | None:
         """The unit's ledger entries, pool by pool; None (and what was recorded forgotten) on failure."""
