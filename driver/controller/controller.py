@@ -15,13 +15,14 @@ the claims and ledgers are read afresh from the API server before anything else 
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.allocate import AllocationError, NodeAllocator
@@ -105,6 +106,14 @@ def gated(pod: dict[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
 
 
+class Unwritten(enum.Enum):
+    """A claim write that failed: refused by the API server (nothing written), or unanswered (a
+    timeout, a server error: it may have been written, so what it records must be kept)."""
+
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+
+
 @dataclass
 class Counted:
     """The allocator kept between passes and the results its state counts."""
@@ -120,6 +129,9 @@ class Unit:
 
     placements: list[Placement]
     objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
+    # Gang members allocated earlier (by an interrupted pass) that this unit completes: their
+    # resourceVersion is moved first, so that a take-back decided on them elsewhere fails.
+    kept: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Controller:
@@ -170,7 +182,10 @@ class Controller:
             self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
             metrics.LEADER.set(self.leader.leading())
-            if not self.acting() or not all(i.synced.is_set() for i in self.informers.values()):
+            if not all(i.synced.is_set() for i in self.informers.values()):
+                continue
+            if not self.acting():
+                self._keep_ready()
                 continue
             try:
                 self.run_pass()
@@ -181,6 +196,13 @@ class Controller:
         self._writers.shutdown(wait=True)
         elector.join()
         self.leader.release()  # after the last write: the standby may start at once
+
+    def _keep_ready(self) -> None:
+        """A standby keeps its allocator current with its caches (reads only, no writes), so that
+        when it wins the lease its first pass places claims at once, instead of first parsing every
+        slice and evaluating every class's selectors on every device."""
+        self.ledgers.begin(self.informers["ledgers"].items())
+        self.allocator()
 
     def stop(self) -> None:
         log.info("stopping")
@@ -365,7 +387,7 @@ class Controller:
                 self._take_back(allocated)
             return None
         self._count((present[p.claim.key], p) for p in outcome)
-        return Unit(outcome, present)
+        return Unit(outcome, present, kept=allocated)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)
@@ -380,7 +402,13 @@ class Controller:
 
     def _write_unit(self, unit: Unit) -> None:
         """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
-        go as soon as it is written. A failure undoes what the unit wrote, as far as it can."""
+        go as soon as it is written. After a failed status write, the entries of the claims not
+        written are dropped, except where the write may have landed (no answer): that claim may hold
+        the devices, so its entry stays until a pass reads the claim afresh (_resolve_undecided).
+        Members of a gang already written stay too: this replica's view is stale now, so the next
+        pass, after reading afresh, places the rest of the gang or takes the gang back."""
+        if not all(self.acting() and self._fence(obj) for obj in unit.kept):
+            return
         prepared = [self._protect(unit.objects[p.claim.key]) for p in unit.placements]
         decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
         if len(decided) < len(unit.placements):
@@ -389,22 +417,20 @@ class Controller:
         if recorded is None:
             return
         gang = len(decided) > 1
-        written: list[dict[str, Any]] = []
         for index, (placement, obj) in enumerate(decided):
-            result = self._write_status(obj, placement) if self.acting() else None
-            if result is None:
-                unwritten = {o["metadata"]["uid"] for _, o in decided[index:]}
+            result = self._write_status(obj, placement) if self.acting() else Unwritten.REFUSED
+            if isinstance(result, Unwritten):
+                first = index + (result is Unwritten.UNKNOWN)
+                unwritten = {o["metadata"]["uid"] for _, o in decided[first:]}
                 self._forget(
                     {pool: {u: e for u, e in added.items() if u in unwritten} for pool, added in recorded.items()}
                 )
-                self._take_back(written)
                 if gang:
                     metrics.GANGS.labels("interrupted").inc()
                 return
-            written.append(result)
         if gang:
             metrics.GANGS.labels("allocated").inc()
-        self._lift_pods(unit.objects)
+        self._lift_pods([*unit.objects, *(object_key(obj) for obj in unit.kept)])  # the whole gang's pods
 
     def _record(self, decided: list[tuple[Placement, dict[str, Any]]]) -> dict[PoolId, dict[str, Entry]] | None:
         """The unit's ledger entries, pool by pool; None (and what was recorded forgotten) on failure."""
@@ -438,20 +464,22 @@ class Controller:
         if not self.acting():
             return None
         meta = {**obj["metadata"], "finalizers": [*finalizers, DELETE_PROTECTION]}
-        return self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+        updated = self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+        return None if isinstance(updated, Unwritten) else updated
 
-    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | None:
+    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | Unwritten:
         stop_point("status", placement.claim.key)
         allocation = {**placement.allocation, "allocationTimestamp": timestamp()}
         body = {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
         updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
-        if updated is not None:
+        if not isinstance(updated, Unwritten):
             metrics.ALLOCATIONS.labels("allocated").inc()
             log.info("allocated %s on %s", placement.claim.key, placement.node)
         return updated
 
-    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | None:
-        """One write conditioned on the claim's resourceVersion; None (and the pass ends) on failure."""
+    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | Unwritten:
+        """One write conditioned on the claim's resourceVersion; on failure the pass ends, and the
+        result says whether the write may have landed all the same."""
         try:
             updated = call(body)
         except ConflictError:
@@ -459,16 +487,16 @@ class Controller:
             metrics.CONFLICTS.inc()
             metrics.ALLOCATIONS.labels("conflict").inc()
             self.stale.set()
-            return None
+            return Unwritten.REFUSED
         except NotFoundError:
             log.info("claim %s is gone", key)
             self.stale.set()
-            return None
-        except KubeError as error:  # an outage: nothing lost, a later pass tries again
+            return Unwritten.REFUSED
+        except KubeError as error:  # a timeout or an outage: a later pass, reading afresh, sees what it did
             metrics.ALLOCATIONS.labels("error").inc()
             log.warning("cannot write claim %s: %s", key, error)
             self.stale.set()
-            return None
+            return Unwritten.UNKNOWN
         self.informers["claims"].update(updated)
         return updated
 
@@ -480,7 +508,8 @@ class Controller:
             if not self.acting():
                 return
             status = {k: v for k, v in (obj.get("status") or {}).items() if k != "allocation"}
-            if self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj)) is None:
+            cleared_claim = self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj))
+            if isinstance(cleared_claim, Unwritten):
                 log.error("could not take back the allocation of %s", object_key(obj))
                 continue
             for pool in entries_for(obj, (obj.get("status") or {}).get("allocation") or {}):
@@ -533,9 +562,15 @@ class Controller:
             return True
         if not self.acting():
             return False
-        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: entry.version}
+        return self._fence(claim)
+
+    def _fence(self, claim: dict[str, Any]) -> bool:
+        """Move the claim's resourceVersion (an annotation naming the version it had), so that every
+        write decided on that version, by any replica, fails; False if this write failed."""
+        version = claim["metadata"]["resourceVersion"]
+        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: version}
         body = {**claim, "metadata": {**claim["metadata"], "annotations": annotations}}
-        return self._claim_write(self.api.replace_claim, body, entry.claim) is not None
+        return not isinstance(self._claim_write(self.api.replace_claim, body, object_key(claim)), Unwritten)
 
     # --- gates --------------------------------------------------------------------------------
 

@@ -87,6 +87,9 @@ class LeaderElector:
         self._observe(written["metadata"].get("resourceVersion", ""), written.get("spec") or {})
         was_leading = self.leading()
         self._valid_until = started + self.timings.renew_deadline_s
+        if not self.leading():  # the answer came after the deadline: a standby may be counting already
+            log.warning("the lease was written too late to act on (%.1f s)", self._clock() - started)
+            return False
         if not was_leading:
             log.info("became leader (lease %s/%s)", self.namespace, self.name)
             self._on_change(True)

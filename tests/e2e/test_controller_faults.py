@@ -240,21 +240,33 @@ def test_a_paused_leader_that_resumes_cannot_overbook(scenario, reference, burst
     assert scenario.holder() == "b"
 
 
-def test_a_leader_whose_clock_runs_ahead_is_replaced_on_time_and_fenced(scenario, reference):
-    # Its renewTime lies 20 s in the future: b must judge expiry by what it saw, not by that.
-    lead_then_stop(scenario, lone_burst(), "status", "c07", FGPU_TEST_CLOCK_OFFSET_S="20")
-    wait_for(lambda: f"claim {scenario.namespace}/c07 changed since" in scenario.log("a"), timeout=30)
+@pytest.mark.parametrize(
+    "offset, burst, step, name",
+    [
+        ("20", lone_burst, "status", "c07"),  # its renewTime lies 20 s in the future
+        ("-20", lone_burst, "ledger", "c00"),  # 20 s in the past: a standby trusting it would not wait
+        ("20", gang_burst, "status", "g1"),  # mid-gang
+    ],
+    ids=["ahead-between-ledger-and-status", "behind-before-ledger-write", "ahead-mid-gang"],
+)
+def test_a_leader_whose_clock_is_off_is_replaced_on_time_and_fenced(scenario, reference, offset, burst, step, name):
+    # b must judge expiry by when it saw the Lease change, never by a's renewTime.
+    lead_then_stop(scenario, burst(), step, name, FGPU_TEST_CLOCK_OFFSET_S=offset)
+    refused = "ledger fgpu-ledger-" if step == "ledger" else f"claim {scenario.namespace}/{name} changed since"
+    wait_for(lambda: refused in scenario.log("a"), timeout=30)
     check_every_allocation(scenario, reference)
 
 
-def test_a_standby_whose_clock_runs_ahead_does_not_take_over(scenario, reference):
-    scenario.start("a")
+@pytest.mark.parametrize("skewed, offset", [("b", "20"), ("a", "-20")], ids=["standby-ahead", "leader-behind"])
+def test_a_clock_that_is_off_does_not_move_the_lease_from_a_healthy_leader(scenario, reference, skewed, offset):
+    skew = {"FGPU_TEST_CLOCK_OFFSET_S": offset}
+    scenario.start("a", **(skew if skewed == "a" else {}))
     wait_for(lambda: scenario.holder() == "a", timeout=30)
     started = time.monotonic()
-    scenario.start("b", FGPU_TEST_CLOCK_OFFSET_S="20")
+    scenario.start("b", **(skew if skewed == "b" else {}))
     scenario.create(lone_burst() + gang_burst())
     check_every_allocation(scenario, reference)
-    window = 2 * float(LEASE_ENV["LEASE_DURATION"])  # b would have taken over within 1 s of starting
+    window = 2 * float(LEASE_ENV["LEASE_DURATION"])  # by renewTime, b would have taken over within 1 s
     time.sleep(max(0.0, started + window - time.monotonic()))
     lease = scenario.lease()
     assert lease.holder_identity == "a" and not lease.lease_transitions

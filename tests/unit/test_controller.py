@@ -37,6 +37,7 @@ class FakeApi:
         self.events: list[dict[str, Any]] = []
         self.status_writes: list[str] = []  # claim names, in order
         self.failing_status_writes: set[int] = set()  # status writes (counted from 1) that meet an outage
+        self.lost_replies: set[int] = set()  # status writes applied whose answer never comes (a timeout)
         self.lease_outage = False
         self.write_delay_s = 0.0
         self.ledger_writes = 0
@@ -91,11 +92,15 @@ class FakeApi:
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             self.status_writes.append(claim["metadata"]["name"])
             outage = len(self.status_writes) in self.failing_status_writes
+            lost = len(self.status_writes) in self.lost_replies
         try:
             time.sleep(self.write_delay_s)  # lets concurrent writes overlap
             if outage:
                 raise KubeUnavailableError("API server unreachable")
-            return self._replace("claims", claim, keep="metadata")
+            written = self._replace("claims", claim, keep="metadata")
+            if lost:
+                raise KubeUnavailableError("timed out waiting for the answer")
+            return written
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -230,6 +235,37 @@ def test_a_released_lease_is_taken_at_once_and_a_stale_write_loses():
     clock.now = 2.0
     assert not second.try_acquire_or_renew() and not second.leading()
     api.get_lease = real_get  # type: ignore[method-assign]
+
+
+def test_a_renewal_answered_after_the_renew_deadline_is_not_acted_on():
+    api, clock = FakeApi(), FakeClock()
+    changes: list[tuple[str, bool]] = []
+    first, second = electors(api, clock, changes)
+    real_replace = api.replace_lease
+
+    def slow_replace(namespace: str, lease: dict[str, Any]) -> dict[str, Any]:
+        written = real_replace(namespace, lease)
+        clock.now += 10.5  # the answer arrives after the renew deadline (10 s from the attempt's start)
+        return written
+
+    api.replace_lease = slow_replace  # type: ignore[method-assign]
+    assert first.try_acquire_or_renew()  # created: no replace yet
+    clock.now = 2.0
+    assert not first.try_acquire_or_renew() and not first.leading()  # written at 2, known only at 12.5
+    api.replace_lease = real_replace  # type: ignore[method-assign]
+    assert not second.try_acquire_or_renew()  # the standby saw the change at 12.5: it waits until 27.5
+    clock.now = 27.6
+    assert second.try_acquire_or_renew() and not first.leading()
+    assert changes == [("a", True), ("b", True)]
+
+
+def test_a_standby_wakes_when_the_lease_it_watches_runs_out():
+    api, clock = FakeApi(), FakeClock()
+    first, second = electors(api, clock)
+    assert first.try_acquire_or_renew() and not second.try_acquire_or_renew()
+    assert first._next_try() == TIMINGS.retry_s
+    clock.now = 14.5
+    assert second._next_try() == pytest.approx(0.51)  # not a whole retry period later
 
 
 def test_lease_timings_leave_room_for_a_late_renewal():
@@ -528,21 +564,70 @@ def test_controller_waits_for_the_whole_gang_and_reports_once(h100_slices, repli
     assert sorted(api.status_writes) == ["w0", "w1", "w2"]
 
 
-def test_a_gang_interrupted_by_an_outage_is_taken_back(h100_slices, replicas):
-    api = fake_cluster(h100_slices)
-    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "3"}
-    for i in range(3):
+def gang_with_pods(slices: str, size: int) -> FakeApi:
+    """A gang of `size` claims of 2 GPUs (w0, w1, ...), a gated pod for each (p0, p1, ...)."""
+    api = fake_cluster(slices)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": str(size)}
+    for i in range(size):
         api.put("claims", opt_in_claim(f"w{i}", 2, **gang))
         api.put("pods", gated_pod(f"p{i}", f"w{i}"))
+    return api
+
+
+def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pods_released_then(h100_slices, replicas):
+    api = gang_with_pods(h100_slices, 3)
     api.failing_status_writes = {3}  # two members written, the third write fails
     controller = replicas(api)
     controller.run_pass()
-    assert all(not devices_of(c) for c in claims_in(api).values())  # the two were undone
-    assert not ledger_entries(api)  # and so were their entries
+    # Nothing is taken back on the view that just proved stale. The third entry stays too: with no
+    # answer, w2's write may have landed, until a pass reads w2 afresh (then voids the decision).
+    assert [len(devices_of(claims_in(api)[f"w{i}"])) for i in range(3)] == [2, 2, 0]
+    assert sorted(e.claim for e in ledger_entries(api).values()) == ["ml/w0", "ml/w1", "ml/w2"]
     assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation", "other"] for i in range(3))
+    controller._lift_gates = lambda: None  # type: ignore[method-assign]  # no sweep: the unit lifts them
     controller.run_pass()
     assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
+    assert api.status_writes == ["w0", "w1", "w2", "w2"]  # only the missing member was placed again
+    assert FENCE_ANNOTATION in claims_in(api)["w2"]["metadata"]["annotations"]
+    assert sorted(e.claim for e in ledger_entries(api).values()) == ["ml/w0", "ml/w1", "ml/w2"]
     assert all(gates(api, f"p{i}") == ["other"] for i in range(3))
+    assert_no_device_given_twice(api)
+
+
+def test_a_take_back_decided_before_another_replica_completed_the_gang_fails(h100_slices, replicas):
+    api = gang_with_pods(h100_slices, 2)
+    api.failing_status_writes = {2}
+    stale = replicas(api, "a")
+    stale.run_pass()  # w0 written, w1 not
+    decided_on = stale.informers["claims"].get("ml/w0")  # it decides to take w0 back, then stops
+    successor = replicas(api, "b")
+    successor.run_pass()  # completes the gang, w0 kept
+    assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
+    assert all(gates(api, f"p{i}") == ["other"] for i in range(2))
+    stale._take_back([decided_on])  # it resumes: the write its decision leads to
+    assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())  # refused: w0 was fenced
+    assert_no_device_given_twice(api)
+
+
+def test_a_status_write_that_may_have_landed_keeps_its_entry(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    api.lost_replies = {1}  # x's allocation is written, the answer is lost
+    first = replicas(api, "a")
+    first.run_pass()
+    assert len(devices_of(claims_in(api)["x"])) == 8
+    (entry,) = ledger_entries(api).values()  # not dropped on a failure that may be a success
+    assert entry.claim == "ml/x"
+    # A replica whose cache never saw x allocated (its watch lags) counts the entry: y must wait.
+    second = replicas(api, "b")
+    x = claims_in(api)["x"]
+    second.informers["claims"].update(
+        {**x, "metadata": {**x["metadata"], "resourceVersion": entry.version}, "status": {}}
+    )
+    second.informers["claims"].update(api.put("claims", opt_in_claim("y", 1)))
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert api.status_writes == ["x"]  # nor is x placed again: its entry was checked against the claim
     assert_no_device_given_twice(api)
 
 
@@ -569,3 +654,17 @@ def test_pods_go_as_soon_as_their_unit_is_written(h100_slices, replicas):
     replicas(api).run_pass()
     assert gates(api, "pod-a") == ["other"]
     assert gates(api, "pod-b") == ["gpu.fgpu.dev/allocation", "other"]
+
+
+def test_a_standby_keeps_its_allocator_ready_and_writes_nothing(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 2))
+    standby = replicas(api)
+    standby.leader.leading = lambda: False  # type: ignore[method-assign]
+    standby._keep_ready()
+    ready = standby._counted
+    assert ready is not None and not api.status_writes and not api.store["ledgers"]
+    standby.leader.leading = lambda: True  # type: ignore[method-assign]  # it wins the lease
+    standby.run_pass()
+    assert standby._counted is ready  # the first pass placed on it, nothing rebuilt
+    assert len(devices_of(claims_in(api)["x"])) == 2
