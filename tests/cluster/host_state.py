@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ OUR_CGROUPS = ("kubepods", "kubepods.slice")
 # snapshot of the host, wait for the first node to stop instead of trampling it or seeing it.
 HOST_LOCK = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
 HOST_LOCK_TIMEOUT_S = 1800
+# While a node runs: its directory, its run's temp prefix and the host before it, so that
+# `python -m tests.cluster.node cleanup` can put the host back after the run was killed.
+NODE_RECORD = HOST_LOCK / "fgpu-real-node.json"
 
 
 def lock_host() -> int:
@@ -156,18 +160,19 @@ def our_processes() -> set[str]:
     return found
 
 
-def _run_prefix() -> str:
+def run_prefix() -> str:
+    """The prefix of this run's temporary directories."""
     return TEMP_PREFIX + os.environ.get(RUN_MARKER, "")[:8]
 
 
 def short_temp_dir(purpose: str = "") -> Path:
     """A directory under /tmp (Unix socket paths are limited to 108 bytes; pytest's tmp_path can be
     longer), named after this run so that its leftovers can be told from another run's."""
-    return Path(tempfile.mkdtemp(prefix=f"{_run_prefix()}-{purpose}", dir=Path(TEMP_PREFIX).parent))
+    return Path(tempfile.mkdtemp(prefix=f"{run_prefix()}-{purpose}", dir=Path(TEMP_PREFIX).parent))
 
 
 def temp_dirs() -> set[str]:
-    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(_run_prefix()).name + "*")}
+    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(run_prefix()).name + "*")}
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,23 @@ class HostState:
             cgroups=frozenset(our_cgroups()),
             processes=frozenset(our_processes()),
             temp=frozenset(temp_dirs()),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "sysctls": self.sysctls,
+            "iptables": self.iptables,
+            "existing_paths": sorted(str(path) for path in self.existing_paths),
+            **{name: sorted(getattr(self, name)) for name in ("devices", "mounts", "cgroups", "processes", "temp")},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> HostState:
+        return cls(
+            sysctls=raw["sysctls"],
+            iptables=raw["iptables"],
+            existing_paths=frozenset(Path(path) for path in raw["existing_paths"]),
+            **{name: frozenset(raw[name]) for name in ("devices", "mounts", "cgroups", "processes", "temp")},
         )
 
     def restore(self) -> None:

@@ -10,13 +10,16 @@ CAP_SYS_RESOURCE (`restrict_oom_score_adj`), no swap check, loose eviction thres
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import glob
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,16 @@ from typing import Any
 import kubernetes
 
 from tests.cluster.harness import Cluster, check_alive, free_port, poll_until, spawn, stop_process, write_kubeconfig
-from tests.cluster.host_state import HostState, lock_host, mount_points, short_temp_dir, unlock_host
+from tests.cluster.host_state import (
+    NODE_RECORD,
+    TEMP_PREFIX,
+    HostState,
+    lock_host,
+    mount_points,
+    run_prefix,
+    short_temp_dir,
+    unlock_host,
+)
 from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
 
 log = logging.getLogger(__name__)
@@ -86,6 +98,8 @@ class RealNode:
     def start(self) -> RealNode:
         self._lock_host()
         self.host_before = HostState.take()
+        record = {"workdir": str(self.workdir), "temp_prefix": run_prefix(), "host": self.host_before.to_json()}
+        NODE_RECORD.write_text(json.dumps(record))
         try:
             started = time.monotonic()
             self.logs.mkdir(parents=True, exist_ok=True)
@@ -198,11 +212,12 @@ class RealNode:
             self._remove_containers()
         if "containerd" in self.processes:
             stop_process(self.processes.pop("containerd"))
-        self._kill_leftovers()
-        self._unmount_all()
+        kill_leftovers(self.workdir)
+        unmount_all(self.workdir)
         if self.host_before is not None:
             self.host_before.restore()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        NODE_RECORD.unlink(missing_ok=True)
         self._unlock_host()
         with contextlib.suppress(Exception):
             kubernetes.client.CoreV1Api(self.cluster.api_client()).delete_node(self.name)
@@ -235,27 +250,72 @@ class RealNode:
         for container in self.ctr("containers", "list", "-q").stdout.split():
             self.ctr("containers", "delete", container)
 
-    def _kill_leftovers(self) -> None:
-        """Shims and container processes of this node that outlived containerd (a crashed run)."""
-        for pid in _pids_mentioning(str(self.workdir)) | _pids_in_cgroups("kubepods"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
-    def _unmount_all(self) -> None:
-        prefixes = (str(self.workdir), "/run/containerd", "/run/netns", "/var/lib/kubelet")
-        ours = [m for m in mount_points() if m.startswith(prefixes)]
-        for mount in sorted(ours, key=len, reverse=True):
-            subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+def kill_leftovers(workdir: Path, also_mentioning: str | None = None) -> None:
+    """Shims and container processes of a node that outlived containerd (a crashed run); with
+    `also_mentioning`, every process whose command line or environment names it (a killed run's
+    plugin and MPS daemons, by the run's temp prefix)."""
+    pids = _pids_mentioning(str(workdir)) | _pids_in_cgroups("kubepods")
+    if also_mentioning:
+        pids |= _pids_mentioning(also_mentioning, environment=True)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
-def _pids_mentioning(text: str) -> set[int]:
+def unmount_all(workdir: Path, *more: str) -> None:
+    prefixes = (str(workdir), "/run/containerd", "/run/netns", "/var/lib/kubelet", *more)
+    ours = [m for m in mount_points() if m.startswith(prefixes)]
+    for mount in sorted(ours, key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+
+
+def _pids_mentioning(text: str, environment: bool = False) -> set[int]:
     found = set()
+    spared = _ancestors()  # this process and those that started it (a test run calling cleanup)
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
+        if proc.name.isdigit() and int(proc.name) not in spared:
             with contextlib.suppress(OSError):
-                if text.encode() in (proc / "cmdline").read_bytes():
+                files = ("cmdline", "environ") if environment else ("cmdline",)
+                if any(text.encode() in (proc / name).read_bytes() for name in files):
                     found.add(int(proc.name))
     return found
+
+
+def _ancestors() -> set[int]:
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid, after the command name
+    return found
+
+
+def cleanup() -> str:
+    """Put the host back after a run that was killed with its real node up (the node's record
+    says what it was before); waits while a live node holds the host."""
+    descriptor = lock_host()
+    try:
+        if not NODE_RECORD.exists():
+            return "no real node was left behind"
+        record = json.loads(NODE_RECORD.read_text())
+        workdir, prefix = Path(record["workdir"]), record["temp_prefix"]
+        # Only a run-specific prefix: a bare one would name other runs' processes and directories too.
+        run_specific = prefix != TEMP_PREFIX
+        kill_leftovers(workdir, prefix if run_specific else None)
+        time.sleep(0.5)  # killed processes release their mounts and cgroups
+        unmount_all(workdir, *([prefix] if run_specific else []))
+        HostState.from_json(record["host"]).restore()
+        removed = {workdir, *(Path(p) for p in glob.glob(prefix + "*") if run_specific)}
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        NODE_RECORD.unlink()
+        return f"cleaned up after the real node in {workdir}"
+    finally:
+        unlock_host(descriptor)
 
 
 def _pids_in_cgroups(name: str) -> set[int]:
@@ -354,3 +414,16 @@ def kubelet_config(node: RealNode, client_ca: str) -> dict[str, Any]:
         "serializeImagePulls": False,
         "featureGates": KUBELET_FEATURE_GATES,
     }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.node")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("cleanup", help="put the host back after a run killed while its real node was up")
+    parser.parse_args()
+    print(cleanup())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,7 @@ changed sysctl, cgroup or temporary directory of ours)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from examples import local_node
 from tests.cluster.harness import die_with_parent
-from tests.cluster.host_state import HostState
+from tests.cluster.host_state import NODE_RECORD, HostState
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +44,34 @@ def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
     assert "export KUBECONFIG=" in printed
     assert run.returncode == 0
     assert before.differences(HostState.take_quiet()) == []
+
+
+def test_a_killed_make_run_is_undone_by_the_cleanup_command(tmp_path):
+    """SIGKILL leaves what only an orderly stop removes (containers under their shims, MPS daemons,
+    mounts, iptables chains, sysctls, cgroups, temp dirs); the node's record lets cleanup undo it."""
+    before = HostState.take_quiet()
+    output = tmp_path / "run.log"
+    with open(output, "wb") as sink:
+        run = subprocess.Popen([sys.executable, "-m", "examples.local_node"], cwd=ROOT, stdout=sink,
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVING_TIMEOUT_S
+        while "serving; Ctrl-C to stop" not in output.read_text() and run.poll() is None:
+            assert time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.5)
+        assert run.poll() is None, output.read_text()[-4000:]
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the run and everything in its session, at once
+        run.wait(timeout=30)
+    assert NODE_RECORD.exists()
+    assert before.differences(HostState.take_quiet()), "a killed run left nothing behind: the test proves nothing"
+    cleanup = subprocess.run([sys.executable, "-m", "tests.cluster.node", "cleanup"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert cleanup.returncode == 0 and "cleaned up after the real node in /tmp/fgpu-" in cleanup.stdout, cleanup
+    assert before.differences(HostState.take_quiet()) == []
+    again = subprocess.run([sys.executable, "-m", "tests.cluster.node", "cleanup"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert again.stdout.strip() == "no real node was left behind"
 
 
 def test_make_run_refuses_a_non_root_user(monkeypatch, capsys):
