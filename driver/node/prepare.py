@@ -206,65 +206,60 @@ class Driver:
         if device.admin_access:  # the GPU's node, for monitoring; nothing made or changed on it
             return replace(device, device_nodes=(gpu_node,)), "admin access, nothing created"
         try:
-            # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
-            released = (
-                device.kind not in MIG_KINDS
-                and gpu.mig_capable
-                and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
-            )
             if device.kind in MIG_KINDS:
-                # A share joins its partition when an earlier share of the same device made it.
-                joined = device.kind != "mig" and self._partition_held(ref.uid, device.device)
-                assert device.mig_profile_id is not None and device.mig_start is not None
-                assert device.mig_size is not None
-                instance = self._parts.mig.create(
-                    device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size
-                )
-                nodes = mig_device_nodes(gpu.minor, instance, self._proc_root)
-                device = replace(
-                    device,
-                    mig_uuid=instance.uuid,
-                    mig_gi_id=instance.gi_id,
-                    mig_ci_id=instance.ci_id,
-                    device_nodes=nodes,
-                )
-                done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
-                done += " joined" if joined else ""
-                done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
-                if device.kind != "mig":
-                    crash_point("prepare:partition-made")
-                if device.kind == "mig-mps":
-                    # The partition's own daemon, bound to its MIG device; the GPU's compute mode is
-                    # left alone: it is the whole GPU's, and other partitions may not use MPS.
-                    started = self._parts.mps.start(device.gpu_index, instance.uuid, exclusive_gpu=False)
-                    limits = _mps_limits(device)
-                    device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(instance.uuid))
-                    done += f", MPS share {limits}, daemon {'started' if started else 'already running'}"
-                elif device.kind == "mig-timeslice":
-                    done += ", time-sliced share"
-            elif device.kind == "mps":
-                started = self._parts.mps.start(device.gpu_index, device.gpu_uuid)
-                limits = _mps_limits(device)
-                device = replace(
-                    device, device_nodes=(gpu_node,), env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid)
-                )
-                done = f"MPS share {limits}, daemon {'started' if started else 'already running'}"
-            elif device.kind == "timeslice":
-                interval = device.timeslice_interval or "Default"
-                done = f"timeslice {interval}"
-                if self._timeslice_already_set(ref.uid, device.gpu_index, interval):
-                    done += " (already set)"
-                else:
-                    self._parts.timeslice.set_interval(device.gpu_uuid, interval)
-                device = replace(device, device_nodes=(gpu_node,))
+                device, done = self._make_partition(ref, device, gpu.minor)
             else:
-                done = "none"
-                device = replace(device, device_nodes=(gpu_node,))
-            done += ", MIG mode disabled" if released else ""
+                # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
+                released = gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+                device, done = self._make_whole_gpu_use(ref, replace(device, device_nodes=(gpu_node,)))
+                done += ", MIG mode disabled" if released else ""
         except (MigError, ToolError) as err:
             raise ClaimError(str(err), reason=_step_reason(device, err)) from err
         crash_point("prepare:device-ready")
         return device, done
+
+    def _make_partition(self, ref: ClaimRef, device: PreparedDevice, gpu_minor: int) -> tuple[PreparedDevice, str]:
+        """A MIG device, or a share inside one: the instance at the placement (a share joins it when
+        an earlier share of the same device made it), and for an MPS share the partition's daemon."""
+        joined = device.kind != "mig" and self._partition_held(ref.uid, device.device)
+        assert device.mig_profile_id is not None and device.mig_start is not None and device.mig_size is not None
+        instance = self._parts.mig.create(device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size)
+        device = replace(
+            device,
+            mig_uuid=instance.uuid,
+            mig_gi_id=instance.gi_id,
+            mig_ci_id=instance.ci_id,
+            device_nodes=mig_device_nodes(gpu_minor, instance, self._proc_root),
+        )
+        done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
+        done += " joined" if joined else ""
+        done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
+        if device.kind == "mig":
+            return device, done
+        crash_point("prepare:partition-made")
+        if device.kind == "mig-timeslice":
+            return device, done + ", time-sliced share"
+        # The partition's own daemon, bound to its MIG device; the GPU's compute mode is left
+        # alone: it is the whole GPU's, and other partitions may not use MPS.
+        started = self._parts.mps.start(device.gpu_index, instance.uuid, exclusive_gpu=False)
+        limits = _mps_limits(device)
+        device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(instance.uuid))
+        return device, done + f", MPS share {limits}, daemon {'started' if started else 'already running'}"
+
+    def _make_whole_gpu_use(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
+        """A whole GPU (nothing to make), an MPS share (the GPU's daemon) or a time-sliced share."""
+        if device.kind == "mps":
+            started = self._parts.mps.start(device.gpu_index, device.gpu_uuid)
+            limits = _mps_limits(device)
+            device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid))
+            return device, f"MPS share {limits}, daemon {'started' if started else 'already running'}"
+        if device.kind == "timeslice":
+            interval = device.timeslice_interval or "Default"
+            if self._timeslice_already_set(ref.uid, device.gpu_index, interval):
+                return device, f"timeslice {interval} (already set)"
+            self._parts.timeslice.set_interval(device.gpu_uuid, interval)
+            return device, f"timeslice {interval}"
+        return device, "none"
 
     def _profile_name(self, device: PreparedDevice) -> str:
         target = self._targets.get(device.device)
@@ -351,18 +346,7 @@ class Driver:
             d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
         )
         if device.kind in ("mig-mps", "mig-timeslice"):
-            if any(d.holds and d.device == device.device for c in others for d in c.devices):
-                return "share ended, partition kept for other shares"
-            stopped = ""
-            # A claim a crash left half-prepared has no MIG UUID in its record yet: the instance has.
-            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
-            mig_uuid = device.mig_uuid or (
-                record.compute_instances[0][1] if record and record.compute_instances else ""
-            )
-            if device.kind == "mig-mps" and mig_uuid:
-                was_running = self._parts.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
-                stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
-            return "last share ended, " + stopped + self._destroy_partition(device)
+            return self._release_partition_share(device, others)
         if device.kind == "mig":
             return self._destroy_partition(device)
         if device.kind == "mps":
@@ -377,6 +361,22 @@ class Driver:
             self._parts.timeslice.reset(device.gpu_uuid)
             return "timeslice reset to Default"
         return "none"
+
+    def _release_partition_share(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
+        """The last share of a partition stops the partition's daemon (MPS) and destroys it."""
+        if any(d.holds and d.device == device.device for c in others for d in c.devices):
+            return "share ended, partition kept for other shares"
+        stopped = ""
+        if device.kind == "mig-mps":
+            # A claim a crash left half-prepared has no MIG UUID in its record yet: the instance has.
+            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+            mig_uuid = device.mig_uuid or (
+                record.compute_instances[0][1] if record and record.compute_instances else ""
+            )
+            if mig_uuid:
+                was_running = self._parts.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
+                stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
+        return "last share ended, " + stopped + self._destroy_partition(device)
 
     def _destroy_partition(self, device: PreparedDevice) -> str:
         record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
