@@ -282,7 +282,8 @@ def device_reads(expression: str) -> tuple[tuple[str, ...], ...] | None:
     (attributes | capacity, domain, name), when every use of `device` is one of these plain reads;
     its result is then a function of their values, so devices that agree on them share it. None
     when `device` is used otherwise (a whole map, a comprehension, a method on a map, a field of
-    something else), or appears in a string literal (conservative: the text is not parsed)."""
+    something else). The text is not parsed: `device` in a string literal gives None, or a read
+    too many, never one too few."""
     reads: list[tuple[str, ...]] = []
     for word in _DEVICE_WORD.finditer(expression):
         if expression[: word.start()].rstrip().endswith("."):
