@@ -104,7 +104,7 @@ def test_cost_estimate_grows_with_nesting():
             (("attributes", "gpu.fgpu.dev", "type"), ("driver",)),
         ),
         (
-            "has(device.attributes['d'].x) && device.capacity[\"d\"].memory.isLessThan(quantity(\"1Gi\"))",
+            'has(device.attributes[\'d\'].x) && device.capacity["d"].memory.isLessThan(quantity("1Gi"))',
             (("attributes", "d", "x"), ("capacity", "d", "memory")),
         ),
         ("!device.allowMultipleAllocations || !device.allowMultipleAllocations", (("allowMultipleAllocations",),)),
