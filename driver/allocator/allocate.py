@@ -71,6 +71,16 @@ def compiled_selectors(
     return compiled
 
 
+def _selected(device: Device, outcomes: list[tuple[str, bool | str]]) -> bool:
+    """All selectors true, in order; the first that failed on the device raises its error."""
+    for where, outcome in outcomes:
+        if outcome is False:
+            return False
+        if outcome is not True:
+            raise AllocationError(f"{where} on device {'/'.join(device.id)}: {outcome}")
+    return True
+
+
 class NodeAllocator:
     def __init__(
         self,
@@ -101,21 +111,33 @@ class NodeAllocator:
 
     # --- request data (upstream: validateDeviceRequest) -------------------------------------------
 
-    def selectable(self, device: Device, selectors: list[tuple[str, CompiledSelector]]) -> bool:
-        for where, selector in selectors:
-            key = selector_key(selector, device)
-            outcome = self.selector_results.get(key)
-            if outcome is None:
-                try:
-                    outcome = selector.matches(device.cel_input())
-                except SelectorError as error:
-                    outcome = str(error)
-                self.selector_results[key] = outcome
-            if outcome is False:
-                return False
-            if outcome is not True:
-                raise AllocationError(f"{where} on device {'/'.join(device.id)}: {outcome}")
+    def _outcome(self, selector: CompiledSelector, device: Device) -> bool | str:
+        key = selector_key(selector, device)
+        outcome = self.selector_results.get(key)
+        if outcome is None:
+            try:
+                outcome = selector.matches(device.cel_input())
+            except SelectorError as error:
+                outcome = str(error)
+            self.selector_results[key] = outcome
+        return outcome
+
+    def _pool_outcomes(self, pool: Pool, selector: CompiledSelector) -> tuple[bool | str, ...]:
+        """The selector on each of the pool's devices, kept with the pool (gathered anew when its
+        slices change). Nodes of one kind have equal tuples: one object serves them all."""
+        outcomes = pool.selector_outcomes.get(selector.expression)
+        if outcomes is None:
+            outcomes = tuple(self._outcome(selector, device) for device in pool.devices)
+            outcomes = self.selector_results.setdefault(("pool", outcomes), outcomes)  # type: ignore[assignment]
+            pool.selector_outcomes[selector.expression] = outcomes
+        return outcomes
+
+    def _placed_here(self, device: Device) -> bool:
         return not device.per_device_placement or placement_matches(device.placement, self.node)
+
+    def selectable(self, device: Device, selectors: list[tuple[str, CompiledSelector]]) -> bool:
+        outcomes = [(where, self._outcome(selector, device)) for where, selector in selectors]
+        return _selected(device, outcomes) and self._placed_here(device)
 
     def _candidates(self, request: Request, claim: Claim) -> _Candidates:
         if self._cache is None or request.mode != "ExactCount":
@@ -158,9 +180,11 @@ class NodeAllocator:
                 f"claim {claim.key}, request {request.full_name}: unsupported count mode {request.mode}"
             )
         for pool in self.pools:
-            for device in pool.devices:
+            columns = [(where, self._pool_outcomes(pool, selector)) for where, selector in selectors]
+            for index, device in enumerate(pool.devices):
                 try:
-                    if self.selectable(device, selectors):
+                    outcomes = [(where, column[index]) for where, column in columns]
+                    if _selected(device, outcomes) and self._placed_here(device):
                         candidates.devices.append(device)
                 except AllocationError as error:
                     candidates.devices.append(device)  # fails the claim only if the search reaches it

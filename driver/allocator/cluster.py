@@ -137,6 +137,8 @@ class ClusterAllocator:
         self._order = order_for(policy)
         self.nodes = snapshot.nodes  # shared: nodes the snapshot learns of are ours too
         self._usage: dict[str, float] = {}
+        self._used: set[str] = set()  # nodes whose usage is not 0 (most are 0 in a large cluster)
+        self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         for name in snapshot.pools:
@@ -162,6 +164,7 @@ class ClusterAllocator:
                     total += 1
                     used += self.state.is_allocated(device.id)
         self._usage[node] = used / total if total else 0.0
+        (self._used.add if self._usage[node] else self._used.discard)(node)
         self._partial[node] = partial
 
     def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, float]:
@@ -184,10 +187,17 @@ class ClusterAllocator:
         return len(opened), ruled_out, left
 
     def node_order(self) -> list[str]:
+        """Nodes by (usage, fullest first under binpack), then name: only the used ones are sorted
+        for each claim, the idle ones keep their order by name."""
+        if self._names is None:
+            self._names = sorted(self._usage)
         if self.policy == "first-fit":
-            return sorted(self._usage)
+            return list(self._names)
         sign = -1 if self.policy == "binpack" else 1
-        return sorted(self._usage, key=lambda name: (sign * self._usage[name], name))
+        used = sorted(self._used, key=lambda name: (sign * self._usage[name], name))
+        before = [name for name in used if sign * self._usage[name] < 0]
+        idle = [name for name in self._names if name not in self._used]
+        return before + idle + used[len(before) :]
 
     def node_allocator(self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None):
         pools, results = self.snapshot.pools[node], self.snapshot.selector_results
@@ -200,11 +210,14 @@ class ClusterAllocator:
         """Slices added, changed or deleted: the nodes that see their pools are measured again
         (their caches go with it); no other node is touched."""
         for node in self.snapshot.update(added, removed):
+            if node not in self._usage or node not in self.snapshot.pools:
+                self._names = None  # a node comes or goes
             if node in self.snapshot.pools:
                 self._measure(node)
             else:
                 for cached in (self._usage, self._candidates, self._partial):
                     cached.pop(node, None)
+                self._used.discard(node)
 
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
         """The best node's allocation for one claim (not yet committed), or why none fits.

@@ -262,3 +262,12 @@ def test_slices_added_changed_and_deleted_touch_only_their_nodes():
     assert pools_seen(cluster.snapshot) == pools_seen(Snapshot.from_slices([*after, smaller, *added]))
     assert set(cluster._usage) == {"n1", "n2", "n4"} and cluster._usage["n1"] == usage["n1"]
     assert place(cluster, claim("b", exactly("gpu.fgpu.dev", count=8))).node == "n4"  # n2 lost GPUs
+
+
+@pytest.mark.parametrize(("policy", "sign"), [("binpack", -1), ("spread", 1)])
+def test_nodes_are_tried_by_usage_then_name(policy: str, sign: int):
+    cluster = allocator(h100_slices("n1", "n2", "n3", "n4"), policy=policy)
+    for name, count in (("a", 2), ("b", 8), ("c", 1)):
+        place(cluster, claim(name, exactly("gpu.fgpu.dev", count=count)))
+    expected = sorted(cluster._usage, key=lambda node: (sign * cluster._usage[node], node))
+    assert cluster.node_order() == expected and len(set(cluster._usage.values())) > 1
