@@ -132,7 +132,7 @@ class Controller:
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
-        self.informers["slices"] = Informer(api, "slices", self.changed, transform=_readable_slice)
+        self.informers["slices"] = Informer(api, "slices", self.changed, transform=_readable_slice, long_lived=True)
         self.informers["ledgers"] = Informer(
             api, "ledgers", self.changed, f"{LEDGER_LABEL}=true", namespace=lease_namespace
         )

@@ -6,6 +6,7 @@ kept, so 25,000 slices never sit in memory twice, nor all at once as API objects
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -39,9 +40,15 @@ class Informer:
         label_selector: str = "",
         namespace: str = "",
         transform: Transform = _identity,
+        long_lived: bool = False,
     ) -> None:
+        """`long_lived`: what is kept lives as long as the process (the parsed slices, millions of
+        objects at 5,000 nodes): each listed page is moved out of the cyclic GC's way (gc.freeze),
+        which would otherwise scan the growing heap again and again while the list is read (4 of
+        10 s at 1,000 nodes). What is freed later is freed all the same (by reference counts: the
+        parsed slices hold no cycles)."""
         self.api, self.kind, self.changed, self.label_selector = api, kind, changed, label_selector
-        self.namespace, self.transform = namespace, transform
+        self.namespace, self.transform, self.long_lived = namespace, transform, long_lived
         self._objects: dict[str, tuple[int | None, Any]] = {}  # key -> (resourceVersion, kept form)
         self._lock = threading.Lock()
         self.synced = threading.Event()
@@ -87,6 +94,8 @@ class Informer:
                     listed[key] = current
                 elif (kept := self.transform(obj)) is not None:
                     listed[key] = (version, kept)
+            if self.long_lived:
+                gc.freeze()
         return listed, resource_version
 
     def relist(self) -> None:
