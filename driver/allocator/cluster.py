@@ -3,8 +3,9 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,7 +197,7 @@ class ClusterAllocator:
         sign = -1 if self.policy == "binpack" else 1
         used = sorted(self._used, key=lambda name: (sign * self._usage[name], name))
         before = [name for name in used if sign * self._usage[name] < 0]
-        idle = [name for name in self._names if name not in self._used]
+        idle = list(itertools.filterfalse(self._used.__contains__, self._names))
         return before + idle + used[len(before) :]
 
     def node_allocator(self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None):
@@ -227,11 +228,10 @@ class ClusterAllocator:
         errors: list[str] = []
         best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
-        for node in nodes if nodes is not None else self.node_order():
+        order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
+        while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
-            if best is not None and not self._partial.get(node):
-                continue
             try:
                 result = self.allocate_on(node, [claim])
             except AllocationError as error:
@@ -245,6 +245,8 @@ class ClusterAllocator:
             cost = self._cost(node, placement.allocation)
             if cost == (0, 0, 0):
                 return placement  # a perfect fit: nothing better exists
+            if best is None:
+                order = filter(self._partial.get, order)  # from here on only nodes with part-used GPUs
             if best is None or cost < best[0]:
                 best = (cost, placement)
             scanned += 1
