@@ -302,7 +302,6 @@ class _SliceParser:
     def __init__(self, driver: str, pool: str, placement: NodePlacement, per_device: bool) -> None:
         self.driver, self.pool, self.placement, self.per_device = driver, pool, placement, per_device
         self._own: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}
-        self._consumes: dict[Any, tuple[tuple[str, dict[str, Amount]], ...]] = {}
         self._is_own: dict[str, bool] = {}  # attribute name -> kept by the device (OWN_ATTRIBUTES)
 
     def device(self, raw: dict[str, Any]) -> Device:
@@ -333,7 +332,7 @@ class _SliceParser:
             id=(self.driver, self.pool, name),
             shape=self._shape(raw, shared, tuple(own_names), where),
             own=own_tuple,
-            consumes=self._device_consumes(raw.get("consumesCounters") or (), where),
+            consumes=_device_consumes(raw.get("consumesCounters") or (), where),
             placement=_placement(raw) if self.per_device else self.placement,
         )
 
@@ -369,12 +368,25 @@ class _SliceParser:
             _SHAPES[key] = shape
         return shape
 
-    def _device_consumes(self, raw: list[dict[str, Any]], where: str) -> tuple[tuple[str, dict[str, Amount]], ...]:
-        if not raw:
-            return ()
-        result = tuple((c["counterSet"], _counters(c.get("counters"), where)) for c in raw)
-        key = tuple((name, id(counters)) for name, counters in result)  # counters are interned
-        return self._consumes.setdefault(key, result)
+
+# What devices draw, by the published text (repr of decoded JSON: equal exactly when the values
+# are): a device like one seen before costs one repr and one lookup. Cleared when it grows past
+# what a cluster's kinds of devices can fill (then it fills again).
+_CONSUMES: dict[str, tuple[tuple[str, dict[str, Amount]], ...]] = {}
+_CONSUMES_LIMIT = 65536
+
+
+def _device_consumes(raw: list[dict[str, Any]], where: str) -> tuple[tuple[str, dict[str, Amount]], ...]:
+    if not raw:
+        return ()
+    text = repr(raw)
+    found = _CONSUMES.get(text)
+    if found is None:
+        found = tuple((c["counterSet"], _counters(c.get("counters"), where)) for c in raw)
+        if len(_CONSUMES) >= _CONSUMES_LIMIT:
+            _CONSUMES.clear()
+        _CONSUMES[text] = found
+    return found
 
 
 def slice_from_object(obj: dict[str, Any]) -> Slice:
