@@ -66,10 +66,6 @@ class Snapshot:
                 known.setdefault(name, Node(name))
         return cls(slices, [known[name] for name in sorted(known)])
 
-    @property
-    def slices(self) -> list[Slice]:
-        return [s for pool in self._slices.values() for s in pool.values()]
-
     def update(self, added: Iterable[Slice], removed: Iterable[Slice]) -> set[str]:
         """Slices added or changed (by name) and slices deleted: only their pools are gathered
         again, for the nodes that see them. Returns those nodes."""
@@ -200,7 +196,9 @@ class ClusterAllocator:
         idle = list(itertools.filterfalse(self._used.__contains__, self._names))
         return before + idle + used[len(before) :]
 
-    def node_allocator(self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None):
+    def node_allocator(
+        self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None
+    ) -> NodeAllocator:
         pools, results = self.snapshot.pools[node], self.snapshot.selector_results
         return NodeAllocator(self.nodes[node], pools, self.state, self.classes, order, cache, results)
 

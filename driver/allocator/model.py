@@ -336,7 +336,9 @@ class _SliceParser:
             placement=_placement(raw) if self.per_device else self.placement,
         )
 
-    def _shape(self, raw: dict[str, Any], shared: list[tuple[str, str, Any]], own: tuple[str, ...], where: str):
+    def _shape(
+        self, raw: dict[str, Any], shared: list[tuple[str, str, Any]], own: tuple[str, ...], where: str
+    ) -> DeviceShape:
         capacity = raw.get("capacity") or {}
         taints = tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in raw.get("taints") or ())
         flags = (bool(raw.get("allowMultipleAllocations")), bool(raw.get("bindsToNode")), self.per_device)

@@ -53,6 +53,7 @@ class Informer:
         self._lock = threading.Lock()
         self.synced = threading.Event()
         self.sync_seconds: float | None = None  # from start() to the end of the first list
+        self._started = 0.0
         self.version = 0  # bumped on every change: callers rebuild what depends on this kind
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"informer-{kind}", daemon=True)
