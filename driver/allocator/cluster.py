@@ -15,6 +15,7 @@ from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
 
+SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 
 
@@ -78,6 +79,8 @@ class Snapshot:
             pools.add((slice_.driver, slice_.pool))
             for name in _named_nodes(slice_):
                 self.nodes.setdefault(name, Node(name))
+        if len(self.selector_results) > SELECTOR_RESULTS_LIMIT:
+            self.selector_results.clear()  # values of slices long gone pile up; what is current comes back
         nodes: set[str] = set()
         for pool in pools:
             nodes.update(self._classify(pool))
