@@ -271,3 +271,21 @@ def test_nodes_are_tried_by_usage_then_name(policy: str, sign: int):
         place(cluster, claim(name, exactly("gpu.fgpu.dev", count=count)))
     expected = sorted(cluster._usage, key=lambda node: (sign * cluster._usage[node], node))
     assert cluster.node_order() == expected and len(set(cluster._usage.values())) > 1
+
+
+def test_a_pool_offered_to_every_node_reaches_all_of_them_and_leaves_all_of_them():
+    fabric = h100_slices("fabric")
+    for s in fabric:
+        del s["spec"]["nodeName"]
+        s["spec"]["allNodes"] = True
+    cluster = allocator(h100_slices("n1", "n2"))
+    shared = [slice_from_object(s) for s in fabric]
+    cluster.update_slices(shared, [])
+    assert {node: [p.name for p in pools] for node, pools in cluster.snapshot.pools.items()} == {
+        "n1": ["fabric", "n1"],
+        "n2": ["fabric", "n2"],
+    }
+    assert sorted(cluster.snapshot.nodes_of_pool["gpu.fgpu.dev", "fabric"]) == ["n1", "n2"]
+    cluster.update_slices([], shared)
+    assert [p.name for p in cluster.snapshot.pools["n1"]] == ["n1"]
+    assert ("gpu.fgpu.dev", "fabric") not in cluster.snapshot.nodes_of_pool
