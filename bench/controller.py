@@ -9,6 +9,7 @@ kube-controller-manager (which makes the claims from the templates) and kube-sch
 (defaults: 20/30 and 50/100); the controller's client has no rate limit.
 
   python -m bench.controller --nodes 50 --pods 400
+  python -m bench.controller --startup --nodes 1000   # the controller's start-up only
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import kubernetes
 from kubernetes.watch.watch import iter_resp_lines
 
-from bench.allocator import classes, cluster_slices, mixed_stream, percentile
+from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
 from driver.controller.controller import OPT_IN_LABEL, SCHEDULING_GATE
 from tests.cluster.harness import Cluster
 
@@ -197,6 +198,68 @@ def start_controller(cluster: Cluster, log: Path | None) -> subprocess.Popen[byt
     return process
 
 
+def publish(cluster: Cluster, nodes: int) -> None:
+    """The device classes, N nodes and their slices (bench/allocator.py's copies of one node's)."""
+    client = cluster.api_client()
+    for document in classes():
+        kubernetes.utils.create_from_dict(client, document)
+    resource = kubernetes.client.ResourceV1Api(client)
+    names = [f"node-{i:04d}" for i in range(nodes)]
+    with ThreadPoolExecutor(8) as creators:
+        list(creators.map(cluster.add_node, names))
+        for text in node_slices_json(nodes):
+            bodies = json.loads(text)
+            list(creators.map(lambda body: resource.create_resource_slice(body, _preload_content=False), bodies))
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
+
+
+def startup(args: argparse.Namespace) -> dict[str, Any]:
+    """The controller started against N nodes' slices already in the API server, with one claim
+    waiting for it: time to caches synced (its log), to that claim's allocation, and its memory."""
+    with tempfile.TemporaryDirectory() as workdir:
+        cluster = UnthrottledCluster(Path(workdir)).start()
+        controller = None
+        try:
+            publish(cluster, args.nodes)
+            claim = {"metadata": {"name": "first", "labels": {OPT_IN_LABEL: "fgpu"}}}
+            claim["spec"] = {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.fgpu.dev"}}]}}
+            resource = kubernetes.client.ResourceV1Api(cluster.api_client())
+            resource.create_namespaced_resource_claim("default", claim)
+            log = Path(workdir) / "controller.log"
+            started = time.monotonic()
+            argv = [sys.executable, "-m", "driver.cli", "--log-level=INFO", "controller"]
+            argv += [f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--identity=bench"]
+            with log.open("wb") as output:
+                controller = subprocess.Popen(argv, stderr=output)
+
+            def allocated() -> bool:
+                found = resource.read_namespaced_resource_claim("first", "default", _preload_content=False)
+                return bool((json.loads(found.data).get("status") or {}).get("allocation"))
+
+            wait_until(allocated, 900, "first allocation")
+            first_allocation = time.monotonic() - started
+            memory = memory_kib(controller.pid)
+            synced = [line for line in log.read_text().splitlines() if "caches synced" in line]
+        finally:
+            if controller is not None:
+                controller.send_signal(signal.SIGTERM)
+                controller.wait(timeout=60)
+            cluster.stop()
+    return {
+        "nodes": args.nodes,
+        "slices": args.nodes * len(json.loads(node_slices_json(1)[0])),
+        "start_to_first_allocation_s": round(first_allocation, 1),
+        "caches_synced": synced[0].split("caches synced", 1)[1].strip() if synced else None,
+        "controller_rss_mib": round(memory["VmRSS"] / 1024),
+        "controller_peak_rss_mib": round(memory["VmHWM"] / 1024),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=50)
@@ -205,7 +268,11 @@ def main() -> None:
     parser.add_argument(
         "--controller-log", type=Path, help="the controller's log, at INFO (default: warnings on stderr)"
     )
+    parser.add_argument("--startup", action="store_true", help="only the controller's start-up at --nodes")
     args = parser.parse_args()
+    if args.startup:
+        print(json.dumps(startup(args)))
+        return
     requests = [
         c["spec"]["devices"]["requests"][0]["exactly"] for c in mixed_stream(args.pods, random.Random(args.seed))
     ]

@@ -6,18 +6,30 @@ puts the best placements first, where upstream takes pool and slice order (first
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.capacity import consumption, fits
-from driver.allocator.cel import SelectorError, compile_selector
+from driver.allocator.cel import CompiledSelector, SelectorError, compile_selector
 from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
 from driver.allocator.pools import Node, Pool, placement_matches
 from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.state import AllocatedState
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
+
+
+SelectorResults = dict[Hashable, "bool | str"]  # selector_key -> matches, or the runtime error
+
+
+def selector_key(selector: CompiledSelector, device: Device) -> Hashable:
+    """What a selector's result on a device depends on: the values it reads, or all of the device
+    where it cannot tell. Devices with the same key share one evaluation (a class selector on a
+    million devices is evaluated a few times)."""
+    if selector.reads is None:
+        return selector.expression, device.id[0], device.shape, device.own
+    return selector.expression, device.id[0], *(device.read(what) for what in selector.reads)
 
 
 class AllocationError(Exception):
@@ -40,7 +52,9 @@ class _Candidates:
     errors: dict[int, str] = field(default_factory=dict)  # id(device) -> selector error, raised if reached
 
 
-def compiled_selectors(classes: dict[str, DeviceClass], request: Request, claim: Claim) -> list[tuple[str, Any]]:
+def compiled_selectors(
+    classes: dict[str, DeviceClass], request: Request, claim: Claim
+) -> list[tuple[str, CompiledSelector]]:
     """The class's selectors, then the request's, each named for error messages."""
     cls = classes.get(request.class_name)
     if cls is None:
@@ -57,6 +71,16 @@ def compiled_selectors(classes: dict[str, DeviceClass], request: Request, claim:
     return compiled
 
 
+def _selected(device: Device, outcomes: list[tuple[str, bool | str]]) -> bool:
+    """All selectors true, in order; the first that failed on the device raises its error."""
+    for where, outcome in outcomes:
+        if outcome is False:
+            return False
+        if outcome is not True:
+            raise AllocationError(f"{where} on device {'/'.join(device.id)}: {outcome}")
+    return True
+
+
 class NodeAllocator:
     def __init__(
         self,
@@ -66,11 +90,14 @@ class NodeAllocator:
         classes: dict[str, DeviceClass],
         order: DeviceOrder | None = None,
         cache: dict[Any, Any] | None = None,
+        selector_results: SelectorResults | None = None,
     ) -> None:
         """`cache` keeps what only the node's allocations change (the counters they leave, the
         ordered candidates of a request) between allocators of one node; the caller drops it when
-        those allocations change."""
+        those allocations change. `selector_results` never goes stale (see selector_key): share
+        one across nodes."""
         self.node, self.pools, self.state, self.classes, self.order = node, pools, state, classes, order
+        self.selector_results: SelectorResults = {} if selector_results is None else selector_results
         self._cache = cache
         self._pool_of: dict[tuple[str, str], Pool] = {p.id: p for p in pools}
         # Per pool, what allocated devices leave of its counters (before this attempt).
@@ -84,18 +111,33 @@ class NodeAllocator:
 
     # --- request data (upstream: validateDeviceRequest) -------------------------------------------
 
-    def selectable(self, device: Device, selectors: list[tuple[str, Any]]) -> bool:
-        for where, selector in selectors:
-            cached = device.selector_results.get(selector.expression)
-            if cached is None:
-                try:
-                    cached = selector.matches(device.cel)
-                except SelectorError as error:
-                    raise AllocationError(f"{where} on device {'/'.join(device.id)}: {error}") from None
-                device.selector_results[selector.expression] = cached
-            if not cached:
-                return False
+    def _outcome(self, selector: CompiledSelector, device: Device) -> bool | str:
+        key = selector_key(selector, device)
+        outcome = self.selector_results.get(key)
+        if outcome is None:
+            try:
+                outcome = selector.matches(device.cel_input())
+            except SelectorError as error:
+                outcome = str(error)
+            self.selector_results[key] = outcome
+        return outcome
+
+    def _pool_outcomes(self, pool: Pool, selector: CompiledSelector) -> tuple[bool | str, ...]:
+        """The selector on each of the pool's devices, kept with the pool (gathered anew when its
+        slices change). Nodes of one kind have equal tuples: one object serves them all."""
+        outcomes = pool.selector_outcomes.get(selector.expression)
+        if outcomes is None:
+            outcomes = tuple(self._outcome(selector, device) for device in pool.devices)
+            outcomes = self.selector_results.setdefault(("pool", outcomes), outcomes)  # type: ignore[assignment]
+            pool.selector_outcomes[selector.expression] = outcomes
+        return outcomes
+
+    def _placed_here(self, device: Device) -> bool:
         return not device.per_device_placement or placement_matches(device.placement, self.node)
+
+    def selectable(self, device: Device, selectors: list[tuple[str, CompiledSelector]]) -> bool:
+        outcomes = [(where, self._outcome(selector, device)) for where, selector in selectors]
+        return _selected(device, outcomes) and self._placed_here(device)
 
     def _candidates(self, request: Request, claim: Claim) -> _Candidates:
         if self._cache is None or request.mode != "ExactCount":
@@ -138,9 +180,11 @@ class NodeAllocator:
                 f"claim {claim.key}, request {request.full_name}: unsupported count mode {request.mode}"
             )
         for pool in self.pools:
-            for device in pool.devices:
+            columns = [(where, self._pool_outcomes(pool, selector)) for where, selector in selectors]
+            for index, device in enumerate(pool.devices):
                 try:
-                    if self.selectable(device, selectors):
+                    outcomes = [(where, column[index]) for where, column in columns]
+                    if _selected(device, outcomes) and self._placed_here(device):
                         candidates.devices.append(device)
                 except AllocationError as error:
                     candidates.devices.append(device)  # fails the claim only if the search reaches it

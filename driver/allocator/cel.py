@@ -269,11 +269,43 @@ def estimated_cost(expression: str) -> int:
     return tokens * MAX_MAP_SIZE**deepest
 
 
+_DEVICE_WORD = re.compile(r"\bdevice\b")
+_READ_FLAG = re.compile(r"device\s*\.\s*(driver|allowMultipleAllocations)\b(?!\s*\()")
+_READ_ENTRY = re.compile(
+    r"device\s*\.\s*(attributes|capacity)\s*\[\s*(?:\"([^\"\\]*)\"|'([^'\\]*)')\s*\]"
+    r"\s*\.\s*([A-Za-z_]\w*)\b(?!\s*\()"
+)
+
+
+def device_reads(expression: str) -> tuple[tuple[str, ...], ...] | None:
+    """What of the device an expression reads: ("driver",), ("allowMultipleAllocations",) or
+    (attributes | capacity, domain, name), when every use of `device` is one of these plain reads;
+    its result is then a function of their values, so devices that agree on them share it. None
+    when `device` is used otherwise (a whole map, a comprehension, a method on a map, a field of
+    something else). The text is not parsed: `device` in a string literal gives None, or a read
+    too many, never one too few."""
+    reads: list[tuple[str, ...]] = []
+    for word in _DEVICE_WORD.finditer(expression):
+        if expression[: word.start()].rstrip().endswith("."):
+            return None
+        flag = _READ_FLAG.match(expression, word.start())
+        entry = _READ_ENTRY.match(expression, word.start())
+        if flag:
+            reads.append((flag.group(1),))
+        elif entry:
+            domain = entry.group(2) if entry.group(2) is not None else entry.group(3)
+            reads.append((entry.group(1), domain, entry.group(4)))
+        else:
+            return None
+    return tuple(dict.fromkeys(reads))
+
+
 @dataclass(frozen=True)
 class CompiledSelector:
     expression: str
     program: Any
     domains: frozenset[str]  # string literals: the domains an expression may index
+    reads: tuple[tuple[str, ...], ...] | None  # see device_reads
 
     def matches(self, device: dict[str, Any]) -> bool:
         """Evaluates on a device made by `device_input`; raises SelectorError on a runtime error."""
@@ -326,7 +358,7 @@ def _compile_cached(expression: str) -> CompiledSelector | str:
     if cost > COST_LIMIT:
         return f"estimated cost {cost} exceeds the limit of {COST_LIMIT}"
     domains = frozenset(literal[1:-1] for literal in _STRING_LITERAL.findall(expression))
-    return CompiledSelector(expression, program, domains)
+    return CompiledSelector(expression, program, domains, device_reads(expression))
 
 
 def compile_selector(expression: str) -> CompiledSelector:

@@ -3,17 +3,19 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from driver.allocator.allocate import AllocationError, NodeAllocator
+from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SelectorResults
 from driver.allocator.model import Claim, DeviceClass, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
 
+SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 
 
@@ -30,45 +32,97 @@ class Failure:
     reason: str
 
 
-@dataclass
+PoolId = tuple[str, str]
+
+
 class Snapshot:
-    """Slices and nodes, gathered into each node's pools once; devices keep their selector results."""
+    """Slices and nodes, gathered into each node's pools; kept current slice by slice (`update`).
 
-    slices: list[Slice]
-    nodes: list[Node]
-    pools: dict[str, list[Pool]] = field(default_factory=dict)
-    nodes_of_pool: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # who sees a pool
+    A pool whose slices all name one node concerns that node only; others (all nodes, node
+    selectors, per-device placement) are offered to every node to match, so a change to one of
+    those gathers every node again (rare: fgpu publishes node-local pools)."""
 
-    def __post_init__(self) -> None:
-        # A pool whose slices all name one node concerns that node only; others (all nodes, node
-        # selectors, per-device placement) are offered to every node to match.
-        by_pool: dict[tuple[str, str], list[Slice]] = defaultdict(list)
-        for slice_ in self.slices:
-            by_pool[slice_.driver, slice_.pool].append(slice_)
-        local: dict[str, list[Slice]] = defaultdict(list)
-        shared: list[Slice] = []
-        for pool_slices in by_pool.values():
-            names = {s.placement.node_name for s in pool_slices}
-            if len(names) == 1 and "" not in names and not any(s.per_device_placement for s in pool_slices):
-                local[names.pop()].extend(pool_slices)
-            else:
-                shared.extend(pool_slices)
-        for node in self.nodes:
-            pools = gather_pools(local.get(node.name, []) + shared, node)
-            if pools:
-                self.pools[node.name] = pools
-                for pool in pools:
-                    self.nodes_of_pool.setdefault(pool.id, []).append(node.name)
+    def __init__(self, slices: Iterable[Slice], nodes: Iterable[Node]) -> None:
+        self.nodes: dict[str, Node] = {n.name: n for n in nodes}
+        self.pools: dict[str, list[Pool]] = {}  # node -> the pools it sees
+        self.nodes_of_pool: dict[PoolId, list[str]] = {}  # who sees a pool
+        self.selector_results: SelectorResults = {}  # shared by all nodes' allocators, never stale
+        self._slices: dict[PoolId, dict[str, Slice]] = defaultdict(dict)  # pool -> slice name -> slice
+        self._owner: dict[PoolId, str] = {}  # pool -> its one node, or "" when shared
+        self._local: dict[str, set[PoolId]] = defaultdict(set)  # node -> its node-local pools
+        self._shared: set[PoolId] = set()
+        for slice_ in slices:
+            self._slices[slice_.driver, slice_.pool][slice_.name] = slice_
+        for pool in self._slices:
+            self._classify(pool)
+        for name in self.nodes:
+            self._gather(name)
 
     @classmethod
     def from_slices(cls, slices: list[Slice], nodes: Iterable[Node] = ()) -> Snapshot:
         """Nodes given, plus a bare one for every node a slice names."""
         known = {n.name: n for n in nodes}
         for slice_ in slices:
-            for name in [slice_.placement.node_name, *(d.placement.node_name for d in slice_.devices)]:
-                if name and name not in known:
-                    known[name] = Node(name)
+            for name in _named_nodes(slice_):
+                known.setdefault(name, Node(name))
         return cls(slices, [known[name] for name in sorted(known)])
+
+    def update(self, added: Iterable[Slice], removed: Iterable[Slice]) -> set[str]:
+        """Slices added or changed (by name) and slices deleted: only their pools are gathered
+        again, for the nodes that see them. Returns those nodes."""
+        pools: set[PoolId] = set()
+        for slice_ in removed:
+            self._slices[slice_.driver, slice_.pool].pop(slice_.name, None)
+            pools.add((slice_.driver, slice_.pool))
+        for slice_ in added:
+            self._slices[slice_.driver, slice_.pool][slice_.name] = slice_
+            pools.add((slice_.driver, slice_.pool))
+            for name in _named_nodes(slice_):
+                self.nodes.setdefault(name, Node(name))
+        if len(self.selector_results) > SELECTOR_RESULTS_LIMIT:
+            self.selector_results.clear()  # values of slices long gone pile up; what is current comes back
+        nodes: set[str] = set()
+        for pool in pools:
+            nodes.update(self._classify(pool))
+        if "" in nodes:  # a shared pool changed: any node may see it
+            nodes = set(self.nodes)
+        for name in nodes:
+            self._gather(name)
+        return nodes
+
+    def _classify(self, pool: PoolId) -> set[str]:
+        """Records whose pool it is (one node's, or shared); returns its owners before and after."""
+        before = self._owner.pop(pool, None)
+        if before:
+            self._local[before].discard(pool)
+        self._shared.discard(pool)
+        slices = self._slices.get(pool)
+        if not slices:
+            self._slices.pop(pool, None)
+            return {before} - {None}
+        names = {s.placement.node_name for s in slices.values()}
+        after = names.pop() if len(names) == 1 and not any(s.per_device_placement for s in slices.values()) else ""
+        self._owner[pool] = after
+        (self._local[after] if after else self._shared).add(pool)
+        return {before, after} - {None}
+
+    def _gather(self, node: str) -> None:
+        for pool in self.pools.pop(node, ()):
+            seen_by = self.nodes_of_pool.get(pool.id, [])
+            if node in seen_by:
+                seen_by.remove(node)
+            if not seen_by:
+                self.nodes_of_pool.pop(pool.id, None)
+        slices = [s for pool in (*self._local.get(node, ()), *self._shared) for s in self._slices[pool].values()]
+        pools = gather_pools(slices, self.nodes[node]) if node in self.nodes else []
+        if pools:
+            self.pools[node] = pools
+            for pool in pools:
+                self.nodes_of_pool.setdefault(pool.id, []).append(node)
+
+
+def _named_nodes(slice_: Slice) -> set[str]:
+    return {slice_.placement.node_name, *(d.placement.node_name for d in slice_.devices)} - {""}
 
 
 class ClusterAllocator:
@@ -81,8 +135,10 @@ class ClusterAllocator:
     ) -> None:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)
-        self.nodes = {n.name: n for n in snapshot.nodes}
+        self.nodes = snapshot.nodes  # shared: nodes the snapshot learns of are ours too
         self._usage: dict[str, float] = {}
+        self._used: set[str] = set()  # nodes whose usage is not 0 (most are 0 in a large cluster)
+        self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         for name in snapshot.pools:
@@ -108,13 +164,14 @@ class ClusterAllocator:
                     total += 1
                     used += self.state.is_allocated(device.id)
         self._usage[node] = used / total if total else 0.0
+        (self._used.add if self._usage[node] else self._used.discard)(node)
         self._partial[node] = partial
 
     def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, float]:
         """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
         used before, the size of what it rules out there, and how much of its GPUs stays free."""
         cache = self._candidates.setdefault(node, {})
-        allocator = NodeAllocator(self.nodes[node], self.snapshot.pools[node], self.state, self.classes, cache=cache)
+        allocator = self.node_allocator(node, cache=cache)
         pools = {pool.id: pool for pool in self.snapshot.pools[node]}
         opened: set[tuple[str, str, str]] = set()
         ruled_out, left = 0, 0.0
@@ -130,15 +187,39 @@ class ClusterAllocator:
         return len(opened), ruled_out, left
 
     def node_order(self) -> list[str]:
+        """Nodes by (usage, fullest first under binpack), then name: only the used ones are sorted
+        for each claim, the idle ones keep their order by name."""
+        if self._names is None:
+            self._names = sorted(self._usage)
         if self.policy == "first-fit":
-            return sorted(self._usage)
+            return list(self._names)
         sign = -1 if self.policy == "binpack" else 1
-        return sorted(self._usage, key=lambda name: (sign * self._usage[name], name))
+        used = sorted(self._used, key=lambda name: (sign * self._usage[name], name))
+        before = [name for name in used if sign * self._usage[name] < 0]
+        idle = list(itertools.filterfalse(self._used.__contains__, self._names))
+        return before + idle + used[len(before) :]
+
+    def node_allocator(
+        self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None
+    ) -> NodeAllocator:
+        pools, results = self.snapshot.pools[node], self.snapshot.selector_results
+        return NodeAllocator(self.nodes[node], pools, self.state, self.classes, order, cache, results)
 
     def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
-        cache = self._candidates.setdefault(node, {})
-        pools = self.snapshot.pools[node]
-        return NodeAllocator(self.nodes[node], pools, self.state, self.classes, self._order, cache).allocate(claims)
+        return self.node_allocator(node, self._order, self._candidates.setdefault(node, {})).allocate(claims)
+
+    def update_slices(self, added: Iterable[Slice], removed: Iterable[Slice]) -> None:
+        """Slices added, changed or deleted: the nodes that see their pools are measured again
+        (their caches go with it); no other node is touched."""
+        for node in self.snapshot.update(added, removed):
+            if node not in self._usage or node not in self.snapshot.pools:
+                self._names = None  # a node comes or goes
+            if node in self.snapshot.pools:
+                self._measure(node)
+            else:
+                for cached in (self._usage, self._candidates, self._partial):
+                    cached.pop(node, None)
+                self._used.discard(node)
 
     def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
         """The best node's allocation for one claim (not yet committed), or why none fits.
@@ -148,11 +229,10 @@ class ClusterAllocator:
         errors: list[str] = []
         best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
-        for node in nodes if nodes is not None else self.node_order():
+        order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
+        while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
-            if best is not None and not self._partial.get(node):
-                continue
             try:
                 result = self.allocate_on(node, [claim])
             except AllocationError as error:
@@ -166,6 +246,8 @@ class ClusterAllocator:
             cost = self._cost(node, placement.allocation)
             if cost == (0, 0, 0):
                 return placement  # a perfect fit: nothing better exists
+            if best is None:
+                order = filter(self._partial.get, order)  # from here on only nodes with part-used GPUs
             if best is None or cost < best[0]:
                 best = (cost, placement)
             scanned += 1

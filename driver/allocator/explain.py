@@ -58,7 +58,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
     except AllocationError as error:
         return str(error)
     for node, pools in cluster.snapshot.pools.items():
-        allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
+        allocator = cluster.node_allocator(node)
         for pool in pools:
             for device in pool.devices:
                 try:
@@ -93,7 +93,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
 def node_picture(cluster: ClusterAllocator, node: str) -> list[str]:
     """Per GPU (counter set): free, partly used with the largest device still placeable, or full."""
     pools = cluster.snapshot.pools.get(node, [])
-    allocator = NodeAllocator(cluster.nodes[node], pools, cluster.state, cluster.classes)
+    allocator = cluster.node_allocator(node)
     lines = []
     for pool in pools:
         lines.extend(_pool_picture(allocator, pool))

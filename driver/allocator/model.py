@@ -3,7 +3,11 @@ API server returns them). Everything past this module works on these dataclasses
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+import functools
+import json
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from driver.allocator.cel import device_input
@@ -66,33 +70,92 @@ class NodePlacement:
     node_selector: dict[str, Any] | None = None
 
 
-@dataclass(eq=False)
+# Attributes that tell one GPU from another (its identity and where it sits). Devices keep their
+# own values of these; every other attribute goes into the shape they share with devices of the
+# same kind (a MIG profile at one placement is the same shape on every GPU of every node). Which
+# names are listed only decides how much is shared, never what a device reads.
+OWN_ATTRIBUTES = frozenset({"uuid", "parentUUID", "index", "minor", "pciBusID", "pcieRoot", "numaNode"})
+MISSING = object()  # what a selector reads from a device that lacks the attribute or capacity
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class DeviceShape:
+    """What devices of identical hardware share: parsed once, referenced by all of them."""
+
+    driver: str
+    attributes: dict[str, tuple[str, Any]]  # all but the ones each device keeps (OWN_ATTRIBUTES)
+    own_index: dict[str, int]  # name of an own attribute -> its position in Device.own
+    capacity: dict[str, Capacity]
+    allow_multiple_allocations: bool
+    taints: tuple[Taint, ...]
+    binds_to_node: bool
+    per_device_placement: bool
+
+
+@dataclass(slots=True, eq=False)
 class Device:
     id: DeviceId
-    attributes: dict[str, tuple[str, Any]]
-    capacity: dict[str, Capacity]
-    consumes: tuple[tuple[str, dict[str, Amount]], ...] = ()
-    allow_multiple_allocations: bool = False
-    taints: tuple[Taint, ...] = ()
-    binds_to_node: bool = False
-    placement: NodePlacement = field(default_factory=NodePlacement)  # the slice's, or the device's own
-    per_device_placement: bool = False
-    selector_results: dict[str, bool] = field(default_factory=dict)  # expression -> matches (static)
-    _cel: dict[str, Any] | None = None
+    shape: DeviceShape
+    own: tuple[tuple[str, Any], ...]  # values of the shape's own attributes (shared by a GPU's devices)
+    consumes: tuple[tuple[str, dict[str, Amount]], ...]
+    placement: NodePlacement  # the slice's, or the device's own
 
     @property
-    def cel(self) -> dict[str, Any]:
-        if self._cel is None:
-            capacity = {name: cap.value for name, cap in self.capacity.items()}
-            self._cel = device_input(self.id[0], self.attributes, capacity, self.allow_multiple_allocations)
-        return self._cel
+    def attributes(self) -> dict[str, tuple[str, Any]]:
+        """All attributes as published (built on each call: for reports, not for the search)."""
+        merged = dict(self.shape.attributes)
+        merged.update((name, self.own[i]) for name, i in self.shape.own_index.items())
+        return merged
+
+    @property
+    def capacity(self) -> dict[str, Capacity]:
+        return self.shape.capacity
+
+    @property
+    def allow_multiple_allocations(self) -> bool:
+        return self.shape.allow_multiple_allocations
+
+    @property
+    def taints(self) -> tuple[Taint, ...]:
+        return self.shape.taints
+
+    @property
+    def binds_to_node(self) -> bool:
+        return self.shape.binds_to_node
+
+    @property
+    def per_device_placement(self) -> bool:
+        return self.shape.per_device_placement
+
+    def cel_input(self) -> dict[str, Any]:
+        """The CEL `device` variable (built on demand: selector results are shared, see allocate.py)."""
+        capacity = {name: cap.value for name, cap in self.shape.capacity.items()}
+        return device_input(self.id[0], self.attributes, capacity, self.shape.allow_multiple_allocations)
+
+    def _own_or_shared(self, name: str) -> tuple[str, Any] | None:
+        index = self.shape.own_index.get(name)
+        return self.own[index] if index is not None else self.shape.attributes.get(name)
 
     def attribute(self, qualified: str) -> tuple[str, Any] | None:
         """An attribute by fully qualified name; bare names belong to the driver's domain."""
-        if qualified in self.attributes:
-            return self.attributes[qualified]
+        value = self._own_or_shared(qualified)
+        if value is not None:
+            return value
         domain, _, name = qualified.partition("/")
-        return self.attributes.get(name) if name and domain == self.id[0] else None
+        return self._own_or_shared(name) if name and domain == self.id[0] else None
+
+    def read(self, what: tuple[str, ...]) -> Any:
+        """What a selector reads (see cel.device_reads): everything its result can depend on. In the
+        driver's domain both the bare and the qualified name are read, whichever CEL sees."""
+        if what[0] == "driver":
+            return self.id[0]
+        if what[0] == "allowMultipleAllocations":
+            return self.shape.allow_multiple_allocations
+        _, domain, ident = what
+        names = (ident, f"{domain}/{ident}") if domain == self.id[0] else (f"{domain}/{ident}",)
+        if what[0] == "attributes":
+            return tuple(self._own_or_shared(name) or MISSING for name in names)
+        return tuple(getattr(self.shape.capacity.get(name), "value", MISSING) for name in names)
 
 
 @dataclass(frozen=True)
@@ -186,8 +249,11 @@ def _placement(spec: dict[str, Any]) -> NodePlacement:
     return NodePlacement(spec.get("nodeName") or "", bool(spec.get("allNodes")), spec.get("nodeSelector"))
 
 
+_KINDS = ("string", "int", "bool", "version")
+
+
 def _attribute(value: dict[str, Any], where: str) -> tuple[str, Any]:
-    for kind in ("string", "int", "bool", "version"):
+    for kind in _KINDS:
         if kind in value:
             return kind, value[kind]
     raise ObjectError(f"{where}: an attribute needs one of string, int, bool, version")
@@ -211,26 +277,118 @@ def _policy(policy: dict[str, Any] | None, where: str) -> RequestPolicy | None:
     )
 
 
-def _device(raw: dict[str, Any], driver: str, pool: str, placement: NodePlacement, per_device: bool) -> Device:
-    name = raw.get("name") or ""
-    where = f"device {driver}/{pool}/{name}"
-    return Device(
-        id=(driver, pool, name),
-        attributes={k: _attribute(v, f"{where} attribute {k}") for k, v in (raw.get("attributes") or {}).items()},
-        capacity={
-            k: Capacity(_quantity(v.get("value"), f"{where} capacity {k}"), _policy(v.get("requestPolicy"), where))
-            for k, v in (raw.get("capacity") or {}).items()
-        },
-        consumes=tuple(
-            (c["counterSet"], {n: _quantity(v.get("value"), where) for n, v in (c.get("counters") or {}).items()})
-            for c in raw.get("consumesCounters") or ()
-        ),
-        allow_multiple_allocations=bool(raw.get("allowMultipleAllocations")),
-        taints=tuple(Taint(t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in raw.get("taints") or ()),
-        binds_to_node=bool(raw.get("bindsToNode")),
-        placement=_placement(raw) if per_device else placement,
-        per_device_placement=per_device,
-    )
+def _counters(raw: dict[str, Any] | None, where: str) -> dict[str, Amount]:
+    """Counters by content: the same published counters are one dict (never modified)."""
+    key = tuple((name, value.get("value")) for name, value in (raw or {}).items())
+    try:
+        return _interned_counters(key)
+    except (QuantityError, TypeError):  # a bad or unhashable value: the plain parse names it
+        return {name: _quantity(value, where) for name, value in key}
+
+
+@functools.lru_cache(maxsize=4096)
+def _interned_counters(key: tuple[tuple[str, Any], ...]) -> dict[str, Amount]:
+    return {name: parse_quantity(value) for name, value in key}
+
+
+# Shapes by content; one lives as long as a device refers to it.
+_SHAPES: weakref.WeakValueDictionary[tuple[Any, ...], DeviceShape] = weakref.WeakValueDictionary()
+
+
+class _SliceParser:
+    """One slice's devices. Values the slice repeats (a GPU's own attributes, shared by all its MIG
+    placements and shares) are kept once; shapes and counters are shared across slices."""
+
+    def __init__(self, driver: str, pool: str, placement: NodePlacement, per_device: bool) -> None:
+        self.driver, self.pool, self.placement, self.per_device = driver, pool, placement, per_device
+        self._own: dict[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]] = {}
+        self._is_own: dict[str, bool] = {}  # attribute name -> kept by the device (OWN_ATTRIBUTES)
+
+    def device(self, raw: dict[str, Any]) -> Device:
+        name = raw.get("name") or ""
+        where = f"device {self.driver}/{self.pool}/{name}"  # for messages; cheap next to what follows
+        shared: list[tuple[str, str, Any]] = []
+        own_names: list[str] = []
+        own: list[tuple[str, Any]] = []
+        for key, value in (raw.get("attributes") or {}).items():
+            if type(value) is dict and len(value) == 1:  # the usual case: a single kind, no scan
+                ((kind, plain),) = value.items()
+                if kind not in _KINDS:
+                    kind, plain = _attribute(value, f"{where} attribute {key}")
+            else:
+                kind, plain = _attribute(value, f"{where} attribute {key}")
+            is_own = self._is_own.get(key)
+            if is_own is None:
+                is_own = self._is_own[key] = key.rpartition("/")[2] in OWN_ATTRIBUTES
+            if is_own:
+                own_names.append(key)
+                own.append((kind, plain))
+            else:
+                shared.append((key, kind, plain))
+        own_tuple = tuple(own)
+        with contextlib.suppress(TypeError):  # an unhashable value (not a valid attribute) is kept as it is
+            own_tuple = self._own.setdefault(own_tuple, own_tuple)
+        return Device(
+            id=(self.driver, self.pool, name),
+            shape=self._shape(raw, shared, tuple(own_names), where),
+            own=own_tuple,
+            consumes=_device_consumes(raw.get("consumesCounters") or (), where),
+            placement=_placement(raw) if self.per_device else self.placement,
+        )
+
+    def _shape(
+        self, raw: dict[str, Any], shared: list[tuple[str, str, Any]], own: tuple[str, ...], where: str
+    ) -> DeviceShape:
+        capacity = raw.get("capacity") or {}
+        taints = tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in raw.get("taints") or ())
+        flags = (bool(raw.get("allowMultipleAllocations")), bool(raw.get("bindsToNode")), self.per_device)
+        try:
+            capacity_key = tuple(
+                (k, v.get("value"), json.dumps(v["requestPolicy"], sort_keys=True) if "requestPolicy" in v else None)
+                for k, v in capacity.items()
+            )
+            key = (self.driver, tuple(shared), own, capacity_key, taints, flags)
+            found = _SHAPES.get(key)
+        except TypeError:  # unhashable values: a shape of its own
+            key, found = None, None
+        if found is not None:
+            return found
+        shape = DeviceShape(
+            driver=self.driver,
+            attributes={name: (kind, value) for name, kind, value in shared},
+            own_index={name: index for index, name in enumerate(own)},
+            capacity={
+                k: Capacity(_quantity(v.get("value"), f"{where} capacity {k}"), _policy(v.get("requestPolicy"), where))
+                for k, v in capacity.items()
+            },
+            allow_multiple_allocations=flags[0],
+            taints=tuple(Taint(*t) for t in taints),
+            binds_to_node=flags[1],
+            per_device_placement=flags[2],
+        )
+        if key is not None:
+            _SHAPES[key] = shape
+        return shape
+
+
+# What devices draw, by the published text (repr of decoded JSON: equal exactly when the values
+# are): a device like one seen before costs one repr and one lookup. Cleared when it grows past
+# what a cluster's kinds of devices can fill (then it fills again).
+_CONSUMES: dict[str, tuple[tuple[str, dict[str, Amount]], ...]] = {}
+_CONSUMES_LIMIT = 65536
+
+
+def _device_consumes(raw: list[dict[str, Any]], where: str) -> tuple[tuple[str, dict[str, Amount]], ...]:
+    if not raw:
+        return ()
+    text = repr(raw)
+    found = _CONSUMES.get(text)
+    if found is None:
+        found = tuple((c["counterSet"], _counters(c.get("counters"), where)) for c in raw)
+        if len(_CONSUMES) >= _CONSUMES_LIMIT:
+            _CONSUMES.clear()
+        _CONSUMES[text] = found
+    return found
 
 
 def slice_from_object(obj: dict[str, Any]) -> Slice:
@@ -240,6 +398,7 @@ def slice_from_object(obj: dict[str, Any]) -> Slice:
     driver, pool_name = spec.get("driver", ""), pool.get("name", "")
     placement = _placement(spec)
     per_device = bool(spec.get("perDeviceNodeSelection"))
+    parser = _SliceParser(driver, pool_name, placement, per_device)
     where = f"ResourceSlice {name}"
     return Slice(
         name=name,
@@ -249,11 +408,8 @@ def slice_from_object(obj: dict[str, Any]) -> Slice:
         slice_count=int(pool.get("resourceSliceCount") or 1),
         placement=placement,
         per_device_placement=per_device,
-        devices=tuple(_device(d, driver, pool_name, placement, per_device) for d in spec.get("devices") or ()),
-        counter_sets={
-            s["name"]: {n: _quantity(v.get("value"), where) for n, v in (s.get("counters") or {}).items()}
-            for s in spec.get("sharedCounters") or ()
-        },
+        devices=tuple(parser.device(d) for d in spec.get("devices") or ()),
+        counter_sets={s["name"]: _counters(s.get("counters"), where) for s in spec.get("sharedCounters") or ()},
     )
 
 

@@ -28,6 +28,7 @@ class Pool:
     incomplete: bool = False
     invalid: str = ""  # why the pool cannot be used
     neighbours: dict[int, list[Device]] = field(default_factory=dict)  # id(device) -> same counter sets
+    selector_outcomes: dict[str, tuple[bool | str, ...]] = field(default_factory=dict)  # expression -> per device
     _by_name: dict[str, Device] = field(default_factory=dict)
 
     @property

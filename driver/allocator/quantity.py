@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 
@@ -23,6 +24,17 @@ def parse_quantity(text: str | int) -> Amount:
     """The exact value of a quantity string; raises QuantityError naming the bad text."""
     if isinstance(text, int):
         return text
+    if isinstance(text, str):
+        return _parse_cached(text)
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=4096)  # slices repeat a few quantities a million times: one object each
+def _parse_cached(text: str) -> Amount:
+    return _parse(text)
+
+
+def _parse(text: object) -> Amount:
     match = _QUANTITY.match(str(text).strip())
     if not match:
         raise QuantityError(f"invalid quantity {text!r}")

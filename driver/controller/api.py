@@ -34,9 +34,20 @@ class ControllerApi(ClientKubeApi):
             return functools.partial(self.namespaced_listers[kind], namespace)
         return self.listers[kind]
 
-    def list(self, kind: str, label_selector: str = "", namespace: str = "") -> tuple[list[JsonObject], str]:
-        result = self._call(self._lister(kind, namespace), label_selector=label_selector)
-        return result.get("items") or [], result["metadata"].get("resourceVersion", "")
+    def list_pages(
+        self, kind: str, label_selector: str = "", namespace: str = "", limit: int = 500
+    ) -> Iterator[tuple[list[JsonObject], str]]:
+        """(items, resourceVersion) page by page: one consistent list, `limit` objects at a time
+        (an expired continue token ends it with an error: the informer lists again)."""
+        token = ""
+        while True:
+            result = self._call(
+                self._lister(kind, namespace), label_selector=label_selector, limit=limit, _continue=token or None
+            )
+            yield result.get("items") or [], result["metadata"].get("resourceVersion", "")
+            token = result["metadata"].get("continue") or ""
+            if not token:
+                return
 
     def watch(
         self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""

@@ -25,10 +25,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.allocator.allocate import AllocationError, NodeAllocator
-from driver.allocator.cel import SelectorError, compile_selector
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
-from driver.allocator.model import Claim, ObjectError, claim_from_object, class_from_object, slice_from_object
+from driver.allocator.model import Claim, ObjectError, Slice, claim_from_object, class_from_object, slice_from_object
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
@@ -145,9 +143,8 @@ class Controller:
     ) -> None:
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
-        self.informers = {
-            kind: Informer(api, kind, self.changed) for kind in ("slices", "classes", "claims", "pods", "nodes")
-        }
+        self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
+        self.informers["slices"] = Informer(api, "slices", self.changed, transform=_readable_slice, long_lived=True)
         self.informers["ledgers"] = Informer(
             api, "ledgers", self.changed, f"{LEDGER_LABEL}=true", namespace=lease_namespace
         )
@@ -166,7 +163,9 @@ class Controller:
         self._counted: Counted | None = None
         self._pods_lock = threading.Lock()
         self._pods_of: tuple[int, dict[str, list[str]]] = (-1, {})
-        self._snapshot_version: tuple[int, int] = (-1, -1)
+        self._sync_reported = False
+        self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
+        self._snapshot_slices: tuple[int, dict[str, Slice]] = (-1, {})  # informer version, slices by name
         self._reported: dict[str, str] = {}  # claim uid -> last failure reported as an Event
         self.stop_event = threading.Event()
 
@@ -182,7 +181,7 @@ class Controller:
             self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
             metrics.LEADER.set(self.leader.leading())
-            if not all(i.synced.is_set() for i in self.informers.values()):
+            if not self._synced():
                 continue
             if not self.acting():
                 self._keep_ready()
@@ -204,6 +203,17 @@ class Controller:
         self.ledgers.begin(self.informers["ledgers"].items())
         self.allocator()
 
+    def _synced(self) -> bool:
+        """Whether every cache has been listed; the first time, says how long that took."""
+        if not all(i.synced.is_set() for i in self.informers.values()):
+            return False
+        if not self._sync_reported:
+            self._sync_reported = True
+            seconds = max(i.sync_seconds or 0.0 for i in self.informers.values())
+            metrics.CACHE_SYNC_SECONDS.set(seconds)
+            log.info("caches synced in %.1f s (%d slices)", seconds, len(self.informers["slices"].items()))
+        return True
+
     def stop(self) -> None:
         log.info("stopping")
         self.stop_event.set()
@@ -218,23 +228,29 @@ class Controller:
     # --- one pass -----------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """Slices and nodes as the allocator sees them, rebuilt only when a slice or a node's labels
-        change: other node updates (status, annotations) come often and would drop the selector
-        results cached on the devices."""
+        """Slices and nodes as the allocator sees them: gathered afresh only when a node's labels
+        change (other node updates come often and matter not); a slice added, changed or deleted
+        touches only its pool, for the nodes that see it (and the allocator's caches of those)."""
         nodes = sorted(
             (n["metadata"]["name"], tuple(sorted((n["metadata"].get("labels") or {}).items())))
             for n in self.informers["nodes"].items()
         )
-        version = (self.informers["slices"].version, hash(tuple(nodes)))
-        if self._snapshot is None or version != self._snapshot_version:
-            slices = []
-            for obj in self.informers["slices"].items():
-                try:
-                    slices.append(slice_from_object(obj))
-                except ObjectError as error:
-                    log.warning("ignoring ResourceSlice: %s", error)
+        slices_version = self.informers["slices"].version
+        if self._snapshot is None or hash(tuple(nodes)) != self._snapshot_nodes:
+            slices = self.informers["slices"].items()
             self._snapshot = Snapshot.from_slices(slices, [Node(name, dict(labels)) for name, labels in nodes])
-            self._snapshot_version = version
+            self._snapshot_nodes = hash(tuple(nodes))
+            self._snapshot_slices = (slices_version, {s.name: s for s in slices})
+        elif slices_version != self._snapshot_slices[0]:
+            before, now = self._snapshot_slices[1], {s.name: s for s in self.informers["slices"].items()}
+            added = [s for name, s in now.items() if before.get(name) is not s]
+            removed = [s for name, s in before.items() if now.get(name) is not s]
+            counted = self._counted
+            if counted is not None and counted.allocator.snapshot is self._snapshot:
+                counted.allocator.update_slices(added, removed)
+            else:
+                self._snapshot.update(added, removed)
+            self._snapshot_slices = (slices_version, now)
         return self._snapshot
 
     def allocator(self) -> ClusterAllocator:
@@ -254,7 +270,6 @@ class Controller:
             for result in results.values():
                 state.add_result(result)
             self._counted = Counted(ClusterAllocator(snapshot, classes, state, self.policy), key, results)
-            _warm(self._counted.allocator)
             return self._counted.allocator
         gone = [counted.results[k] for k in counted.results.keys() - results.keys()]
         new = [results[k] for k in results.keys() - counted.results.keys()]
@@ -670,22 +685,13 @@ class Controller:
             log.warning("cannot record an event for %s/%s: %s", meta["namespace"], meta["name"], error)
 
 
-def _warm(allocator: ClusterAllocator) -> None:
-    """Evaluate every class's selectors on every device once, when the slices or classes are new
-    (a pass runs as soon as this replica leads, before any burst): the results stay cached on the
-    devices, so the first claims of a burst do not pay for them."""
-    for node, pools in allocator.snapshot.pools.items():
-        checker = NodeAllocator(allocator.nodes[node], pools, allocator.state, allocator.classes)
-        for cls in allocator.classes.values():
-            try:
-                selectors = [(f"class {cls.name}", compile_selector(e)) for e in cls.selectors]
-            except SelectorError:
-                continue  # reported when a claim asks for the class
-            for device in (d for pool in pools for d in pool.devices):
-                try:
-                    checker.selectable(device, selectors)
-                except AllocationError:
-                    continue
+def _readable_slice(obj: dict[str, Any]) -> Slice | None:
+    """What the slices' informer keeps: the parsed slice (the API object is dropped)."""
+    try:
+        return slice_from_object(obj)
+    except ObjectError as error:
+        log.warning("ignoring ResourceSlice: %s", error)
+        return None
 
 
 def _size(labels: dict[str, str]) -> int:

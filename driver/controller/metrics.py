@@ -16,3 +16,6 @@ ALLOCATION_SECONDS = Histogram(
 LEADER = Gauge("fgpu_controller_leader", "1 while this replica holds the lease")
 PENDING = Gauge("fgpu_controller_pending_claims", "Opt-in claims waiting for an allocation")
 REFRESHES = Counter("fgpu_controller_refreshes_total", "Claims and ledgers read afresh after a failed write")
+CACHE_SYNC_SECONDS = Gauge(
+    "fgpu_controller_cache_sync_seconds", "Seconds from start until every cache was listed (slices parsed)"
+)

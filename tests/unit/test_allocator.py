@@ -237,3 +237,74 @@ def test_binpack_fills_a_shared_partition_before_opening_another():
     # The partition's counters keep the GPU's whole device from it.
     whole = claim("w", exactly("gpu.fgpu.dev", selector=f'device.attributes["{DRIVER}"].index == 5'))
     assert isinstance(packed.allocate(whole), Failure)
+
+
+def test_devices_of_one_kind_share_their_shape_and_keep_their_own_values():
+    slices = [slice_from_object(s) for s in h100_slices("n1", "n2")]
+    devices = {(d.id[1], d.id[2]): d for s in slices for d in s.devices}
+    one, other = devices["n1", "gpu-2-mig-1g10gb-6"], devices["n2", "gpu-2-mig-1g10gb-6"]
+    assert one.shape is other.shape and one.consumes[0][1] is other.consumes[0][1]  # counters too
+    assert "parentUUID" not in one.shape.attributes and one.attribute("parentUUID")[0] == "string"  # the GPU's own
+    assert devices["n1", "gpu-2-mig-1g10gb-0"].own is one.own  # placements of a GPU: its values once
+    published = next(d for s in h100_slices("n2") for d in s["spec"].get("devices", []) if d["name"] == other.id[2])
+    assert other.attributes == {k: next(iter(v.items())) for k, v in published["attributes"].items()}
+
+
+def test_a_selector_on_a_gpu_s_own_values_tells_devices_apart():
+    cluster = allocator(h100_slices("n1", "n2"))
+    third = 'device.attributes["gpu.fgpu.dev"].index == 3'
+    first = place(cluster, claim("a", exactly("gpu.fgpu.dev", selector=third)))
+    second = place(cluster, claim("b", exactly("gpu.fgpu.dev", selector=third)))
+    assert devices(first) == devices(second) == ["gpu-3"] and first.node != second.node
+    assert isinstance(cluster.allocate(claim("c", exactly("gpu.fgpu.dev", selector=third))), Failure)
+    whole_map = 'device.attributes["gpu.fgpu.dev"].exists(k, k == "uuid")'  # read as a whole: no sharing
+    assert len(devices(place(cluster, claim("d", exactly("gpu.fgpu.dev", count=7, selector=whole_map))))) == 7
+
+
+def pools_seen(snapshot: Snapshot) -> dict[str, list[tuple[str, bool, list[str]]]]:
+    return {
+        node: [(p.name, p.incomplete, [d.id[2] for d in p.devices]) for p in pools]
+        for node, pools in sorted(snapshot.pools.items())
+    }
+
+
+def test_slices_added_changed_and_deleted_touch_only_their_nodes():
+    before = [slice_from_object(s) for s in h100_slices("n1", "n2", "n3")]
+    cluster = allocator(h100_slices("n1", "n2", "n3"))
+    place(cluster, claim("a", exactly("gpu.fgpu.dev", count=8)))  # fills one node
+    usage = dict(cluster._usage)
+    n2 = [s for s in before if s.pool == "n2"]
+    smaller = slice_from_object({**h100_slices("n2")[1], "spec": {**h100_slices("n2")[1]["spec"], "devices": []}})
+    added = [slice_from_object(s) for s in h100_slices("n4")]
+    cluster.update_slices([smaller, *added], [s for s in before if s.pool == "n3"])
+    after = [s for s in before if s.pool not in ("n2", "n3")] + [s for s in n2 if s.name != smaller.name]
+    assert pools_seen(cluster.snapshot) == pools_seen(Snapshot.from_slices([*after, smaller, *added]))
+    assert set(cluster._usage) == {"n1", "n2", "n4"} and cluster._usage["n1"] == usage["n1"]
+    assert place(cluster, claim("b", exactly("gpu.fgpu.dev", count=8))).node == "n4"  # n2 lost GPUs
+
+
+@pytest.mark.parametrize(("policy", "sign"), [("binpack", -1), ("spread", 1)])
+def test_nodes_are_tried_by_usage_then_name(policy: str, sign: int):
+    cluster = allocator(h100_slices("n1", "n2", "n3", "n4"), policy=policy)
+    for name, count in (("a", 2), ("b", 8), ("c", 1)):
+        place(cluster, claim(name, exactly("gpu.fgpu.dev", count=count)))
+    expected = sorted(cluster._usage, key=lambda node: (sign * cluster._usage[node], node))
+    assert cluster.node_order() == expected and len(set(cluster._usage.values())) > 1
+
+
+def test_a_pool_offered_to_every_node_reaches_all_of_them_and_leaves_all_of_them():
+    fabric = h100_slices("fabric")
+    for s in fabric:
+        del s["spec"]["nodeName"]
+        s["spec"]["allNodes"] = True
+    cluster = allocator(h100_slices("n1", "n2"))
+    shared = [slice_from_object(s) for s in fabric]
+    cluster.update_slices(shared, [])
+    assert {node: [p.name for p in pools] for node, pools in cluster.snapshot.pools.items()} == {
+        "n1": ["fabric", "n1"],
+        "n2": ["fabric", "n2"],
+    }
+    assert sorted(cluster.snapshot.nodes_of_pool["gpu.fgpu.dev", "fabric"]) == ["n1", "n2"]
+    cluster.update_slices([], shared)
+    assert [p.name for p in cluster.snapshot.pools["n1"]] == ["n1"]
+    assert ("gpu.fgpu.dev", "fabric") not in cluster.snapshot.nodes_of_pool

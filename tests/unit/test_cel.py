@@ -94,3 +94,26 @@ def test_cost_estimate_grows_with_nesting():
     flat = estimated_cost('device.attributes["gpu.fgpu.dev"].exists(n, n == "x")')
     nested = estimated_cost('device.attributes["d"].exists(n, device.attributes["d"].exists(m, m == n))')
     assert nested > 30 * flat > 0
+
+
+@pytest.mark.parametrize(
+    ("expression", "reads"),
+    [
+        (
+            'device.attributes["gpu.fgpu.dev"].type == "mig" && device.driver == "gpu.fgpu.dev"',
+            (("attributes", "gpu.fgpu.dev", "type"), ("driver",)),
+        ),
+        (
+            'has(device.attributes[\'d\'].x) && device.capacity["d"].memory.isLessThan(quantity("1Gi"))',
+            (("attributes", "d", "x"), ("capacity", "d", "memory")),
+        ),
+        ("!device.allowMultipleAllocations || !device.allowMultipleAllocations", (("allowMultipleAllocations",),)),
+        ('device.attributes["d"].size() == 0', None),  # a method on the whole map
+        ('device.attributes["d"].exists(n, n == "x")', None),  # a comprehension over it
+        ('device.attributes["d"]["x"] == 1', None),
+        ('cel.bind(d, device, d.driver == "x")', None),
+        ('"device" == device.driver', None),  # `device` in a literal, not a read: no guessing
+    ],
+)
+def test_what_a_selector_reads_decides_which_devices_share_its_result(expression: str, reads: tuple | None):
+    assert compile_selector(expression).reads == reads

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,14 @@ class FakeApi:
             obj = {**obj, "metadata": {**current["metadata"]}}
         return self.put(kind, obj)
 
-    def list(self, kind: str, label_selector: str = "", namespace: str = "") -> tuple[list[dict[str, Any]], str]:
+    def list_pages(
+        self, kind: str, label_selector: str = "", namespace: str = "", limit: int = 500
+    ) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        """In pages of at most 2 objects, whatever the limit: every list in these tests is paged."""
         with self._lock:
-            return copy.deepcopy(list(self.store[kind].values())), str(self.version)
+            items, version = copy.deepcopy(list(self.store[kind].values())), str(self.version)
+        for start in range(0, max(len(items), 1), 2):
+            yield items[start : start + 2], version
 
     # --- the controller's calls ---
 
@@ -668,3 +674,23 @@ def test_a_standby_keeps_its_allocator_ready_and_writes_nothing(h100_slices, rep
     standby.run_pass()
     assert standby._counted is ready  # the first pass placed on it, nothing rebuilt
     assert len(devices_of(claims_in(api)["x"])) == 2
+
+
+def test_new_slices_reach_the_allocator_without_gathering_other_nodes_again(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("a", 8))
+    controller = replicas(api)
+    controller.run_pass()
+    snapshot = controller.snapshot()
+    n1_pools = snapshot.pools["n1"]
+    for obj in json.loads(h100_slices.replace('"n1', '"n2'))["items"]:
+        api.put("slices", obj)
+    unreadable = json.loads(h100_slices.replace('"n1', '"n3'))["items"][0]
+    unreadable["spec"]["sharedCounters"][0]["counters"]["memory-slice-0"]["value"] = "lots"
+    api.put("slices", unreadable)
+    api.put("claims", opt_in_claim("b", 8))
+    sync(controller)
+    controller.run_pass()
+    assert controller.snapshot() is snapshot and snapshot.pools["n1"] is n1_pools  # n1 untouched
+    assert {pool for pool, _ in devices_of(claims_in(api)["b"])} == {"n2"}
+    assert {s.pool for s in controller.informers["slices"].items()} == {"n1", "n2"}  # n3's left out
