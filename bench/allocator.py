@@ -10,6 +10,7 @@ nodes by name), against the lower bound (total demand / GPU size, rounded up).
 
   python -m bench.allocator throughput --nodes 1000 --claims 400
   python -m bench.allocator throughput --nodes 5000 --claims 400 --no-reference
+  python -m bench.allocator throughput --nodes 500 --claims 400 --mig-shares 3g.40gb
   python -m bench.allocator packing --nodes 16 --events 3000
 """
 
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from driver.allocator.state import AllocatedState
 from driver.devices import MPS_DEFAULT_COMPUTE, node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
-from driver.sharing import SharingConfig
+from driver.sharing import DEFAULT_KINDS, SharingConfig
 from driver.slices import build_slices
 from tests.cluster.harness import build_binaries
 
@@ -47,16 +49,23 @@ SHARE_MEMORY_GIB = 79.5  # what an H100 80GB offers MPS shares (81408Mi)
 PROFILES = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb"]
 
 
-def cluster_slices(nodes: int) -> list[dict[str, Any]]:
-    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())
+def sharing(mig_shares: Sequence[str]) -> SharingConfig:
+    """Every GPU's default kinds; with `mig_shares`, also MPS shares inside those MIG profiles."""
+    if not mig_shares:
+        return SharingConfig()
+    return SharingConfig(default=DEFAULT_KINDS | {"mig-mps"}, mig_share_profiles=frozenset(mig_shares))
+
+
+def cluster_slices(nodes: int, mig_shares: Sequence[str] = ()) -> list[dict[str, Any]]:
+    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), sharing(list(mig_shares)))
     return [s for i in range(nodes) for s in build_slices(DRIVER, f"node-{i:04d}", inventory, generation=1, owner=None)]
 
 
-def node_slices_json(nodes: int) -> list[str]:
+def node_slices_json(nodes: int, mig_shares: Sequence[str] = ()) -> list[str]:
     """Each node's slices as the API server sends them (JSON text): one node's built by the node
     plugin's code, copied per node with its own name and GPU UUIDs (building them anew for every
     node would take minutes at 5,000 nodes; the copies differ where real nodes differ)."""
-    template = json.dumps(cluster_slices(1))
+    template = json.dumps(cluster_slices(1, mig_shares))
     return [
         _GPU_UUID.sub(lambda m, i=i: f"{m.group(1)}{i:012x}", template.replace("node-0000", f"node-{i:04d}"))
         for i in range(nodes)
@@ -85,7 +94,18 @@ def mps(memory_gib: int) -> dict[str, Any]:
     return {"deviceClassName": "mps.gpu.fgpu.dev", "capacity": {"requests": {"memory": f"{memory_gib}Gi"}}}
 
 
-def mixed_stream(count: int, rng: random.Random) -> list[dict[str, Any]]:
+def mig_mps(profile: str, memory_gib: int) -> dict[str, Any]:
+    expression = f'device.attributes["{DRIVER}"].profile == "{profile}"'
+    return {
+        "deviceClassName": "mig-mps.gpu.fgpu.dev",
+        "selectors": [{"cel": {"expression": expression}}],
+        "capacity": {"requests": {"memory": f"{memory_gib}Gi"}},
+    }
+
+
+def mixed_stream(count: int, rng: random.Random, mig_shares: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """30% whole GPUs, 40% MIG devices, 30% MPS shares; with `mig_shares`, 15 of the 30 points of
+    MPS shares are shares inside a partition of one of those profiles instead."""
     claims = []
     for i in range(count):
         kind = rng.random()
@@ -93,6 +113,8 @@ def mixed_stream(count: int, rng: random.Random) -> list[dict[str, Any]]:
             request = {"deviceClassName": "gpu.fgpu.dev", "count": rng.choice([1, 1, 2, 4])}
         elif kind < 0.7:
             request = mig(rng.choice(PROFILES))
+        elif mig_shares and kind < 0.85:
+            request = mig_mps(rng.choice(list(mig_shares)), rng.choice([2, 5, 10]))
         else:
             request = mps(rng.choice([2, 5, 10, 20]))
         claims.append(claim(f"c{i:05d}", request))
@@ -167,9 +189,11 @@ def build_allocator(
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    nodes, device_classes, claims = node_slices_json(args.nodes), classes(), mixed_stream(args.claims, rng)
+    nodes, device_classes = node_slices_json(args.nodes, args.mig_shares), classes()
+    claims = mixed_stream(args.claims, rng, args.mig_shares)
     report: dict[str, Any] = {
         "nodes": args.nodes,
+        "mig_shares": args.mig_shares,
         "devices": sum(len(s["spec"].get("devices", [])) for s in json.loads(nodes[0])) * args.nodes,
         "claims": args.claims,
         "raw_json_mib": round(sum(map(len, nodes)) / 2**20),
@@ -294,6 +318,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--departures", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--mig-shares", nargs="*", default=[], metavar="PROFILE", help="also MPS shares inside these MIG profiles"
+    )
     args = parser.parse_args()
     print(json.dumps(throughput(args) if args.mode == "throughput" else packing(args), indent=2))
 
