@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,27 +24,46 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVING_TIMEOUT_S = 240
 
 
-def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
-    before = HostState.take_quiet()
-    output = tmp_path / "run.log"
+def serve_make_run(
+    output: Path, stop: Callable[[subprocess.Popen[bytes]], None], **popen: Any
+) -> subprocess.Popen[bytes]:
+    """`make run` until it serves; `stop` ends it if it never does."""
     with open(output, "wb") as sink:
         run = subprocess.Popen([sys.executable, "-m", "examples.local_node"], cwd=ROOT, stdout=sink,
-                               stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # fmt: skip
+                               stderr=subprocess.STDOUT, **popen)  # fmt: skip
     try:
         deadline = time.monotonic() + SERVING_TIMEOUT_S
         while "serving; Ctrl-C to stop" not in output.read_text() and run.poll() is None:
             assert time.monotonic() < deadline, output.read_text()[-4000:]
             time.sleep(0.5)
         assert run.poll() is None, output.read_text()[-4000:]
-    finally:
-        run.send_signal(signal.SIGINT)
-        run.wait(timeout=120)
+    except BaseException:
+        stop(run)
+        raise
+    return run
+
+
+def interrupt(run: subprocess.Popen[bytes]) -> None:
+    run.send_signal(signal.SIGINT)
+    run.wait(timeout=120)
+
+
+def kill_session(run: subprocess.Popen[bytes]) -> None:
+    os.killpg(run.pid, signal.SIGKILL)  # the run and everything in its session, at once
+    run.wait(timeout=30)
+
+
+def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
+    before = HostState.take_quiet()
+    output = tmp_path / "run.log"
+    run = serve_make_run(output, interrupt, preexec_fn=die_with_parent)
+    interrupt(run)
+    assert run.returncode == 0
     printed = output.read_text()
     for pod in ("whole-gpu", "mig-1g", "mps-share", "timeslice-share"):
         assert f"pod {pod}: Running" in printed, printed[-4000:]
     assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in printed
     assert "export KUBECONFIG=" in printed
-    assert run.returncode == 0
     assert before.differences(HostState.take_quiet()) == []
 
 
@@ -50,19 +71,7 @@ def test_a_killed_make_run_is_undone_by_the_cleanup_command(tmp_path):
     """SIGKILL leaves what only an orderly stop removes (containers under their shims, MPS daemons,
     mounts, iptables chains, sysctls, cgroups, temp dirs); the node's record lets cleanup undo it."""
     before = HostState.take_quiet()
-    output = tmp_path / "run.log"
-    with open(output, "wb") as sink:
-        run = subprocess.Popen([sys.executable, "-m", "examples.local_node"], cwd=ROOT, stdout=sink,
-                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + SERVING_TIMEOUT_S
-        while "serving; Ctrl-C to stop" not in output.read_text() and run.poll() is None:
-            assert time.monotonic() < deadline, output.read_text()[-4000:]
-            time.sleep(0.5)
-        assert run.poll() is None, output.read_text()[-4000:]
-    finally:
-        os.killpg(run.pid, signal.SIGKILL)  # the run and everything in its session, at once
-        run.wait(timeout=30)
+    kill_session(serve_make_run(tmp_path / "run.log", kill_session, start_new_session=True))
     assert NODE_RECORD.exists()
     assert before.differences(HostState.take_quiet()), "a killed run left nothing behind: the test proves nothing"
     cleanup = subprocess.run([sys.executable, "-m", "tests.cluster.node", "cleanup"], cwd=ROOT,
