@@ -378,21 +378,25 @@ def offer_limit(gpu: GpuInfo) -> OfferLimit:
     )
 
 
+def _held_back(gpu: GpuInfo, sharing: SharingConfig) -> tuple[list[str], OfferLimit]:
+    """The configured kinds the GPU cannot offer as it is now, sorted, and why."""
+    limit = offer_limit(gpu)
+    return sorted(sharing.offered(gpu.index) & limit.kinds), limit
+
+
 def shortfall(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
     """Why a GPU offers less than it is configured to, in a line; None when it offers all of it."""
-    limit = offer_limit(gpu)
-    missing = sharing.offered(gpu.index) & limit.kinds
+    missing, limit = _held_back(gpu, sharing)
     if not missing:
         return None
-    return f"GPU {gpu.index} ({gpu.product_name}) offers no {', '.join(sorted(missing))}: {limit.reason}"
+    return f"GPU {gpu.index} ({gpu.product_name}) offers no {', '.join(missing)}: {limit.reason}"
 
 
 def not_offered_note(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
     """What the GPU's devices carry in NOT_OFFERED_ATTRIBUTE, so that `fgpu status` can say why a GPU
     offers less: the kinds held back and the note, e.g. "mig: MIG mode off, switching needs a GPU reset"."""
-    limit = offer_limit(gpu)
-    missing = sharing.offered(gpu.index) & limit.kinds
-    return f"{','.join(sorted(missing))}: {limit.note}" if missing and limit.note else None
+    missing, limit = _held_back(gpu, sharing)
+    return f"{','.join(missing)}: {limit.note}" if missing and limit.note else None
 
 
 def _with_note(device: Device, note: str | None) -> Device:

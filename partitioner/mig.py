@@ -28,6 +28,7 @@ class MigInstance:
     ci_id: int
     uuid: str
     enabled_mig_mode: bool = False  # MIG mode was switched on to create it
+    created: bool = True  # False: it was there already (a retried prepare, a partition's later share)
 
 
 def caps_minor(gpu_minor: int, gi_id: int, ci_id: int | None, proc_root: Path) -> int:
@@ -80,6 +81,7 @@ class MigPartitioner:
         """Create the instance at the placement; an existing one there (a retried prepare) is reused."""
         enabled = self.ensure_mig_mode(gpu_index)
         record = self.find(gpu_index, profile_id, start)
+        created = record is None
         if record is None:
             try:
                 record = self._session.create_mig_instance(gpu_index, profile_id, start, size)
@@ -90,7 +92,7 @@ class MigPartitioner:
         if not record.compute_instances:
             raise MigError(f"GPU instance {record.gi_id} on GPU {gpu_index} has no compute instance")
         ci_id, uuid = record.compute_instances[0]
-        return MigInstance(gpu_index, record.gi_id, ci_id, uuid, enabled)
+        return MigInstance(gpu_index, record.gi_id, ci_id, uuid, enabled, created)
 
     def destroy(self, gpu_index: int, gi_id: int) -> None:
         try:

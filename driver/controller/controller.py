@@ -198,8 +198,8 @@ class Controller:
 
     def _keep_ready(self) -> None:
         """A standby keeps its allocator current with its caches (reads only, no writes), so that
-        when it wins the lease its first pass places claims at once, instead of first parsing every
-        slice and evaluating every class's selectors on every device."""
+        when it wins the lease its first pass places claims at once, instead of first gathering the
+        pools and counting every claim's allocation."""
         self.ledgers.begin(self.informers["ledgers"].items())
         self.allocator()
 

@@ -40,6 +40,7 @@ from driver.node.claims import (
 from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.nvml.session import GpuInstanceRecord
 from driver.sharing import MIG_KINDS
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
@@ -207,7 +208,7 @@ class Driver:
             return replace(device, device_nodes=(gpu_node,)), "admin access, nothing created"
         try:
             if device.kind in MIG_KINDS:
-                device, done = self._make_partition(ref, device, gpu.minor)
+                device, done = self._make_partition(device, gpu.minor)
             else:
                 # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
                 released = gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
@@ -218,10 +219,9 @@ class Driver:
         crash_point("prepare:device-ready")
         return device, done
 
-    def _make_partition(self, ref: ClaimRef, device: PreparedDevice, gpu_minor: int) -> tuple[PreparedDevice, str]:
+    def _make_partition(self, device: PreparedDevice, gpu_minor: int) -> tuple[PreparedDevice, str]:
         """A MIG device, or a share inside one: the instance at the placement (a share joins it when
         an earlier share of the same device made it), and for an MPS share the partition's daemon."""
-        joined = device.kind != "mig" and self._partition_held(ref.uid, device.device)
         assert device.mig_profile_id is not None and device.mig_start is not None and device.mig_size is not None
         instance = self._parts.mig.create(device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size)
         device = replace(
@@ -232,7 +232,7 @@ class Driver:
             device_nodes=mig_device_nodes(gpu_minor, instance, self._proc_root),
         )
         done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
-        done += " joined" if joined else ""
+        done += " joined" if device.kind != "mig" and not instance.created else ""
         done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
         if device.kind == "mig":
             return device, done
@@ -266,15 +266,6 @@ class Driver:
         if target is not None and target.placement is not None:
             return target.placement.profile.name
         return f"profile {device.mig_profile_id}"  # a device the node no longer publishes
-
-    def _partition_held(self, uid: str, device_name: str) -> bool:
-        """Whether another claim's share of this device (a share inside a MIG partition) holds it."""
-        return any(
-            d.device == device_name and d.holds
-            for other_uid, c in self._claims.all().items()
-            if other_uid != uid and c.state != "UnprepareStarted"
-            for d in c.devices
-        )
 
     def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
         """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
@@ -342,13 +333,13 @@ class Driver:
         """Undo what the device made on the GPU; returns what was destroyed."""
         if device.admin_access:
             return "admin access ended, nothing destroyed"
-        still_used = any(
-            d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
-        )
         if device.kind in ("mig-mps", "mig-timeslice"):
             return self._release_partition_share(device, others)
         if device.kind == "mig":
-            return self._destroy_partition(device)
+            return self._destroy_partition(device, self._find_partition(device))
+        still_used = any(
+            d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
+        )
         if device.kind == "mps":
             share = f"MPS share {_mps_limits(device)} ended"
             if still_used:
@@ -366,20 +357,22 @@ class Driver:
         """The last share of a partition stops the partition's daemon (MPS) and destroys it."""
         if any(d.holds and d.device == device.device for c in others for d in c.devices):
             return "share ended, partition kept for other shares"
+        record = self._find_partition(device)
         stopped = ""
         if device.kind == "mig-mps":
             # A claim a crash left half-prepared has no MIG UUID in its record yet: the instance has.
-            record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
             mig_uuid = device.mig_uuid or (
                 record.compute_instances[0][1] if record and record.compute_instances else ""
             )
             if mig_uuid:
                 was_running = self._parts.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
                 stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
-        return "last share ended, " + stopped + self._destroy_partition(device)
+        return "last share ended, " + stopped + self._destroy_partition(device, record)
 
-    def _destroy_partition(self, device: PreparedDevice) -> str:
-        record = self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+    def _find_partition(self, device: PreparedDevice) -> GpuInstanceRecord | None:
+        return self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+
+    def _destroy_partition(self, device: PreparedDevice, record: GpuInstanceRecord | None) -> str:
         if record is None:
             return f"MIG {self._profile_name(device)} already gone"
         self._parts.mig.destroy(device.gpu_index, record.gi_id)
@@ -440,8 +433,8 @@ class Driver:
             for _, uuid in record.compute_instances
         }
         for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
-            # A partition's daemon whose instance is gone too is still known by its MIG UUID.
-            if uuid in gpus or uuid in partitions or uuid.startswith("MIG-"):
+            # A partition's daemon is known by its MIG UUID, also once its instance is gone (no GPU lock then).
+            if uuid in gpus or uuid.startswith("MIG-"):
                 index = gpus.get(uuid, partitions.get(uuid, -1))
                 log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
                 with self._lock(f"gpu/{index}"):

@@ -171,8 +171,12 @@ def short_temp_dir(purpose: str = "") -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{run_prefix()}-{purpose}", dir=Path(TEMP_PREFIX).parent))
 
 
-def temp_dirs() -> set[str]:
-    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(run_prefix()).name + "*")}
+def temp_dirs(prefix: str | None = None) -> set[str]:
+    """The temporary directories of this run, or of the run with that prefix."""
+    return {str(path) for path in Path(TEMP_PREFIX).parent.glob(Path(prefix or run_prefix()).name + "*")}
+
+
+_NAME_SETS = ("devices", "mounts", "cgroups", "processes", "temp")  # HostState's sets of names, as JSON lists
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class HostState:
             "sysctls": self.sysctls,
             "iptables": self.iptables,
             "existing_paths": sorted(str(path) for path in self.existing_paths),
-            **{name: sorted(getattr(self, name)) for name in ("devices", "mounts", "cgroups", "processes", "temp")},
+            **{name: sorted(getattr(self, name)) for name in _NAME_SETS},
         }
 
     @classmethod
@@ -222,7 +226,7 @@ class HostState:
             sysctls=raw["sysctls"],
             iptables=raw["iptables"],
             existing_paths=frozenset(Path(path) for path in raw["existing_paths"]),
-            **{name: frozenset(raw[name]) for name in ("devices", "mounts", "cgroups", "processes", "temp")},
+            **{name: frozenset(raw[name]) for name in _NAME_SETS},
         )
 
     def restore(self) -> None:

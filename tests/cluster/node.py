@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from tests.cluster.host_state import (
     mount_points,
     run_prefix,
     short_temp_dir,
+    temp_dirs,
     unlock_host,
 )
 from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
@@ -309,7 +309,7 @@ def cleanup() -> str:
         time.sleep(0.5)  # killed processes release their mounts and cgroups
         unmount_all(workdir, *([prefix] if run_specific else []))
         HostState.from_json(record["host"]).restore()
-        removed = {workdir, *(Path(p) for p in glob.glob(prefix + "*") if run_specific)}
+        removed = {workdir, *(map(Path, temp_dirs(prefix)) if run_specific else ())}
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
         NODE_RECORD.unlink()
