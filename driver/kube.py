@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +19,8 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from driver import claim_protobuf
+from driver.claim_protobuf import DeviceKey
 from driver.yamlfile import YamlFileError, load_yaml
 
 JsonObject = dict[str, Any]
@@ -40,10 +42,30 @@ class KubeUnavailableError(KubeError, ConnectionError):
     """The API server could not be reached or answered with a server error."""
 
 
+class RefusedError(KubeError):
+    """The API server refused the request (a 4xx other than 404, 409 and 429): sent again as it
+    is, it would be refused again. `status` is the HTTP code; `resource_version`, where the caller
+    knows it, the version of the object the refused write was based on."""
+
+    def __init__(self, message: str, status: int, resource_version: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.resource_version = resource_version
+
+
 class KubeApi(Protocol):
     def close(self) -> None: ...
     def get_claim(self, namespace: str, name: str) -> JsonObject: ...
-    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject: ...
+    def write_claim_device_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        replaced: Callable[[DeviceKey], bool],
+        entries: list[JsonObject],
+        field_manager: str,
+    ) -> None: ...
+    def create_event(self, namespace: str, event: JsonObject) -> JsonObject: ...
     def get_node(self, name: str) -> JsonObject: ...
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
     def create_slice(self, body: JsonObject) -> JsonObject: ...
@@ -66,7 +88,8 @@ def translated_errors() -> Iterator[None]:
             raise ConflictError(f"conflict: {err.reason}") from err
         if err.status >= 500 or err.status == 429:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
-        raise KubeError(f"API server refused the request: {err.status} {_status_message(err)}") from err
+        message = f"API server refused the request: {err.status} {_status_message(err)}"
+        raise RefusedError(message, err.status) from err
     except (OSError, urllib3.exceptions.HTTPError) as err:
         raise KubeUnavailableError(f"API server unreachable: {err}") from err
 
@@ -139,18 +162,57 @@ class ClientKubeApi:
     def get_claim(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._resource.read_namespaced_resource_claim, name, namespace)
 
-    def apply_claim_status(self, namespace: str, name: str, body: JsonObject, field_manager: str) -> JsonObject:
-        """Server-side apply on the claim's status: `field_manager` comes to own exactly what `body`
-        names (forcing conflicts: these fields are that manager's by design)."""
-        return self._call(
-            self._resource.patch_namespaced_resource_claim_status,
-            name,
-            namespace,
-            body,
-            field_manager=field_manager,
-            force=True,
-            _content_type="application/apply-patch+yaml",  # JSON is YAML; the client sends it as JSON
-        )
+    def write_claim_device_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        replaced: Callable[[DeviceKey], bool],
+        entries: list[JsonObject],
+        field_manager: str,
+    ) -> None:
+        """Make the claim's status.devices entries for which `replaced` holds exactly `entries`:
+        one GET and one PUT of the status, both in protobuf, so that every other byte of the claim
+        goes back as stored (claim_protobuf.py says why JSON cannot). The PUT carries the
+        resourceVersion read: a concurrent writer makes it fail with ConflictError, never lose its
+        change. NotFoundError: the claim is gone or was re-created (another UID)."""
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+        body = self._protobuf("GET", path)
+        claim = claim_protobuf.unwrap(body)
+        found = claim_protobuf.identity(claim)
+        if found.uid != uid:
+            raise NotFoundError(f"{namespace}/{name} was re-created (uid {found.uid}, not {uid})")
+        edited = claim_protobuf.rewrap(body, claim_protobuf.with_devices(claim, replaced, entries))
+        try:
+            self._protobuf("PUT", f"{path}/status", edited, fieldManager=field_manager)
+        except RefusedError as err:
+            err.resource_version = found.resource_version
+            raise
+
+    def _protobuf(self, method: str, path: str, body: bytes | None = None, **query: str) -> bytes:
+        """A request in the API server's protobuf encoding. The client's generated methods would
+        turn a body into JSON; a bytes body with a non-JSON content type goes out as it is. Errors
+        come back as JSON, whose message says what was refused."""
+        headers = {"Accept": claim_protobuf.CONTENT_TYPE if method == "GET" else "application/json"}
+        if body is not None:
+            headers["Content-Type"] = claim_protobuf.CONTENT_TYPE
+        with translated_errors():
+            request = self._client.param_serialize(
+                method=method,
+                resource_path=path,
+                query_params=list(query.items()),
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = self._client.call_api(*request, _request_timeout=self._timeout)
+            data = response.read()
+            if not 200 <= response.status <= 299:
+                raise ApiException(http_resp=response)
+        return data
+
+    def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
+        return self._call(self._core.create_namespaced_event, namespace, event)
 
     def get_node(self, name: str) -> JsonObject:
         return self._call(self._core.read_node, name)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import copy
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from driver.kube import JsonObject, KubeError, KubeUnavailableError, NotFoundError
+from driver.kube import ConflictError, JsonObject, KubeError, KubeUnavailableError, NotFoundError, RefusedError
 
 DeviceKey = tuple[str, str, str, str]
 
@@ -26,6 +26,10 @@ class InMemoryKubeApi:
         # Server-side apply on claims' status.devices: which manager owns which entries.
         self.status_owners: dict[tuple[str, str], dict[str, set[DeviceKey]]] = {}
         self.status_refusal = ""  # set: status writes are refused with this reason (as RBAC would)
+        self.status_refusal_code = 403
+        self.status_conflicts = 0  # this many status writes lose a race (another writer got in first)
+        self.status_writes = 0  # status writes that reached the claim
+        self.events: list[JsonObject] = []
         self._version = 0
         self._lock = threading.Lock()
         self._watchers: list[queue.Queue[tuple[str, JsonObject]]] = []
@@ -82,6 +86,49 @@ class InMemoryKubeApi:
                 del status["devices"]
             owners[field_manager] = set(entries)
             return copy.deepcopy(self._bump(claim))
+
+    def write_claim_device_status(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        replaced: Callable[[DeviceKey], bool],
+        entries: list[JsonObject],
+        field_manager: str,
+    ) -> None:
+        """The status PUT of ClientKubeApi: the entries for which `replaced` holds become
+        `entries`, the rest stays; a claim re-created under the name counts as gone."""
+        self._check()
+        with self._lock:
+            claim = self.claims.get((namespace, name))
+            if claim is None or claim["metadata"]["uid"] != uid:
+                raise NotFoundError(f"{namespace}/{name}")
+            version = claim["metadata"].get("resourceVersion", "")
+            if self.status_conflicts:
+                self.status_conflicts -= 1
+                self._bump(claim)  # the other writer's change
+                raise ConflictError("conflict: the object has been modified")
+            if self.status_refusal:
+                message = f"API server refused the request: {self.status_refusal_code} {self.status_refusal}"
+                raise RefusedError(message, self.status_refusal_code, version)
+            try:
+                _validate_device_status(claim, entries)
+            except KubeError as err:
+                raise RefusedError(str(err), 422, version) from None
+            status = claim.setdefault("status", {})
+            kept = [e for e in status.get("devices") or [] if not replaced(_device_key(e))]
+            status["devices"] = kept + copy.deepcopy(entries)
+            if not status["devices"]:
+                del status["devices"]
+            self.status_owners.setdefault((namespace, name), {})[field_manager] = {_device_key(e) for e in entries}
+            self.status_writes += 1
+            self._bump(claim)
+
+    def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
+        self._check()
+        stored = {**copy.deepcopy(event), "metadata": {**event["metadata"], "namespace": namespace}}
+        self.events.append(stored)
+        return stored
 
     def get_node(self, name: str) -> JsonObject:
         self._check()

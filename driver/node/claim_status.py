@@ -5,23 +5,31 @@ After a prepare the plugin writes one entry per prepared device: `driver`, `pool
 workload's owner wants to know (the GPU's UUID; the MIG device's UUID, profile, placement and
 instance ids; an MPS share's limits; a time-sliced share's interval). Unprepare removes them.
 
-Written by server-side apply on the status subresource, field manager `<driver>/<node>`.
-`status.devices` is a map list keyed by driver, pool, device and shareID, so an apply owns exactly
-the entries it names: other drivers' entries (other managers) are never touched, and applying none
-removes ours. The body carries the claim's UID: a claim re-created under the same name is refused
-(422, metadata.uid is immutable) rather than given our entries.
+Written by a PUT of the status subresource in protobuf (KubeApi.write_claim_device_status), field
+manager `<driver>/<node>`: the claim as read, with this node's entries (our driver, the node's
+pool) replaced and every other byte as stored. Not by server-side apply: kube-apiserver compares
+the allocation's opaque configs byte for byte, and an apply re-encodes them, so it was refused
+(422 "status.allocation: field cannot be modified once set") for every claim whose allocation
+carries a config whose stored JSON is not in Go's canonical form (driver/claim_protobuf.py).
+The PUT carries the claim's resourceVersion: the scheduler's or another driver's concurrent write
+makes it fail with a conflict (retried at once on a fresh read), never lose their fields. Its
+UID is checked on that read: a claim re-created under the same name never gets our entries.
 
 Authorization (kube-apiserver 1.37, pkg/registry/resource/utils.go AuthorizedForDeviceStatus,
-gate DRAResourceClaimGranularStatusAuthorization, beta and on): besides `patch` on
-`resourceclaims/status`, changing a driver's entries needs `associated-node:patch` on the synthetic
-`resourceclaims/driver` subresource named after the driver when the caller is a service account
-whose token names the node the claim's allocation selects, else `arbitrary-node:patch`. The chart
-grants only the first, so the apiserver itself keeps a node's plugin to its own node's claims.
+gate DRAResourceClaimGranularStatusAuthorization, beta and on): besides `update` on
+`resourceclaims/status`, changing a driver's entries needs `associated-node:update` (the request's
+verb) on the synthetic `resourceclaims/driver` subresource named after the driver when the caller
+is a service account whose token names the node the claim's allocation selects, else
+`arbitrary-node:update`. The chart grants only the first, so the apiserver itself keeps a node's
+plugin to its own node's claims.
 
 A failed write never fails the prepare: the container runs without it. The reconciler repairs
 missing entries of prepared claims from the claim it reads each pass (so a restart loses nothing),
 and retries failed clears, which only this process remembers; a clear lost with it is done by the
-apiserver when the claim is deallocated (it drops entries of devices no longer allocated).
+apiserver when the claim is deallocated (it drops entries of devices no longer allocated). A write
+the apiserver refuses (a 4xx other than a conflict or 429: invalid, forbidden) would be refused
+again as it is: it is reported once (a Warning Event on the claim, fgpu_claim_status_refusals_total,
+a log line) and tried again only once the claim has changed (another resourceVersion).
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.kube import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
+from driver.node import metrics
 from driver.node.claims import ClaimRef
 from driver.node.state import PreparedDevice
 from driver.sharing import MIG_KINDS
@@ -42,6 +52,9 @@ log = logging.getLogger(__name__)
 
 READY = "Ready"
 DeviceKey = tuple[str, str, str, str]  # driver, pool, device, shareID ("" for none): the list's map key
+# A PUT that lost a race is tried again at once on a fresh read; past this, the reconciler's next pass.
+CONFLICT_ATTEMPTS = 3
+REFUSED_EVENT_REASON = "DeviceStatusRefused"
 
 
 def field_manager(driver: str, node: str) -> str:
@@ -102,16 +115,6 @@ def device_entry(driver: str, device: PreparedDevice, generation: int, now: date
     return entry
 
 
-def apply_body(ref: ClaimRef, entries: list[JsonObject]) -> JsonObject:
-    """The apply configuration: our entries and nothing else (none: ours are removed)."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid},
-        "status": {"devices": entries},
-    }
-
-
 def entry_key(entry: JsonObject) -> DeviceKey:
     return (entry.get("driver", ""), entry.get("pool", ""), entry.get("device", ""), entry.get("shareID") or "")
 
@@ -135,20 +138,63 @@ def claim_generation(claim: JsonObject) -> int:
     return int((claim.get("metadata") or {}).get("generation") or 0)
 
 
+def resource_version(claim: JsonObject) -> str:
+    return str((claim.get("metadata") or {}).get("resourceVersion") or "")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A write the apiserver refused: the claim's version it was based on, and the server's words."""
+
+    resource_version: str
+    cause: str
+
+
+def refusal_event(ref: ClaimRef, refusal: Refusal, reporter: str, now: datetime) -> JsonObject:
+    """The Warning Event on the claim (core/v1, as `kubectl describe` shows them)."""
+    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    message = (
+        f"{reporter} cannot write status.devices of claim {ref}: {refusal.cause}; tried again when the claim changes"
+    )
+    return {
+        "metadata": {"generateName": f"{ref.name}.", "namespace": ref.namespace},
+        "involvedObject": {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "namespace": ref.namespace,
+            "name": ref.name,
+            "uid": ref.uid,
+            "resourceVersion": refusal.resource_version,
+        },
+        "reason": REFUSED_EVENT_REASON,
+        "message": message[:1024],
+        "type": "Warning",
+        "source": {"component": reporter},
+        "reportingComponent": reporter,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
 def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
 class ClaimStatusWriter:
     """Writes and clears this node's entries; failures are logged in one line and left to
-    `ensure` (entries) or `retry_clears` (removals), which the reconciler calls."""
+    `ensure` (entries) or `retry_clears` (removals), which the reconciler calls. A refused write
+    waits for the claim to change (`Refusal`)."""
 
     def __init__(self, api: KubeApi, driver: str, node: str, clock: Callable[[], datetime] = _utc_now) -> None:
         self._api = api
         self._driver = driver
+        self._pool = node  # the node's pool is named after it (prepare's rule)
         self.field_manager = field_manager(driver, node)
         self._clock = clock
         self._pending_clears: dict[str, ClaimRef] = {}
+        self._refused: dict[str, Refusal] = {}  # by claim UID
+        self._reported: dict[str, str] = {}  # claim UID -> the cause its Event gave
         self._guard = threading.Lock()
 
     def entries(self, devices: Iterable[PreparedDevice], generation: int) -> list[JsonObject]:
@@ -158,16 +204,17 @@ class ClaimStatusWriter:
     def publish(self, ref: ClaimRef, devices: Iterable[PreparedDevice], generation: int) -> bool:
         with self._guard:
             self._pending_clears.pop(ref.uid, None)  # prepared again: the old clear is moot
-        return self._apply(ref, self.entries(devices, generation), "writing")
+        return self._write(ref, self.entries(devices, generation), "writing")
 
     def ensure(self, ref: ClaimRef, devices: Iterable[PreparedDevice], claim: JsonObject) -> None:
-        """Write the entries of a prepared claim unless `claim` (just read) already shows them."""
+        """Write the entries of a prepared claim unless `claim` (just read) already shows them or
+        the apiserver refused them for this very version of the claim."""
         devices = tuple(devices)
-        if not up_to_date(self.entries(devices, 0), claim):
+        if not up_to_date(self.entries(devices, 0), claim) and not self.waiting(ref, claim):
             self.publish(ref, devices, claim_generation(claim))
 
     def clear(self, ref: ClaimRef) -> bool:
-        if self._apply(ref, [], "removing"):
+        if self._write(ref, [], "removing"):
             return True
         with self._guard:
             self._pending_clears[ref.uid] = ref
@@ -177,29 +224,83 @@ class ClaimStatusWriter:
         with self._guard:
             return list(self._pending_clears.values())
 
+    def refusal(self, uid: str) -> Refusal | None:
+        with self._guard:
+            return self._refused.get(uid)
+
+    def waiting(self, ref: ClaimRef, claim: JsonObject) -> bool:
+        """Whether a write to `claim` (just read) was refused and the claim has not changed since."""
+        refused = self.refusal(ref.uid)
+        return refused is not None and refused.resource_version == resource_version(claim)
+
     def retry_clears(self) -> None:
         """Once more each failed removal; one whose claim is gone or re-created is done."""
         for ref in self.pending_clears():
             try:
                 current = self._api.get_claim(ref.namespace, ref.name)
-                done = (current.get("metadata") or {}).get("uid") != ref.uid or self._apply(ref, [], "removing")
             except NotFoundError:
-                done = True
+                current = None
             except KubeError as err:
                 log.warning("claim %s: cannot read it to remove its status.devices: %s; retrying later", ref, err)
                 continue
-            if done:
-                with self._guard:
-                    if self._pending_clears.get(ref.uid) is ref:
-                        del self._pending_clears[ref.uid]
+            gone = current is None or (current.get("metadata") or {}).get("uid") != ref.uid
+            if not gone and self.waiting(ref, current):
+                continue
+            if gone or self._write(ref, [], "removing"):
+                self._forget(ref)
 
-    def _apply(self, ref: ClaimRef, entries: list[JsonObject], doing: str) -> bool:
-        """One apply; True when done (a claim that no longer exists needs nothing)."""
-        try:
-            self._api.apply_claim_status(ref.namespace, ref.name, apply_body(ref, entries), self.field_manager)
-        except NotFoundError:
+    def _forget(self, ref: ClaimRef) -> None:
+        with self._guard:
+            if self._pending_clears.get(ref.uid) is ref:
+                del self._pending_clears[ref.uid]
+            self._refused.pop(ref.uid, None)
+            self._reported.pop(ref.uid, None)
+
+    def _ours(self, key: DeviceKey) -> bool:
+        return key[0] == self._driver and key[1] == self._pool
+
+    def _write(self, ref: ClaimRef, entries: list[JsonObject], doing: str) -> bool:
+        """Make this node's entries `entries`; True when done (a claim that no longer exists
+        needs nothing). A conflict is another writer's change: read again and redo ours."""
+        for _ in range(CONFLICT_ATTEMPTS):
+            try:
+                self._api.write_claim_device_status(
+                    ref.namespace, ref.name, ref.uid, self._ours, entries, self.field_manager
+                )
+            except NotFoundError:
+                return True
+            except ConflictError:
+                continue
+            except RefusedError as err:
+                self._refuse(ref, err, doing)
+                return False
+            except KubeError as err:
+                log.warning("claim %s: %s its status.devices failed: %s; retrying later", ref, doing, err)
+                return False
+            with self._guard:
+                self._refused.pop(ref.uid, None)
             return True
-        except KubeError as err:
-            log.warning("claim %s: %s its status.devices failed: %s; retrying later", ref, doing, err)
-            return False
-        return True
+        log.warning(
+            "claim %s: %s its status.devices lost %d races in a row; retrying later", ref, doing, CONFLICT_ATTEMPTS
+        )
+        return False
+
+    def _refuse(self, ref: ClaimRef, err: RefusedError, doing: str) -> None:
+        """Park the claim until it changes; one log line and one metric increment a refusal, one
+        Event a claim and cause (a claim refused again after a change for the same reason says
+        nothing new)."""
+        refusal = Refusal(err.resource_version, str(err))
+        metrics.record_status_refusal(err.status)
+        log.warning(
+            "claim %s: %s its status.devices was refused: %s; trying again when the claim changes", ref, doing, err
+        )
+        with self._guard:
+            self._refused[ref.uid] = refusal
+            if self._reported.get(ref.uid) == refusal.cause:
+                return
+            self._reported[ref.uid] = refusal.cause
+        event = refusal_event(ref, refusal, self.field_manager, self._clock())
+        try:
+            self._api.create_event(ref.namespace, event)
+        except KubeError as event_err:
+            log.warning("claim %s: cannot record an event of the refusal: %s", ref, event_err)

@@ -37,6 +37,14 @@ Method = Literal["NodePrepareResources", "NodeUnprepareResources"]
 Operation = Literal["prepare", "unprepare"]
 PublishFailure = Literal["unavailable", "conflict", "error"]
 HealthKind = Literal["xid", "ecc_double_bit", "gpu_lost"]
+StatusRefusal = Literal["invalid", "forbidden", "unauthorized", "bad_request", "too_large", "other"]
+REFUSAL_BY_HTTP_STATUS: dict[int, StatusRefusal] = {
+    422: "invalid",
+    403: "forbidden",
+    401: "unauthorized",
+    400: "bad_request",
+    413: "too_large",
+}
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 # Prepares take 1-50 ms on mock GPUs and a first MPS share ~200 ms; a MIG mode change or a slow
 # API server reach seconds.
@@ -72,6 +80,12 @@ PUBLISH_FAILURES = Counter(
 PUBLISH_RETRIES = Counter(
     "fgpu_slice_publish_retries_total", "Attempts to publish ResourceSlices after a failed one", registry=REGISTRY
 )
+STATUS_REFUSALS = Counter(
+    "fgpu_claim_status_refusals_total",
+    "Writes of claims' status.devices the API server refused (not retried until the claim changes)",
+    ["reason"],
+    registry=REGISTRY,
+)
 HEALTH_EVENTS = Counter(
     "fgpu_health_events_total", "GPU health events (xid: its number)", ["gpu", "kind", "xid"], registry=REGISTRY
 )
@@ -88,6 +102,8 @@ for _operation in get_args(Operation):
         CLAIM_ERRORS.labels(_operation, _reason)
 for _failure in get_args(PublishFailure):
     PUBLISH_FAILURES.labels(_failure)
+for _refusal in get_args(StatusRefusal):
+    STATUS_REFUSALS.labels(_refusal)
 _taint_effects = set(TAINT_EFFECTS)
 _taints_guard = threading.Lock()
 
@@ -130,6 +146,11 @@ def record_publish_failure(reason: PublishFailure) -> None:
 
 def record_publish_retry() -> None:
     PUBLISH_RETRIES.inc()
+
+
+def record_status_refusal(http_status: int) -> None:
+    """A refused status.devices write, by the HTTP status of the refusal (422: invalid, ...)."""
+    STATUS_REFUSALS.labels(REFUSAL_BY_HTTP_STATUS.get(http_status, "other")).inc()
 
 
 def record_health_event(gpu_uuid: str, kind: HealthKind, xid: int | None = None) -> None:

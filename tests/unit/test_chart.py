@@ -145,11 +145,12 @@ def test_plugin_rbac_is_least_privilege() -> None:
     }
     assert rules == {
         ("resource.k8s.io", "resourceclaims"): {"get"},
-        # status.devices by server-side apply, of this driver's entries, on claims of its own node only
-        ("resource.k8s.io", "resourceclaims/status"): {"patch"},
-        ("resource.k8s.io", "resourceclaims/driver", "gpu.example.com"): {"associated-node:patch"},
+        # status.devices by a PUT of the status, of this driver's entries, on claims of its own node only
+        ("resource.k8s.io", "resourceclaims/status"): {"update"},
+        ("resource.k8s.io", "resourceclaims/driver", "gpu.example.com"): {"associated-node:update"},
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
         ("", "nodes"): {"get"},
+        ("", "events"): {"create"},  # a refused status write, on its claim
     }
     policy = find(render(namespace="gpus"), "ValidatingAdmissionPolicy")
     condition = policy["spec"]["matchConditions"][0]["expression"]

@@ -10,8 +10,9 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from driver.kube import KubeError, translated_errors
-from driver.node.claim_status import ClaimStatusWriter, device_data, device_entry, up_to_date
+from driver.kube import ConflictError, KubeError, KubeUnavailableError, NotFoundError, RefusedError, translated_errors
+from driver.node import metrics
+from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, device_data, device_entry, up_to_date
 from driver.node.claims import ClaimRef
 from driver.node.reconcile import ClaimReconciler
 from driver.node.state import PreparedDevice
@@ -98,35 +99,102 @@ def test_prepare_reports_each_device_and_unprepare_removes_only_ours(node):
     assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
 
 
-def test_a_refused_status_write_leaves_prepare_alone_and_is_retried(node, caplog: pytest.LogCaptureFixture):
+def refusals(reason: str) -> float:
+    return metrics.REGISTRY.get_sample_value("fgpu_claim_status_refusals_total", {"reason": reason}) or 0.0
+
+
+def change(api: InMemoryKubeApi, ref: ClaimRef) -> None:
+    """Another writer changes the claim (kube-scheduler reserving it for a pod)."""
+    claim = api.claims[(ref.namespace, ref.name)]
+    claim["status"]["reservedFor"] = [{"resource": "pods", "name": "p", "uid": "pod-uid"}]
+    api._bump(claim)
+
+
+def test_a_refused_write_is_reported_once_and_tried_again_only_when_the_claim_changes(
+    node, caplog: pytest.LogCaptureFixture
+):
     api, env = node
     ref = add_claim(api, "refused", [result("gpu-4")])
     reconciler = ClaimReconciler(api, env.driver, env.claims)
-    api.status_refusal = "forbidden: cannot associated-node:patch resourceclaims/driver"
+    api.status_refusal = "forbidden: cannot associated-node:update resourceclaims/driver"
+    before = refusals("forbidden")
     with caplog.at_level(logging.WARNING):
         prepared = env.driver.prepare([ref])[ref.uid]
     assert prepared.error == "" and env.cdi.spec_path(ref.uid).exists()
     (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "default/refused (uid uid-refused): writing its status.devices failed" in line
-    assert "forbidden" in line and "\n" not in line
-    assert set(status_devices(api, ref)) == {"eth1"}
+    assert "default/refused (uid uid-refused): writing its status.devices was refused" in line
+    assert "403 forbidden" in line and "\n" not in line
+    (event,) = api.events
+    assert event["involvedObject"]["name"] == "refused" and event["involvedObject"]["uid"] == ref.uid
+    assert (event["type"], event["reason"]) == ("Warning", "DeviceStatusRefused")
+    assert "claim default/refused" in event["message"] and "403 forbidden" in event["message"]
+    assert refusals("forbidden") == before + 1
+
+    for _ in range(3):  # the same claim: not sent again, not reported again
+        reconciler.reconcile_once()
+    api.status_refusal = ""  # e.g. an admin fixed the role: the claim is the same, so it still waits
     reconciler.reconcile_once()
-    assert set(status_devices(api, ref)) == {"eth1"}  # still refused: nothing lost, tried again later
+    assert refusals("forbidden") == before + 1 and len(api.events) == 1 and api.status_writes == 0
+    assert set(status_devices(api, ref)) == {"eth1"}
+
+    api.status_refusal = "forbidden: still"
+    change(api, ref)
+    reconciler.reconcile_once()  # changed: tried once more, refused for a new cause: a second Event
+    assert refusals("forbidden") == before + 2 and len(api.events) == 2
+    change(api, ref)
     api.status_refusal = ""
     reconciler.reconcile_once()
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
+    assert env.driver.status.refusal(ref.uid) is None
 
+
+def test_the_same_cause_after_a_change_counts_but_makes_no_second_event(node):
+    api, env = node
+    ref = add_claim(api, "again", [result("gpu-4")])
+    api.status_refusal, api.status_refusal_code = "spec: field is immutable", 422
+    before = refusals("invalid")
+    env.driver.prepare([ref])
+    change(api, ref)
+    ClaimReconciler(api, env.driver, env.claims).reconcile_once()
+    assert refusals("invalid") == before + 2 and len(api.events) == 1
+
+
+def test_a_refused_clear_waits_for_a_change_and_an_unreachable_server_for_nothing(node):
+    api, env = node
+    ref = add_claim(api, "cleared", [result("gpu-4")])
+    reconciler = ClaimReconciler(api, env.driver, env.claims)
+    env.driver.prepare([ref])
     api.status_refusal = "forbidden"
     assert env.driver.unprepare([ref]) == {ref.uid: ""}
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
     assert env.driver.status.pending_clears() == [ref]
+    api.status_refusal = ""
+    reconciler.reconcile_once()  # unchanged claim: the clear waits
+    assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
     api.unavailable = True
     reconciler.reconcile_once()  # the API server down: kept for later
     api.unavailable = False
-    api.status_refusal = ""
+    change(api, ref)
     reconciler.reconcile_once()
     assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
     assert env.driver.status.pending_clears() == []
+
+
+def test_a_write_that_loses_a_race_is_redone_on_a_fresh_read(node, caplog: pytest.LogCaptureFixture):
+    api, env = node
+    ref = add_claim(api, "raced", [result("gpu-4")])
+    api.status_conflicts = 2  # e.g. kube-scheduler and another driver wrote the claim in between
+    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert set(status_devices(api, ref)) == {"eth1", "gpu-4"} and api.status_conflicts == 0
+
+    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    api.status_conflicts = CONFLICT_ATTEMPTS  # every attempt lost: left to the reconciler, not parked
+    writer = ClaimStatusWriter(api, DRIVER, "node-a")
+    device = PreparedDevice(("gpu",), "node-a", "gpu-4", ())
+    with caplog.at_level(logging.WARNING):
+        assert not writer.publish(ref, [device], 1)
+    assert "lost 3 races in a row" in caplog.text and writer.refusal(ref.uid) is None
+    assert writer.publish(ref, [device], 1)
 
 
 def test_the_reconciler_restores_lost_entries_and_leaves_current_ones(node):
@@ -155,7 +223,7 @@ def test_writes_never_reach_a_claim_recreated_under_the_same_name(node):
     env.driver.status.retry_clears()
     assert env.driver.status.pending_clears() == []  # the old claim is gone: nothing left to remove
     writer = ClaimStatusWriter(api, DRIVER, "node-a")
-    assert not writer.publish(ref, [PreparedDevice(("gpu",), "node-a", "gpu-6", ())], 1)  # refused: UID
+    assert writer.publish(ref, [PreparedDevice(("gpu",), "node-a", "gpu-6", ())], 1)  # ours is gone: done
     assert set(status_devices(api, ref)) == {"eth1"}
 
 
@@ -190,3 +258,23 @@ def test_a_refusal_names_the_servers_reason_in_one_line():
     assert str(refused.value) == (
         'API server refused the request: 422 status.devices: Forbidden: changing status.devices requires "x"'
     )
+
+
+@pytest.mark.parametrize(
+    ("status", "raised"),
+    [
+        (422, RefusedError),
+        (403, RefusedError),
+        (400, RefusedError),
+        (404, NotFoundError),
+        (409, ConflictError),
+        (429, KubeUnavailableError),
+        (503, KubeUnavailableError),
+    ],
+)
+def test_only_refusals_that_a_retry_cannot_fix_are_refused_errors(status: int, raised: type[KubeError]):
+    with pytest.raises(KubeError) as caught, translated_errors():
+        raise ApiException(status=status, reason="x")
+    assert type(caught.value) is raised
+    if raised is RefusedError:
+        assert caught.value.status == status
