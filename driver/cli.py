@@ -111,11 +111,15 @@ def cmd_webhook(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from driver.allocator.model import ObjectError
-    from driver.plan import plan
+    from driver.plan import PlanInput, plan
 
+    paths = (*args.manifests, *args.slices, *args.classes, *args.claims)
+    if not paths and not args.kubeconfig:
+        raise SettingsError("plan: give manifests (files, folders, - for stdin) or --kubeconfig")
+    request = PlanInput(tuple(paths), args.kubeconfig, args.policy)
     try:
-        return plan(args.slices, args.classes, args.claims, args.policy, sys.stdout, args.output == "json")
-    except ObjectError as err:
+        return plan(request, sys.stdin, sys.stdout, args.output == "json")
+    except (ObjectError, KubeError) as err:
         print(f"fgpu plan: {err}", file=sys.stderr)
         return 2
 
@@ -229,11 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     webhook.add_argument("--tls-private-key-file", type=Path, required=True, help="its private key (PEM)")
     webhook.set_defaults(func=cmd_webhook)
 
-    planner = commands.add_parser("plan", help="dry run: allocate claims from files, explain failures")
-    planner.add_argument("--slices", type=Path, nargs="+", required=True, help="ResourceSlices (YAML or JSON)")
-    planner.add_argument("--classes", type=Path, nargs="+", required=True, help="DeviceClasses")
+    planner = commands.add_parser(
+        "plan",
+        help="dry run: plan the claims of manifests (claims, templates, pods, workloads), explain failures",
+        description="Every file is read for every kind: ResourceClaims, ResourceClaimTemplates and the Pods, "
+        "Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs (and, with Nodes, DaemonSets) that use them, "
+        "DeviceClasses, ResourceSlices, Nodes. Exit 1 when a claim cannot be allocated, 2 on bad input.",
+    )
+    planner.add_argument("manifests", type=Path, nargs="*", help="files, folders, or - for stdin")
+    planner.add_argument("--slices", type=Path, nargs="+", default=[], help="ResourceSlices (fgpu discover's)")
+    planner.add_argument("--classes", type=Path, nargs="+", default=[], help="DeviceClasses")
     planner.add_argument(
-        "--claims", type=Path, nargs="+", required=True, help="ResourceClaims (allocated ones count as taken)"
+        "--claims", type=Path, nargs="+", default=[], help="more manifests (allocated claims count as taken)"
+    )
+    planner.add_argument(
+        "--kubeconfig", help="also plan against this cluster's slices, classes, nodes and claims (only reads)"
     )
     planner.add_argument("--policy", choices=policies, default="binpack")
     planner.add_argument("-o", "--output", choices=["text", "json"], default="text")

@@ -1,110 +1,488 @@
-"""`fgpu plan`: an offline dry run of the allocator over files of slices, classes and claims."""
+"""`fgpu plan`: a dry run of the allocator over what users keep in their manifests.
+
+In: ResourceClaims, ResourceClaimTemplates and the workloads whose pods use them, DeviceClasses,
+ResourceSlices and Nodes, from files, folders, stdin, and a live cluster's published objects and
+allocated claims (read only). Each claim is planned as it would be made (a pod's claim from a
+template as kube-controller-manager names it) and allocated as kube-scheduler or fgpu's controller
+would (gangs all or none), in input order, gangs last. Out: per claim its devices or why none fit,
+one line per object not planned and why, and what is left free per node."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
-from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.explain import node_picture
-from driver.allocator.model import ObjectError, claim_from_object, class_from_object, slice_from_object
+from driver.allocator.model import (
+    Claim,
+    DeviceClass,
+    ObjectError,
+    claim_from_object,
+    class_from_object,
+    slice_from_object,
+)
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
-from driver.yamlfile import YamlFileError, load_yaml_documents
+from driver.controller.controller import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.manifests import (
+    WORKLOAD_KINDS,
+    ClaimTemplate,
+    Manifest,
+    NotPlanned,
+    Pod,
+    PodClaim,
+    Ref,
+    claim_object,
+    claim_template,
+    cluster_manifests,
+    node_of,
+    placement_fields,
+    pods_of,
+    read_manifests,
+)
 
 T = TypeVar("T")
+DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")
+READ_KINDS = frozenset({"DeviceClass", "ResourceSlice", "Node"})  # what the plan runs on, not what it plans
+NOT_PLANNED = {
+    "Workload": "gangs through the Workload API (scheduling.k8s.io) are not planned yet (another issue); "
+    "its pods' claims are planned one by one",
+    "PodGroup": "gangs through the Workload API (scheduling.k8s.io) are not planned yet (another issue); "
+    "its pods' claims are planned one by one",
+}
+PLANNED_KINDS = "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs"
 
 
-def read_objects(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every object in the files: YAML or JSON, several documents a file, Lists unpacked."""
-    objects: list[dict[str, Any]] = []
-    for path in paths:
-        try:
-            documents = load_yaml_documents(path)
-        except YamlFileError as error:
-            raise ObjectError(str(error)) from None
-        if not any(documents):
-            raise ObjectError(f"{path}: no objects in it (empty); give a file of Kubernetes objects")
-        for number, document in enumerate(documents, 1):
-            if not document:
-                continue
-            where = f"{path}: document {number}"
-            if isinstance(document, dict) and str(document.get("kind", "")).endswith("List"):
-                items = document.get("items") or []
-                if not isinstance(items, list):
-                    raise ObjectError(f"{where}: items is a {type(items).__name__}, not a list of objects")
-                objects.extend(_checked(item, f"{where}, items[{i}]") for i, item in enumerate(items))
-            else:
-                objects.append(_checked(document, where))
-    return objects
+@dataclass(frozen=True)
+class PlanInput:
+    paths: tuple[Path, ...]
+    kubeconfig: str | None = None  # plan against this cluster's slices, classes, nodes and claims too
+    policy: Policy = "binpack"
+    driver: str = "gpu.fgpu.dev"
 
 
-def _checked(obj: Any, where: str) -> dict[str, Any]:
-    """An object the allocator can name in what it reports: a mapping with a kind and metadata.name."""
-    if not isinstance(obj, dict):
-        raise ObjectError(f"{where}: expected a Kubernetes object, found {type(obj).__name__}")
-    metadata = obj.get("metadata")
-    if not isinstance(metadata, dict) or not metadata.get("name") or not isinstance(metadata["name"], str):
-        raise ObjectError(f"{where}: {obj.get('kind') or 'object'} without metadata.name; give every object a name")
-    return obj
+@dataclass(frozen=True)
+class Unit:
+    """A claim to plan, named as the user sees it."""
+
+    subject: str  # "deployment default/web replica 2: claim gpu from template t", "resourceclaim ml/c"
+    claim: Claim
+    where: str  # the object it comes from: "<file> document <n>"
+    node: str = ""  # placed on this node only (a DaemonSet's pod)
 
 
-def _converted(convert: Callable[[dict[str, Any]], T], obj: dict[str, Any]) -> T:
+@dataclass(frozen=True)
+class Skip:
+    what: str
+    where: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    unit: Unit
+    node: str = ""
+    devices: tuple[str, ...] = ()
+    allocation: dict[str, Any] | None = None
+    error: str = ""
+
+
+@dataclass
+class Plan:
+    outcomes: list[Outcome] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for o in self.outcomes if o.error)
+
+
+def plan(request: PlanInput, stdin: TextIO, out: TextIO, as_json: bool = False) -> int:
+    """Prints the plan; 1 when a claim cannot be allocated, else 0 (bad input raises ObjectError)."""
+    manifests = cluster_manifests(request.kubeconfig) if request.kubeconfig else []
+    result = make_plan(manifests + read_manifests(request.paths, stdin), request.policy, request.driver)
+    (_write_json if as_json else _write_text)(result, out)
+    return 1 if result.failed else 0
+
+
+def make_plan(manifests: list[Manifest], policy: Policy, driver: str) -> Plan:
+    catalog = Catalog(manifests)
+    world = World.build(catalog, policy)
+    result = Plan(skipped=list(catalog.skipped), notes=catalog.notes + world.notes())
+    units = _units(catalog, world, driver, result)
+    result.outcomes = _allocate(world, units, result)
+    result.nodes = {node: node_picture(world.cluster, node) for node in sorted(world.cluster.snapshot.pools)}
+    return result
+
+
+# The input, one object per kind and name
+
+
+class Catalog:
+    """The objects, one per kind and name: of two, the later (as kubectl apply leaves it); the
+    input's replaces the cluster's, except that a claim allocated in the cluster stays as it is."""
+
+    def __init__(self, manifests: Iterable[Manifest]) -> None:
+        self.objects: dict[Ref, Manifest] = {}
+        self.skipped: list[Skip] = []
+        self.notes: list[str] = []
+        for manifest in manifests:
+            self._add(manifest)
+
+    def _add(self, manifest: Manifest) -> None:
+        same = self.objects.get(manifest.ref)
+        if same is not None and same.from_cluster and manifest.ref.kind == "ResourceClaim" and _allocated(same):
+            self.skipped.append(Skip(str(manifest.ref), manifest.where, "already allocated in the cluster (counted)"))
+            return
+        if same is not None and not same.from_cluster and same.obj != manifest.obj:
+            self.notes.append(f"{manifest.ref}: given twice, differently ({same.where}; {manifest.where}): the later")
+        self.objects[manifest.ref] = manifest
+
+    def of_kind(self, kind: str) -> list[Manifest]:
+        return [m for m in self.objects.values() if m.ref.kind == kind]
+
+
+def _allocated(manifest: Manifest) -> bool:
+    return bool((manifest.obj.get("status") or {}).get("allocation"))
+
+
+@contextlib.contextmanager
+def _reading(manifest: Manifest) -> Iterator[None]:
     """The model's conversions trust the shape the API server guarantees; a hand-written file may
-    break it anywhere, so any such failure becomes one line naming the object."""
+    break it anywhere, so any such failure becomes one line naming the object and where it is."""
     try:
-        return convert(obj)
+        yield
+    except ObjectError as err:
+        raise ObjectError(f"{manifest.where}: {err}") from None
     except (AttributeError, KeyError, TypeError, ValueError) as err:
-        if isinstance(err, ObjectError):
-            raise
-        raise ObjectError(f"{obj['kind']} {obj['metadata']['name']}: not a valid {obj['kind']}: {err!r}") from None
+        raise ObjectError(f"{manifest.where}: {manifest.ref}: not a valid {manifest.ref.kind}: {err!r}") from None
 
 
-def plan(
-    slice_paths: list[Path],
-    class_paths: list[Path],
-    claim_paths: list[Path],
-    policy: Policy,
-    out: TextIO,
-    as_json: bool = False,
-) -> int:
-    objects = read_objects(slice_paths) + read_objects(class_paths) + read_objects(claim_paths)
-    by_kind: dict[str, list[dict[str, Any]]] = {}
-    for obj in objects:
-        by_kind.setdefault(str(obj.get("kind")), []).append(obj)
-    slices = [_converted(slice_from_object, o) for o in by_kind.get("ResourceSlice", [])]
-    nodes = [Node(o["metadata"]["name"], o["metadata"].get("labels") or {}) for o in by_kind.get("Node", [])]
-    classes = {c.name: c for c in (_converted(class_from_object, o) for o in by_kind.get("DeviceClass", []))}
-    claims = [_converted(claim_from_object, o) for o in by_kind.get("ResourceClaim", [])]
-    state = AllocatedState.from_allocations(c.allocation for c in claims if c.allocation)
-    cluster = ClusterAllocator(Snapshot.from_slices(slices, nodes), classes, state, policy)
-    report: list[dict[str, Any]] = []
-    failed = 0
-    for claim in (c for c in claims if not c.allocation):
-        outcome = cluster.allocate(claim)
-        if isinstance(outcome, Failure):
-            failed += 1
-            report.append({"claim": claim.key, "error": outcome.reason})
+def _converted(convert: Callable[[dict[str, Any]], T], manifest: Manifest, obj: dict[str, Any] | None = None) -> T:
+    """`convert` of the manifest's object (or of `obj`, made from it)."""
+    with _reading(manifest):
+        return convert(manifest.obj if obj is None else obj)
+
+
+# What the claims are allocated on
+
+
+@dataclass
+class World:
+    cluster: ClusterAllocator
+    nodes: list[Node]  # Nodes given: placement only on these
+    unused_nodes: list[str]  # nodes that slices name but that are not among the Nodes given
+    taken: list[Claim]  # claims allocated already
+    pending_in_cluster: int  # claims in the cluster waiting for an allocation (not planned)
+
+    @classmethod
+    def build(cls, catalog: Catalog, policy: Policy) -> World:
+        slices = [_converted(slice_from_object, m) for m in catalog.of_kind("ResourceSlice")]
+        classes = {c.name: c for c in (_converted(class_from_object, m) for m in catalog.of_kind("DeviceClass"))}
+        nodes = sorted((node_of(m) for m in catalog.of_kind("Node")), key=lambda n: n.name)
+        claims = [m for m in catalog.of_kind("ResourceClaim") if _allocated(m)]
+        taken = [_converted(claim_from_object, m) for m in claims]
+        state = AllocatedState.from_allocations(c.allocation for c in taken if c.allocation)
+        snapshot = Snapshot(slices, nodes) if nodes else Snapshot.from_slices(slices)
+        named = {s.placement.node_name for s in slices} - {""}
+        pending = sum(1 for m in catalog.of_kind("ResourceClaim") if m.from_cluster and not _allocated(m))
+        return cls(
+            ClusterAllocator(snapshot, classes, state, policy),
+            nodes,
+            sorted(named - {n.name for n in nodes}) if nodes else [],
+            taken,
+            pending,
+        )
+
+    @property
+    def classes(self) -> dict[str, DeviceClass]:
+        return self.cluster.classes
+
+    def drivers(self) -> set[str]:
+        return {pool.driver for pools in self.cluster.snapshot.pools.values() for pool in pools}
+
+    def notes(self) -> list[str]:
+        notes = []
+        if not self.cluster.snapshot.pools:
+            notes.append("no node has devices: give ResourceSlices (fgpu discover -o yaml) or --kubeconfig")
+        if not self.classes:
+            notes.append("no DeviceClasses: give them (daemonset/deviceclasses.yaml) or --kubeconfig")
+        if self.nodes:
+            notes.append(
+                f"placement only on the {len(self.nodes)} Node(s) given; whether a pod fits a node (its node "
+                "selector, affinity, tolerations, resources) is not checked yet (another issue)"
+            )
+        if self.unused_nodes:
+            notes.append(f"not used, no Node object given for them: the slices of {', '.join(self.unused_nodes)}")
+        if self.pending_in_cluster:
+            notes.append(f"{self.pending_in_cluster} claim(s) in the cluster wait for an allocation: not planned")
+        return notes
+
+    def allocated_members(self) -> dict[str, int]:
+        """Gang members allocated already, per gang."""
+        counts: dict[str, int] = defaultdict(int)
+        for claim in self.taken:
+            if _opted_in(claim) and (gang := gang_of(claim)) is not None:
+                counts[gang[0]] += 1
+        return counts
+
+
+# The claims to plan
+
+
+def _units(catalog: Catalog, world: World, driver: str, result: Plan) -> list[Unit]:
+    """Every claim the input would make, in input order, named as its user sees it; what is not
+    planned goes to result.skipped with the reason."""
+    pods = _pods(catalog, world, result)
+    templates = _templates(catalog)
+    users = _check_references(catalog, pods)
+    used = _used(pods)
+    units: list[Unit] = []
+    for manifest in catalog.objects.values():
+        kind = manifest.ref.kind
+        if manifest.from_cluster or kind in READ_KINDS:
             continue
-        cluster.commit(outcome)
-        devices = [
-            r["device"] + (" (share)" if "shareID" in r else "") for r in outcome.allocation["devices"]["results"]
-        ]
-        report.append({"claim": claim.key, "node": outcome.node, "devices": devices, "allocation": outcome.allocation})
-    nodes_report = {node: node_picture(cluster, node) for node in sorted(cluster.snapshot.pools)}
-    if as_json:
-        json.dump({"claims": report, "nodes": nodes_report}, out, indent=2)
-        out.write("\n")
-        return 1 if failed else 0
-    for entry in report:
-        if "error" in entry:
-            out.write(f"{entry['claim']}: cannot allocate: {entry['error']}\n")
+        if kind == "ResourceClaim":
+            units.extend(_claim_units(manifest, users.get(manifest.ref, []), result))
+        elif kind == "ResourceClaimTemplate":
+            if manifest.ref not in used:
+                result.skipped.append(Skip(str(manifest.ref), manifest.where, "no pod in the input uses it"))
+        elif manifest.ref in pods:
+            units.extend(_workload_units(manifest, pods[manifest.ref], templates, result))
+        elif kind not in WORKLOAD_KINDS:
+            reason = NOT_PLANNED.get(kind, f"fgpu plan does not plan a {kind}: it plans {PLANNED_KINDS}")
+            result.skipped.append(Skip(str(manifest.ref), manifest.where, reason))
+    return [u for u in units if _kept(u, world, driver, result)]
+
+
+def _pods(catalog: Catalog, world: World, result: Plan) -> dict[Ref, list[Pod]]:
+    pods: dict[Ref, list[Pod]] = {}
+    for manifest in catalog.objects.values():
+        if manifest.ref.kind not in WORKLOAD_KINDS or manifest.from_cluster:
+            continue
+        try:
+            with _reading(manifest):
+                made = pods_of(manifest, world.nodes)
+        except NotPlanned as why:
+            result.skipped.append(Skip(str(manifest.ref), manifest.where, str(why)))
+            continue
+        if not any(pod.claims for pod in made):
+            result.skipped.append(Skip(str(manifest.ref), manifest.where, "its pods use no ResourceClaims"))
+            continue
+        pods[manifest.ref] = made
+        if fields := placement_fields(manifest):
+            result.notes.append(
+                f"{manifest.ref}: its pods' {', '.join(fields)} not checked (pod fit: another issue); "
+                "their claims may go to any node"
+            )
+    return pods
+
+
+def _templates(catalog: Catalog) -> dict[Ref, tuple[Manifest, ClaimTemplate]]:
+    templates = {}
+    for manifest in catalog.of_kind("ResourceClaimTemplate"):
+        with _reading(manifest):
+            templates[manifest.ref] = (manifest, claim_template(manifest))
+    return templates
+
+
+def _check_references(catalog: Catalog, pods: dict[Ref, list[Pod]]) -> dict[Ref, list[str]]:
+    """Every claim and template the pods name is in the input; returns each claim's users."""
+    users: dict[Ref, list[str]] = defaultdict(list)
+    for owner, made in pods.items():
+        for pod in made:
+            for pod_claim in pod.claims:
+                ref = _referenced(pod, pod_claim)
+                kind, name = ref.kind, ref.name
+                if ref not in catalog.objects:
+                    where = " nor in the cluster" if any(m.from_cluster for m in catalog.objects.values()) else ""
+                    raise ObjectError(
+                        f"{catalog.objects[owner].where}: {owner}: claim {pod_claim.name} names {kind} "
+                        f"{pod.namespace}/{name}, which is not in the input{where}"
+                    )
+                if kind == "ResourceClaim" and str(owner) not in users[ref]:
+                    users[ref].append(str(owner))
+    return users
+
+
+def _referenced(pod: Pod, pod_claim: PodClaim) -> Ref:
+    """The claim a pod's entry names, or the template it makes one from."""
+    if pod_claim.claim:
+        return Ref("ResourceClaim", pod.namespace, pod_claim.claim)
+    return Ref("ResourceClaimTemplate", pod.namespace, pod_claim.template)
+
+
+def _used(pods: dict[Ref, list[Pod]]) -> set[Ref]:
+    return {_referenced(pod, c) for made in pods.values() for pod in made for c in pod.claims if c.template}
+
+
+def _claim_units(manifest: Manifest, users: list[str], result: Plan) -> list[Unit]:
+    if _allocated(manifest):
+        result.skipped.append(Skip(str(manifest.ref), manifest.where, "allocated already (counted as taken)"))
+        return []
+    subject = str(manifest.ref) + (f" (used by {', '.join(users)})" if users else "")
+    return [Unit(subject, _converted(claim_from_object, manifest), manifest.where)]
+
+
+def _workload_units(
+    manifest: Manifest, pods: list[Pod], templates: dict[Ref, tuple[Manifest, ClaimTemplate]], result: Plan
+) -> list[Unit]:
+    """Per pod, the claims made from templates for it (those it names are planned on their own)."""
+    units = []
+    for pod in pods:
+        for pod_claim in (c for c in pod.claims if c.template):
+            given, template = templates[_referenced(pod, pod_claim)]
+            claim = _converted(claim_from_object, given, claim_object(template, pod, pod_claim))
+            subject = f"{pod.subject}: claim {pod_claim.name} from template {pod_claim.template}"
+            if pod.node and gang_of(claim):
+                result.skipped.append(Skip(subject, manifest.where, "a gang of a DaemonSet's pods is not planned"))
+                continue
+            units.append(Unit(subject, claim, manifest.where, pod.node))
+    return units
+
+
+def _kept(unit: Unit, world: World, driver: str, result: Plan) -> bool:
+    """A claim for another driver's devices is not planned: fgpu plan knows its own, and those of
+    drivers whose slices it is given."""
+    foreign = _foreign_classes(unit.claim, world, driver)
+    if foreign:
+        reason = f"for another driver: class {', '.join(foreign)} (give its DeviceClass and ResourceSlices to plan it)"
+        result.skipped.append(Skip(unit.subject, unit.where, reason))
+        return False
+    if gang_of(unit.claim) and not _opted_in(unit.claim):
+        result.notes.append(
+            f"{unit.subject}: labelled {GANG_LABEL} without {OPT_IN_LABEL}={OPT_IN_VALUE}: kube-scheduler "
+            "allocates it alone, and so does the plan"
+        )
+    return True
+
+
+def _foreign_classes(claim: Claim, world: World, driver: str) -> list[str]:
+    """The classes of a request none of whose alternatives fgpu plan can allocate from."""
+    drivers = world.drivers() | {driver}
+    foreign: list[str] = []
+    for alternatives in claim.requests:
+        names = [request.class_name for request in alternatives]
+        if all(_foreign(name, world.classes, drivers, driver) for name in names):
+            foreign.extend(n for n in names if n not in foreign)
+    return foreign
+
+
+def _foreign(name: str, classes: dict[str, DeviceClass], drivers: set[str], driver: str) -> bool:
+    device_class = classes.get(name)
+    if device_class is None:  # one of ours that is missing is an allocation failure, with its reason
+        return name != driver and not name.endswith("." + driver)
+    selected = {d for expression in device_class.selectors for d in DRIVER_SELECTOR.findall(expression)}
+    return bool(selected) and not selected & drivers
+
+
+def _opted_in(claim: Claim) -> bool:
+    return claim.labels.get(OPT_IN_LABEL) == OPT_IN_VALUE
+
+
+# Allocation
+
+
+def _allocate(world: World, units: list[Unit], result: Plan) -> list[Outcome]:
+    """Lone claims in input order, then gangs all or none (the controller's order); reported in
+    input order."""
+    gangs: dict[tuple[str, int], list[Unit]] = defaultdict(list)
+    outcomes: dict[int, Outcome] = {}
+    for unit in units:
+        gang = gang_of(unit.claim) if _opted_in(unit.claim) else None
+        if gang is None:
+            outcomes[id(unit)] = _place(world.cluster, unit)
         else:
-            out.write(f"{entry['claim']}: {entry['node']}: {', '.join(entry['devices'])}\n")
-    out.write(f"\n{len(report) - failed} allocated, {failed} failed\n\nfree capacity per node:\n")
-    for node, lines in nodes_report.items():
+            gangs[gang].append(unit)
+    allocated = world.allocated_members()
+    for (gang, size), members in gangs.items():
+        for outcome in _place_gang(world.cluster, gang, size, members, allocated.get(gang, 0)):
+            outcomes[id(outcome.unit)] = outcome
+    return [outcomes[id(unit)] for unit in units]
+
+
+def _place(cluster: ClusterAllocator, unit: Unit) -> Outcome:
+    if unit.node and unit.node not in cluster.snapshot.pools:
+        return Outcome(unit, error=f"node {unit.node} has no devices (no ResourceSlices)")
+    outcome = cluster.allocate(unit.claim, [unit.node] if unit.node else None)
+    if isinstance(outcome, Failure):
+        return Outcome(unit, error=outcome.reason)
+    cluster.commit(outcome)
+    return _placed(unit, outcome)
+
+
+def _place_gang(cluster: ClusterAllocator, gang: str, size: int, members: list[Unit], allocated: int) -> list[Outcome]:
+    """As the controller places a gang: nothing until all its claims exist, then all or none."""
+    if size == 0:
+        reason = f"label {GANG_SIZE_LABEL} must be a whole number"
+    elif len(members) + allocated < size:
+        reason = f"gang {gang} waits for {size - len(members) - allocated} more claim(s) of {size}"
+    else:
+        outcome = cluster.allocate_gang([unit.claim for unit in members])
+        if not isinstance(outcome, Failure):
+            by_claim = {id(placement.claim): placement for placement in outcome}
+            return [_placed(unit, by_claim[id(unit.claim)]) for unit in members]
+        reason = outcome.reason
+    return [Outcome(unit, error=reason) for unit in members]
+
+
+def _placed(unit: Unit, placement: Placement) -> Outcome:
+    results = placement.allocation["devices"]["results"]
+    devices = tuple(r["device"] + (" (share)" if "shareID" in r else "") for r in results)
+    return Outcome(unit, placement.node, devices, placement.allocation)
+
+
+# Output
+
+
+def _write_text(result: Plan, out: TextIO) -> None:
+    for outcome in result.outcomes:
+        if outcome.error:
+            out.write(f"{outcome.unit.subject}: cannot allocate: {outcome.error}\n")
+        else:
+            out.write(f"{outcome.unit.subject}: {outcome.node}: {', '.join(outcome.devices)}\n")
+    if result.skipped:
+        out.write("\nnot planned:\n")
+        for skip in result.skipped:
+            out.write(f"  {skip.what}{f' ({skip.where})' if skip.where else ''}: {skip.reason}\n")
+    if result.notes:
+        out.write("\nnotes:\n" + "".join(f"  {note}\n" for note in result.notes))
+    allocated = len(result.outcomes) - result.failed
+    out.write(f"\n{allocated} allocated, {result.failed} failed, {len(result.skipped)} not planned\n")
+    out.write("\nfree capacity per node:\n")
+    for node, lines in result.nodes.items():
         out.write(f"{node}\n" + "".join(f"{line}\n" for line in lines))
-    return 1 if failed else 0
+
+
+def _write_json(result: Plan, out: TextIO) -> None:
+    claims = []
+    for outcome in result.outcomes:
+        entry: dict[str, Any] = {"claim": outcome.unit.claim.key, "subject": outcome.unit.subject}
+        if outcome.error:
+            entry["error"] = outcome.error
+        else:
+            entry |= {"node": outcome.node, "devices": list(outcome.devices), "allocation": outcome.allocation}
+        claims.append(entry)
+    document = {
+        "claims": claims,
+        "skipped": [{"object": s.what, "where": s.where, "reason": s.reason} for s in result.skipped],
+        "notes": result.notes,
+        "summary": {
+            "allocated": len(result.outcomes) - result.failed,
+            "failed": result.failed,
+            "notPlanned": len(result.skipped),
+        },
+        "nodes": result.nodes,
+    }
+    json.dump(document, out, indent=2)
+    out.write("\n")

@@ -24,6 +24,11 @@ def load_yaml_documents(path: Path) -> list[Any]:
     return _parse(path, lambda text: list(yaml.safe_load_all(text)))
 
 
+def parse_yaml_documents(text: str, name: str) -> list[Any]:
+    """Every document in `text`, which came from `name` (stdin, say: named in the message)."""
+    return _parsed(text, name, lambda text: list(yaml.safe_load_all(text)))
+
+
 def _parse(path: Path, parse: Callable[[str], Any]) -> Any:
     try:
         text = path.read_text()
@@ -31,10 +36,14 @@ def _parse(path: Path, parse: Callable[[str], Any]) -> Any:
         raise YamlFileError(f"cannot read {path}: {err.strerror or err}") from err
     except UnicodeDecodeError as err:
         raise YamlFileError(f"{path} is not a text file") from err
+    return _parsed(text, str(path), parse)
+
+
+def _parsed(text: str, name: str, parse: Callable[[str], Any]) -> Any:
     try:
         return parse(text)
     except yaml.YAMLError as err:
-        raise YamlFileError(f"{path} is not valid YAML: {_problem(err)}") from err
+        raise YamlFileError(f"{name} is not valid YAML: {_problem(err)}") from err
 
 
 def _problem(err: yaml.YAMLError) -> str:

@@ -27,6 +27,10 @@ INPUTS = {
     "no-metadata.yaml": "kind: ResourceClaim\nspec: {}\n",
     "list-of-numbers.yaml": "kind: List\nitems: [1, 2]\n",
     "class.yaml": "kind: DeviceClass\nmetadata: {name: gpu}\n",
+    "pod-no-template.yaml": "kind: Pod\nmetadata: {name: p}\nspec: {resourceClaims: [{name: gpu, "
+    "resourceClaimTemplateName: t}]}\n",
+    "pod-claim-neither.yaml": "kind: Pod\nmetadata: {name: p}\nspec: {resourceClaims: [{name: gpu}]}\n",
+    "deployment-replicas.yaml": "kind: Deployment\nmetadata: {name: d}\nspec: {replicas: two, template: {spec: {}}}\n",
     "mig-profiles-number.yaml": "migShareProfiles: 3\n",
 }
 PLUGIN = [
@@ -175,7 +179,31 @@ CASES = [
     ("plan file missing", [*PLAN, "{in}/missing.yaml"], {}, "fgpu plan: cannot read {in}/missing.yaml: No such file"),
     ("plan file not YAML", [*PLAN, "{in}/not-yaml.yaml"], {}, "fgpu plan: {in}/not-yaml.yaml is not valid YAML"),
     ("plan file empty", [*PLAN, "{in}/empty.yaml"], {}, "fgpu plan: {in}/empty.yaml: no objects in it (empty)"),
-    ("plan file a directory", [*PLAN, "{in}"], {}, "fgpu plan: cannot read {in}: Is a directory"),
+    (  # a folder's .yaml, .yml and .json files, read in name order, up to the first that is not a manifest
+        "plan folder holding a file that is not a manifest",
+        [*PLAN, "{in}"],
+        {},
+        "fgpu plan: {in}/gpu-0-mig.yaml: document 1: object without metadata.name",
+    ),
+    (
+        "plan pod naming a missing template",
+        [*PLAN, "{in}/pod-no-template.yaml"],
+        {},
+        "pod default/p: claim gpu names ResourceClaimTemplate default/t, which is not in the input",
+    ),
+    (
+        "plan pod claim without a claim or template",
+        [*PLAN, "{in}/pod-claim-neither.yaml"],
+        {},
+        "pod default/p: resourceClaims[0] needs a name and one of resourceClaimName, resourceClaimTemplateName",
+    ),
+    (
+        "plan deployment replicas not a number",
+        [*PLAN, "{in}/deployment-replicas.yaml"],
+        {},
+        "deployment default/d: spec.replicas must be a whole number, not 'two'",
+    ),
+    ("plan nothing to read", ["plan"], {}, "fgpu: plan: give manifests (files, folders, - for stdin) or --kubeconfig"),
     (
         "plan object without metadata",
         [*PLAN, "{in}/no-metadata.yaml"],
