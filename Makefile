@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 NVML ?= mock:dgx-h100
 
-.PHONY: setup run test cluster cluster-up cluster-down bench lint protos render
+.PHONY: setup run test fuzz cluster cluster-up cluster-down bench lint protos render
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,12 @@ run: setup cluster
 
 test: setup cluster
 	$(PYTHON) -m pytest -q tests
+
+# The differential test on new random scenarios for FUZZ_MINUTES; a failure is written, shrunk,
+# to tests/allocator/cases/ (CI runs a fixed set and those cases).
+FUZZ_MINUTES ?= 30
+fuzz: setup cluster
+	$(PYTHON) -m tests.allocator.fuzz --minutes $(FUZZ_MINUTES)
 
 cluster-up: setup cluster
 	$(PYTHON) -m tests.cluster.harness up

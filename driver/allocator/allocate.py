@@ -37,6 +37,12 @@ class AllocationError(Exception):
     a missing class, a selector that does not compile or fails, a pool being updated."""
 
 
+class SearchOrderError(AllocationError):
+    """An error upstream's search meets only on reaching a certain device: a selector failing at
+    runtime on a device an exact count tries, a constraint refusing a device an `All` request must
+    take. Whether a claim ends with it depends on the order devices are tried in (docs/allocator.md)."""
+
+
 @dataclass
 class Chosen:
     request: Request
@@ -289,7 +295,7 @@ class NodeAllocator:
             if not request.admin_access and self._in_use(device):
                 continue
             if id(device) in candidates.errors:
-                raise AllocationError(candidates.errors[id(device)])
+                raise SearchOrderError(candidates.errors[id(device)])
             if self._capacity_ok(request, device) is None:
                 continue
             undo = self._take(claim_index, request, device)
@@ -327,7 +333,7 @@ class NodeAllocator:
             if not self._add_constraint(claim_index, index, constraint, request, device):
                 undo()
                 if request.mode == "All":
-                    raise AllocationError(
+                    raise SearchOrderError(
                         f"claim {claim.key}, request {request.full_name}: cannot add device "
                         f"{'/'.join(device.id)} because a claim constraint would not be satisfied"
                     )

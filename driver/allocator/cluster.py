@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SelectorResults
+from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.model import Claim, DeviceClass, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
@@ -206,7 +206,16 @@ class ClusterAllocator:
         return NodeAllocator(self.nodes[node], pools, self.state, self.classes, order, cache, results)
 
     def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
-        return self.node_allocator(node, self._order, self._candidates.setdefault(node, {})).allocate(claims)
+        """The claims' allocation on the node in the policy's order. Where that order meets an
+        error upstream's order might not (SearchOrderError), the node is searched again in
+        upstream's order, which ends exactly as upstream does: a claim kube-scheduler would
+        allocate is never refused because our order tried another device first."""
+        try:
+            return self.node_allocator(node, self._order, self._candidates.setdefault(node, {})).allocate(claims)
+        except SearchOrderError:
+            if self._order is None:
+                raise
+            return self.node_allocator(node).allocate(claims)
 
     def update_slices(self, added: Iterable[Slice], removed: Iterable[Slice]) -> None:
         """Slices added, changed or deleted: the nodes that see their pools are measured again

@@ -15,17 +15,18 @@ class ReferenceAllocator:
             [str(binary), "--batch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
         )
 
-    def _ask(self, objects: list[dict[str, Any]], verify: bool) -> dict[str, Any]:
+    def _ask(self, objects: list[dict[str, Any]], verify: bool, node: str = "") -> dict[str, Any]:
         assert self._process.stdin and self._process.stdout
-        self._process.stdin.write(json.dumps({"objects": objects, "verify": verify}) + "\n")
+        self._process.stdin.write(json.dumps({"objects": objects, "verify": verify, "node": node}) + "\n")
         answer = json.loads(self._process.stdout.readline())
         if answer.get("error"):
             raise RuntimeError(f"reference allocator: {answer['error']}")
         return answer
 
-    def allocate(self, objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One result per unallocated claim, in order: {claim, node, allocation} or {claim, error}."""
-        return self._ask(objects, verify=False)["results"]
+    def allocate(self, objects: list[dict[str, Any]], node: str = "") -> list[dict[str, Any]]:
+        """One result per unallocated claim, in order: {claim, node, allocation} or {claim, error};
+        on `node` only when given, else on the first node by name where it fits."""
+        return self._ask(objects, verify=False, node=node)["results"]
 
     def problems(self, objects: list[dict[str, Any]]) -> list[str]:
         """What is wrong with the allocations the claims carry (double booking, overdrawn counters

@@ -12,11 +12,13 @@ import (
 	"k8s.io/dynamic-resource-allocation/cel"
 )
 
-// scenario is one line of --batch input: objects as in the files, and whether to verify the
-// allocations the claims already carry instead of allocating.
+// scenario is one line of --batch input: objects as in the files, whether to verify the
+// allocations the claims already carry instead of allocating, and the one node to allocate on
+// (default: every node in turn).
 type scenario struct {
 	Objects []map[string]any `json:"objects"`
 	Verify  bool             `json:"verify"`
+	Node    string           `json:"node,omitempty"`
 }
 
 type batchAnswer struct {
@@ -58,7 +60,7 @@ func answer(line []byte) batchAnswer {
 	if sc.Verify {
 		return batchAnswer{output: &output{Results: []claimResult{}}, Problems: verify(in)}
 	}
-	out, err := allocate(context.Background(), in, "")
+	out, err := allocate(context.Background(), in, sc.Node)
 	if err != nil {
 		return batchAnswer{Error: err.Error()}
 	}
