@@ -203,13 +203,11 @@ WORKLOAD_KINDS = ("Pod", "Deployment", "ReplicaSet", "StatefulSet", "Job", "Cron
 
 def pods_of(workload: Manifest, nodes: Sequence[Node]) -> list[Pod]:
     """The pods a workload runs at once (replicas, a Job's parallelism, a DaemonSet's nodes)."""
-    ref, spec = workload.ref, _mapping(workload.obj.get("spec"), workload.ref, "spec")
-    if ref.kind == "Pod":
-        return [Pod(ref, None, ref.name, pod_claims(ref, spec))]
-    if ref.kind == "CronJob":
-        spec = _mapping(_mapping(spec.get("jobTemplate"), ref, "spec.jobTemplate").get("spec"), ref, "jobTemplate.spec")
-    pod_spec = _mapping(_mapping(spec.get("template"), ref, "spec.template").get("spec"), ref, "template.spec")
+    ref = workload.ref
+    spec, pod_spec = _specs(workload)
     claims = pod_claims(ref, pod_spec)
+    if ref.kind == "Pod":
+        return [Pod(ref, None, ref.name, claims)]
     if ref.kind == "DaemonSet":
         chosen = _ds_nodes(ref, pod_spec, nodes)
         return [Pod(ref, None, _made_up_name(ref, i), claims, node.name) for i, node in enumerate(chosen)]
@@ -219,6 +217,16 @@ def pods_of(workload: Manifest, nodes: Sequence[Node]) -> list[Pod]:
         raise NotPlanned("runs no pods (replicas or parallelism 0)")
     indexed = spec.get("completionMode") == "Indexed"
     return [Pod(ref, i, names(ref, i, indexed), claims) for i in range(count)]
+
+
+def _specs(workload: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The workload's spec (a CronJob's: that of its Jobs) and its pods' spec."""
+    ref, spec = workload.ref, _mapping(workload.obj.get("spec"), workload.ref, "spec")
+    if ref.kind == "Pod":
+        return spec, spec
+    if ref.kind == "CronJob":
+        spec = _mapping(_mapping(spec.get("jobTemplate"), ref, "spec.jobTemplate").get("spec"), ref, "jobTemplate.spec")
+    return spec, _mapping(_mapping(spec.get("template"), ref, "spec.template").get("spec"), ref, "template.spec")
 
 
 def _running(ref: Ref, spec: dict[str, Any]) -> int:
@@ -289,11 +297,7 @@ def pod_claims(ref: Ref, pod_spec: dict[str, Any]) -> tuple[PodClaim, ...]:
 
 def placement_fields(workload: Manifest) -> list[str]:
     """The fields of a workload's pods that say where they may run (nodeSelector, affinity, ...)."""
-    spec = workload.obj.get("spec") or {}
-    if workload.ref.kind == "CronJob":
-        spec = (spec.get("jobTemplate") or {}).get("spec") or {}
-    pod_spec = spec if workload.ref.kind == "Pod" else (spec.get("template") or {}).get("spec") or {}
-    used = [f for f in PLACEMENT_FIELDS if pod_spec.get(f)]
+    used = [f for f in PLACEMENT_FIELDS if _specs(workload)[1].get(f)]
     return [f for f in used if f != "nodeSelector"] if workload.ref.kind == "DaemonSet" else used
 
 

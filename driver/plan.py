@@ -120,7 +120,7 @@ def make_plan(manifests: list[Manifest], policy: Policy, driver: str) -> Plan:
     world = World.build(catalog, policy)
     result = Plan(skipped=list(catalog.skipped), notes=catalog.notes + world.notes())
     units = _units(catalog, world, driver, result)
-    result.outcomes = _allocate(world, units, result)
+    result.outcomes = _allocate(world, units)
     result.nodes = {node: node_picture(world.cluster, node) for node in sorted(world.cluster.snapshot.pools)}
     return result
 
@@ -250,8 +250,8 @@ def _units(catalog: Catalog, world: World, driver: str, result: Plan) -> list[Un
     units: list[Unit] = []
     for manifest in catalog.objects.values():
         kind = manifest.ref.kind
-        if manifest.from_cluster or kind in READ_KINDS:
-            continue
+        if kind in READ_KINDS or (manifest.from_cluster and manifest.ref not in users):
+            continue  # the cluster's objects count, but only the claims the input's pods use are planned
         if kind == "ResourceClaim":
             units.extend(_claim_units(manifest, users.get(manifest.ref, []), result))
         elif kind == "ResourceClaimTemplate":
@@ -281,9 +281,10 @@ def _pods(catalog: Catalog, world: World, result: Plan) -> dict[Ref, list[Pod]]:
             continue
         pods[manifest.ref] = made
         if fields := placement_fields(manifest):
+            where = "on each node its nodeSelector matches" if manifest.ref.kind == "DaemonSet" else "on any node"
             result.notes.append(
                 f"{manifest.ref}: its pods' {', '.join(fields)} not checked (pod fit: another issue); "
-                "their claims may go to any node"
+                f"their claims are planned {where}"
             )
     return pods
 
@@ -393,7 +394,7 @@ def _opted_in(claim: Claim) -> bool:
 # Allocation
 
 
-def _allocate(world: World, units: list[Unit], result: Plan) -> list[Outcome]:
+def _allocate(world: World, units: list[Unit]) -> list[Outcome]:
     """Lone claims in input order, then gangs all or none (the controller's order); reported in
     input order."""
     gangs: dict[tuple[str, int], list[Unit]] = defaultdict(list)

@@ -292,7 +292,7 @@ def test_a_daemonset_with_nodes_gets_a_claim_on_each_node_it_selects(h100: list[
     assert any("placement only on the 3 Node(s) given" in note for note in result.notes)
     assert (
         "daemonset default/exporter: its pods' affinity not checked (pod fit: another issue); "
-        "their claims may go to any node"
+        "their claims are planned on each node its nodeSelector matches"
     ) in result.notes
 
 
