@@ -447,11 +447,14 @@ def _placed(unit: Unit, placement: Placement) -> Outcome:
 
 
 def _write_text(result: Plan, out: TextIO) -> None:
+    before = ""
     for outcome in result.outcomes:
-        if outcome.error:
-            out.write(f"{outcome.unit.subject}: cannot allocate: {outcome.error}\n")
+        if outcome.error:  # a gang's members, a workload's replicas: the reason once
+            reason = "as above" if outcome.error == before else outcome.error
+            out.write(f"{outcome.unit.subject}: cannot allocate: {reason}\n")
         else:
             out.write(f"{outcome.unit.subject}: {outcome.node}: {', '.join(outcome.devices)}\n")
+        before = outcome.error
     if result.skipped:
         out.write("\nnot planned:\n")
         for skip in result.skipped:

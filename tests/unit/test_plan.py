@@ -16,7 +16,7 @@ import yaml
 
 from driver.manifests import Manifest, Pod, PodClaim, Ref, claim_object, claim_template, manifest, pods_of
 from driver.plan import Plan, make_plan
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 CLASSES = ROOT / "daemonset" / "deviceclasses.yaml"
 EXAMPLES = ROOT / "examples"
@@ -100,6 +100,9 @@ def test_every_example_on_one_dgx_h100(machines: dict[str, Path]):
     document = json.loads(run.stdout)
     assert document["summary"] == {"allocated": 14, "failed": 6, "notPlanned": 0}
     assert document["skipped"] == [] and document["notes"] == []
+    text = fgpu("plan", str(machines["n1"]), str(CLASSES), str(EXAMPLES)).stdout.splitlines()
+    assert f"{GANG[1]}: cannot allocate: as above" in text  # the gang's reason once
+    assert "14 allocated, 6 failed, 0 not planned" in text
 
 
 def test_every_example_on_two_nodes_all_allocated(machines: dict[str, Path]):
