@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from driver.claim_protobuf import DeviceKey
 from driver.kube import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
 from driver.node import metrics
 from driver.node.claims import ClaimRef
@@ -51,7 +52,6 @@ from partitioner.mps import CONTAINER_PIPE_DIR
 log = logging.getLogger(__name__)
 
 READY = "Ready"
-DeviceKey = tuple[str, str, str, str]  # driver, pool, device, shareID ("" for none): the list's map key
 # A PUT that lost a race is tried again at once on a fresh read; past this, the reconciler's next pass.
 CONFLICT_ATTEMPTS = 3
 REFUSED_EVENT_REASON = "DeviceStatusRefused"
@@ -253,6 +253,11 @@ class ClaimStatusWriter:
         with self._guard:
             if self._pending_clears.get(ref.uid) is ref:
                 del self._pending_clears[ref.uid]
+        self._settled(ref)
+
+    def _settled(self, ref: ClaimRef) -> None:
+        """A write went through (or has nothing left to do): a later refusal is news again."""
+        with self._guard:
             self._refused.pop(ref.uid, None)
             self._reported.pop(ref.uid, None)
 
@@ -268,6 +273,7 @@ class ClaimStatusWriter:
                     ref.namespace, ref.name, ref.uid, self._ours, entries, self.field_manager
                 )
             except NotFoundError:
+                self._settled(ref)
                 return True
             except ConflictError:
                 continue
@@ -277,8 +283,7 @@ class ClaimStatusWriter:
             except KubeError as err:
                 log.warning("claim %s: %s its status.devices failed: %s; retrying later", ref, doing, err)
                 return False
-            with self._guard:
-                self._refused.pop(ref.uid, None)
+            self._settled(ref)
             return True
         log.warning(
             "claim %s: %s its status.devices lost %d races in a row; retrying later", ref, doing, CONFLICT_ATTEMPTS

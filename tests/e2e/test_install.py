@@ -28,13 +28,7 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
-from tests.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
-from tests.cluster.harness import Cluster, free_port
-from tests.cluster.image_build import build_image
-from tests.cluster.images import BUSYBOX_IMAGE
-from tests.cluster.node import RealNode
-from tests.integration.test_plugin_process import complete_pool
-from tests.workloads import (
+from testbed.workloads import (
     claim_template,
     delete_namespace,
     pod,
@@ -43,6 +37,12 @@ from tests.workloads import (
     wait_running,
     wait_until,
 )
+from tests.cluster.harness import Cluster, free_port
+from tests.cluster.image_build import build_image
+from tests.cluster.images import BUSYBOX_IMAGE
+from tests.cluster.node import RealNode
+from tests.support.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
+from tests.support.pools import complete_pool
 
 # The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
 # and a node may wait for another test's node to go.
@@ -221,7 +221,7 @@ def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: R
     logged = [json.loads(line) for line in core.read_namespaced_pod_log(plugin.metadata.name, NAMESPACE).splitlines()]
     # logFormat json; the claim generated for the pod is named after it
     assert any(e["msg"].startswith("prepared claim") and pod_name in e["msg"] for e in logged), logged[-5:]
-    # The claim's status.devices, written under the chart's RBAC (associated-node:patch)
+    # The claim's status.devices, written under the chart's RBAC (associated-node:update)
     claims = kubernetes.client.ResourceV1Api(cluster.api_client()).list_namespaced_resource_claim(NS).items
     (claim,) = [c for c in claims if c.metadata.name.startswith(f"{pod_name}-")]
     (entry,) = claim.status.devices
