@@ -204,6 +204,7 @@ CASES = [
         "deployment default/d: spec.replicas must be a whole number, not 'two'",
     ),
     ("plan nothing to read", ["plan"], {}, "fgpu: plan: give manifests (files, folders, - for stdin) or --kubeconfig"),
+    ("plan kubeconfig missing", ["plan", "--kubeconfig={in}/missing"], {}, KUBECONFIG_ERROR + "missing: no such file"),
     (
         "plan object without metadata",
         [*PLAN, "{in}/no-metadata.yaml"],

@@ -17,6 +17,7 @@ import yaml
 from driver.manifests import Manifest, Pod, PodClaim, Ref, claim_object, claim_template, manifest, pods_of
 from driver.plan import Plan, make_plan
 from tests.support import ROOT
+from tests.support.cli import KUBECONFIG
 
 CLASSES = ROOT / "daemonset" / "deviceclasses.yaml"
 EXAMPLES = ROOT / "examples"
@@ -366,3 +367,11 @@ def test_plan_writes_nothing_to_stdout_on_bad_input():
         "fgpu plan: stdin: document 1: pod default/p: claim g names ResourceClaim default/c, "
         "which is not in the input\n"
     )
+
+
+def test_an_unreachable_cluster_is_one_line(tmp_path: Path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    run = fgpu("plan", "--kubeconfig", str(kubeconfig), str(EXAMPLES / "mig.yaml"))
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("fgpu plan: API server unreachable: ") and len(run.stderr.splitlines()) == 1
