@@ -48,6 +48,7 @@ from driver.manifests import (
     pods_of,
     read_manifests,
 )
+from driver.node.settings import DEFAULT_DRIVER_NAME
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")
@@ -66,7 +67,7 @@ class PlanInput:
     paths: tuple[Path, ...]
     kubeconfig: str | None = None  # plan against this cluster's slices, classes, nodes and claims too
     policy: Policy = "binpack"
-    driver: str = "gpu.fgpu.dev"
+    driver: str = DEFAULT_DRIVER_NAME
 
 
 @dataclass(frozen=True)
@@ -484,7 +485,7 @@ def _write_json(result: Plan, out: TextIO) -> None:
         "summary": {
             "allocated": len(result.outcomes) - result.failed,
             "failed": result.failed,
-            "notPlanned": len(result.skipped),
+            "skipped": len(result.skipped),
         },
         "nodes": result.nodes,
     }

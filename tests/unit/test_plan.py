@@ -99,7 +99,7 @@ def test_every_example_on_one_dgx_h100(machines: dict[str, Path]):
             "the class matches no device"
         )
     document = json.loads(run.stdout)
-    assert document["summary"] == {"allocated": 14, "failed": 6, "notPlanned": 0}
+    assert document["summary"] == {"allocated": 14, "failed": 6, "skipped": 0}
     assert document["skipped"] == [] and document["notes"] == []
     text = fgpu("plan", str(machines["n1"]), str(CLASSES), str(EXAMPLES)).stdout.splitlines()
     assert f"{GANG[1]}: cannot allocate: as above" in text  # the gang's reason once
