@@ -39,8 +39,8 @@ import uuid
 from pathlib import Path
 
 from driver.nvml.session import MOCK_STATE_ENV
-from tests.node_env import fake_tools_env, stop_fake_daemons
-from tests.plugin_process import PluginUnderTest
+from testbed.node_env import fake_tools_env, stop_fake_daemons
+from testbed.plugin_process import PluginUnderTest
 
 NODE = "node-a"
 
@@ -75,10 +75,11 @@ def device_result(kind: str, caller: int) -> dict:
 
 def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monitor: bool) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
+    from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
+
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
     from driver.sharing import ALL_KINDS, SharingConfig
-    from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
 
     api = InMemoryKubeApi()
     api.nodes[NODE] = node_object(NODE)
@@ -216,8 +217,8 @@ def main() -> None:
             )
         else:
             import kubernetes
-
             from tests.claims_api import create_claim
+
             from tests.cluster.harness import Cluster
 
             if args.kind != "whole":

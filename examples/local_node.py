@@ -22,10 +22,10 @@ import kubernetes
 
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from testbed.local_cluster import local_cluster
+from testbed.workloads import claim_template, pod, report, wait_running, wait_until
 from tests.cluster.host_state import RUN_MARKER
 from tests.cluster.node import RealNode
-from tests.local_cluster import local_cluster
-from tests.workloads import claim_template, pod, report, wait_running, wait_until
 
 NEEDS_ROOT = "make run needs root: kubelet and containerd manage cgroups, mounts and network namespaces"
 EXAMPLES = {

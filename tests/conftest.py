@@ -6,18 +6,17 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import kubernetes
 import pytest
 import yaml
 
+from testbed.plugin_process import PluginUnderTest
 from tests.cluster.harness import Cluster
 from tests.cluster.host_state import RUN_MARKER, HostState
 from tests.cluster.node import RealNode
-from tests.plugin_process import PluginUnderTest
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NODES = ("node-a", "node-b")
 
 

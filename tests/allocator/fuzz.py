@@ -19,10 +19,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 
-from tests.allocator.differential import check
-from tests.allocator.reference import ReferenceAllocator
-from tests.allocator.scenarios import scenarios
 from tests.cluster.harness import build_binaries
+from tests.support.differential import check
+from tests.support.reference import ReferenceAllocator
+from tests.support.scenarios import scenarios
 
 CASES = Path(__file__).parent / "cases"
 ROUND = 500  # examples a Hypothesis run; the budget is checked between runs

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 
-from tests.allocator.differential import check
-from tests.allocator.reference import ReferenceAllocator
-from tests.allocator.scenarios import scenarios
 from tests.cluster.harness import build_binaries
+from tests.support.differential import check
+from tests.support.reference import ReferenceAllocator
+from tests.support.scenarios import scenarios
 
 EXAMPLES = int(os.environ.get("FGPU_DIFFERENTIAL_EXAMPLES", "2000"))
 CASES = sorted((Path(__file__).parent / "cases").glob("*.json"))

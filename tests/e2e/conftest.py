@@ -7,12 +7,10 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import NS, wait_until
 from tests.cluster.node import RealNode
-from tests.integration.test_plugin_process import complete_pool
-from tests.node_plugin import NodePlugin
-from tests.workloads import wait_until
-
-NS = "default"
+from tests.support.pools import complete_pool
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ holds one real node (kubelet's cgroups and hard-coded paths are the host's)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,12 +15,12 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.controller.controller import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+from testbed.workloads import wait_for
 from tests.cluster.kubelet_standin import KubeletStandIn
-from tests.integration.test_plugin_process import complete_pool, wait_for
+from tests.support.controller import CONTROLLER, gang_claim, gated_pod
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
-CONTROLLER = (sys.executable, "-m", "driver.cli", "controller")
 
 
 @pytest.fixture
@@ -51,33 +50,6 @@ def controllers(cluster) -> Iterator[list[subprocess.Popen]]:
     for replica in replicas:
         replica.terminate()
         replica.wait(timeout=15)
-
-
-def gang_claim(name: str, gang: str, size: int, gpus: int) -> dict[str, Any]:
-    labels = {OPT_IN_LABEL: "fgpu", GANG_LABEL: gang, GANG_SIZE_LABEL: str(size)}
-    request = {"name": "gpus", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": gpus}}
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"devices": {"requests": [request]}},
-    }
-
-
-def gated_pod(name: str, claim: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "schedulingGates": [{"name": SCHEDULING_GATE}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-            "containers": [
-                {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-            "terminationGracePeriodSeconds": 1,
-        },
-    }
 
 
 def test_gang_is_placed_whole_across_nodes_and_pods_run(two_nodes, controllers, resource_api, core_api, cluster):

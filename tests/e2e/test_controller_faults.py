@@ -33,10 +33,10 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
-from tests.allocator.reference import ReferenceAllocator
+from testbed.workloads import wait_for
 from tests.cluster.harness import Cluster, build_binaries
-from tests.e2e.test_controller import CONTROLLER, gang_claim, gated_pod
-from tests.integration.test_plugin_process import wait_for
+from tests.support.controller import CONTROLLER, gang_claim, gated_pod
+from tests.support.reference import ReferenceAllocator
 
 pytestmark = pytest.mark.e2e
 DRIVER = "gpu.fgpu.dev"

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from driver.nvml.session import NvmlSession
-from tests.integration.test_crash_safety import check_consistent, mps_daemons
-from tests.integration.test_plugin_process import complete_pool, wait_for
-from tests.node_plugin import NodePlugin
-from tests.workloads import claim_template, pod, wait_running
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import claim_template, pod, wait_for, wait_running
+from tests.support.node_state import check_consistent, mps_daemons
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
 

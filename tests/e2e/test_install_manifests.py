@@ -13,8 +13,8 @@ import pytest
 import yaml
 from kubernetes.dynamic import DynamicClient
 
-from tests.chart import NAMESPACE, ROOT, render
-from tests.workloads import delete_namespace
+from testbed.workloads import delete_namespace
+from tests.support.chart import NAMESPACE, ROOT, render
 
 pytestmark = pytest.mark.e2e
 FIELD_MANAGER = "fgpu-tests"

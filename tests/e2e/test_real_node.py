@@ -17,11 +17,9 @@ from kubernetes.stream import stream
 
 from bench import pod_start
 from driver.node.faults import STALL_ENV, STALL_SECONDS_ENV
-from tests.cluster.node import RealNode
-from tests.e2e.conftest import NS
-from tests.integration.test_plugin_process import complete_pool
-from tests.node_plugin import NodePlugin
-from tests.workloads import (
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import (
+    NS,
     claim_template,
     delete_namespace,
     deployment,
@@ -32,6 +30,8 @@ from tests.workloads import (
     wait_running,
     wait_until,
 )
+from tests.cluster.node import RealNode
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
 

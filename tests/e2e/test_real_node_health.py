@@ -14,11 +14,10 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import NS, claim_template, pod, unique, wait_running, wait_until
 from tests.cluster.node import RealNode
-from tests.e2e.conftest import NS
-from tests.integration.test_plugin_process import node_slices
-from tests.node_plugin import NodePlugin
-from tests.workloads import claim_template, pod, unique, wait_running, wait_until
+from tests.support.pools import node_slices
 
 pytestmark = pytest.mark.e2e
 XID_TAINT = {"key": "gpu.fgpu.dev/xid", "operator": "Exists", "effect": "NoSchedule"}

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.claims_api import gpu_request
-from tests.integration.test_plugin_process import complete_pool, wait_for
-from tests.node_plugin import NodePlugin
-from tests.workloads import pod, wait_running
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import pod, wait_for, wait_running
+from tests.support.claims_api import gpu_request
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
 

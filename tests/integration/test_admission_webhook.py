@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from kubernetes.client import AdmissionregistrationV1Api, ApiException, ResourceV1Api
 
-from tests.chart import find, render
+from testbed.workloads import unique
 from tests.cluster.harness import Cluster, free_port
-from tests.conftest import ROOT
-from tests.workloads import unique
+from tests.support import ROOT
+from tests.support.chart import find, render
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,6 @@ share is prepared, and kubelet's retry succeeds."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 
@@ -17,10 +16,10 @@ from driver.node.faults import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
-from partitioner import tmpfs
-from tests.claims_api import create_allocated_claim
-from tests.node_env import fake_tools_env, stop_fake_daemons
-from tests.plugin_process import PluginUnderTest
+from testbed.node_env import fake_tools_env, stop_fake_daemons
+from testbed.plugin_process import PluginUnderTest
+from tests.support.claims_api import create_allocated_claim
+from tests.support.node_state import check_consistent
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +30,6 @@ RESULTS = [
     # An MPS share inside a MIG partition: the partition made, then the partition's own daemon.
     {"request": "part", "device": "gpu-4-mig-3g40gb-4-mps", "consumedCapacity": {"memory": "6Gi", "compute": "30"}},
 ]
-MIG_KINDS = ("mig", "mig-mps")
 
 
 @pytest.fixture
@@ -48,44 +46,6 @@ def node(cluster) -> Iterator[tuple[PluginUnderTest, NvmlSession]]:
         plugin.stop()
         stop_fake_daemons(plugin.root)  # the MPS daemons outlive the plugin by design
         shutil.rmtree(plugin.root, ignore_errors=True)
-
-
-def mps_daemons(plugin: PluginUnderTest) -> set[str]:
-    running = set()
-    for pid_file in (plugin.state_dir / "mps").glob("*/pipe/nvidia-cuda-mps-control.pid"):
-        try:
-            os.kill(int(pid_file.read_text()), 0)
-        except (ProcessLookupError, ValueError):
-            continue
-        running.add(pid_file.parent.parent.name)
-    return running
-
-
-def check_consistent(plugin: PluginUnderTest, session: NvmlSession) -> dict:
-    """The invariants; returns the prepared claims."""
-    checkpoint = json.loads((plugin.state_dir / "checkpoint.json").read_text())["claims"]
-    assert all(c["state"] == "PrepareCompleted" for c in checkpoint.values()), checkpoint
-    owned_mig = {
-        (d["gpu_index"], d["mig_profile_id"], d["mig_start"])
-        for c in checkpoint.values()
-        for d in c["devices"]
-        if d["kind"] in MIG_KINDS
-    }
-    existing = {(i, r.profile_id, r.start) for i in range(8) for r in session.gpu_instances(i)}
-    assert existing == owned_mig
-    specs = {
-        p.name.removeprefix("k8s.gpu.fgpu.dev-claim_").removesuffix(".json") for p in plugin.cdi_dir.glob("*.json")
-    }
-    assert specs == set(checkpoint)
-    # A GPU's daemon by its UUID, a partition's by its MIG device's.
-    mps_gpus = {d["gpu_uuid"] for c in checkpoint.values() for d in c["devices"] if d["kind"] == "mps"}
-    mps_gpus |= {d["mig_uuid"] for c in checkpoint.values() for d in c["devices"] if d["kind"] == "mig-mps"}
-    assert mps_daemons(plugin) == mps_gpus
-    mps_dirs = {p.name for p in (plugin.state_dir / "mps").glob("*")} if (plugin.state_dir / "mps").exists() else set()
-    assert mps_dirs == mps_gpus
-    mounted = {p.parent.name for p in (plugin.state_dir / "mps").glob("*/shm") if tmpfs.is_mounted(p)}
-    assert mounted == mps_gpus
-    return checkpoint
 
 
 def crash_at(plugin: PluginUnderTest, step: str | None) -> None:

@@ -20,9 +20,10 @@ from driver.kubeletapi import (
     dra_health_v1alpha1_pb2_grpc,
 )
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.plugin_process import PluginUnderTest
+from testbed.workloads import wait_for
 from tests.cluster.host_state import short_temp_dir
-from tests.integration.test_plugin_process import node_slices, wait_for
-from tests.plugin_process import PluginUnderTest
+from tests.support.pools import node_slices
 
 pytestmark = pytest.mark.e2e
 NODE = "node-health"

@@ -15,8 +15,8 @@ from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.kubelet.liveness import CHECK_INTERVAL_S
-from tests.integration.test_plugin_process import wait_for
-from tests.plugin_process import PluginUnderTest
+from testbed.plugin_process import PluginUnderTest
+from testbed.workloads import wait_for
 
 pytestmark = pytest.mark.e2e
 

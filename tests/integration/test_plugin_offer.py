@@ -14,9 +14,10 @@ import pytest
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.workloads import wait_for
 from tests.cluster.host_state import short_temp_dir
-from tests.integration.test_plugin_process import complete_pool, wait_for
-from tests.integration.test_status_cli import status
+from tests.support.cli import status
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
 NODE = "node-offer"

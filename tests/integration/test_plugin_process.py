@@ -12,34 +12,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.claims_api import create_claim
-from tests.plugin_process import PluginUnderTest
+from testbed.plugin_process import PluginUnderTest
+from testbed.workloads import wait_for
+from tests.support.claims_api import create_claim
+from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(condition, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
-
-
-def node_slices(resource_api, node: str) -> list:
-    return resource_api.list_resource_slice(field_selector=f"spec.nodeName={node},spec.driver=gpu.fgpu.dev").items
-
-
-def complete_pool(resource_api, node: str) -> list:
-    """The node's slices once all of the pool's newest generation are there, else []."""
-    slices = node_slices(resource_api, node)
-    if not slices:
-        return []
-    newest = max(s.spec.pool.generation for s in slices)
-    current = [s for s in slices if s.spec.pool.generation == newest]
-    return current if len(current) == current[0].spec.pool.resource_slice_count else []
 
 
 def test_registration_handshake_and_health(start_plugin):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +18,8 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
-from tests.claims_api import DRIVER, create_allocated_claim
-from tests.conftest import ROOT
+from tests.support.claims_api import DRIVER, create_allocated_claim
+from tests.support.cli import status
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +37,6 @@ TIME_SLICING = {
         },
     },
 }
-
-
-def status(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "driver.cli", "status", *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
 
 
 def gated_pod(claim: str) -> dict[str, Any]:

@@ -2,67 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import yaml
 
-from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
-from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
-from driver.allocator.state import AllocatedState
+from driver.allocator.cluster import Failure, Snapshot
+from driver.allocator.model import slice_from_object
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import ALL_KINDS, SharingConfig
 from driver.slices import build_slices
-from tests.conftest import ROOT
+from tests.support.allocation import CLASSES, DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
 
-DRIVER = "gpu.fgpu.dev"
-
-
-def h100_slices(*nodes: str) -> list[dict[str, Any]]:
-    inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())
-    return [s for node in nodes for s in build_slices(DRIVER, node, inventory, generation=1, owner=None)]
-
-
-CLASSES = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
 CLASSES[1] = {
     **CLASSES[1],
     "spec": {**CLASSES[1]["spec"], "config": [{"opaque": {"driver": DRIVER, "parameters": {"a": 1}}}]},
 }
-
-
-def allocator(slices: list[dict[str, Any]], policy: str = "binpack", allocated: tuple = ()) -> ClusterAllocator:
-    snapshot = Snapshot.from_slices([slice_from_object(s) for s in slices])
-    classes = {c.name: c for c in map(class_from_object, CLASSES)}
-    return ClusterAllocator(snapshot, classes, AllocatedState.from_allocations(allocated), policy)  # type: ignore[arg-type]
-
-
-def claim(name: str, *requests: dict[str, Any], **devices: Any) -> Any:
-    metadata = {"name": name, "namespace": "ns", "uid": f"uid-{name}"}
-    return claim_from_object({"metadata": metadata, "spec": {"devices": {"requests": list(requests), **devices}}})
-
-
-def exactly(cls: str, name: str = "r", selector: str | None = None, **more: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"deviceClassName": cls, **more}
-    if selector:
-        body["selectors"] = [{"cel": {"expression": selector}}]
-    return {"name": name, "exactly": body}
-
-
-def profile(name: str) -> str:
-    return f'device.attributes["{DRIVER}"].profile == "{name}"'
-
-
-def place(cluster: ClusterAllocator, c: Any) -> Placement:
-    outcome = cluster.allocate(c)
-    assert isinstance(outcome, Placement), outcome
-    cluster.commit(outcome)
-    return outcome
-
-
-def devices(placement: Placement) -> list[str]:
-    return [r["device"] for r in placement.allocation["devices"]["results"]]
 
 
 def test_share_rounds_up_to_the_step_and_draws_counters_once():

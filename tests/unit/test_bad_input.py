@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_cli import KUBECONFIG
+from tests.support.cli import KUBECONFIG
 
 INPUTS = {
     "kubeconfig": KUBECONFIG,

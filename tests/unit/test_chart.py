@@ -15,7 +15,7 @@ import yaml
 from driver.cli import build_parser
 from driver.node.health.taints import HealthPolicy
 from driver.node.settings import health_policy, sharing_config
-from tests.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
+from tests.support.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
 
 MOCK = {"nvml": "mock:dgx-h100"}
 

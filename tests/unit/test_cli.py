@@ -3,10 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KUBECONFIG = (  # never dialled: the plugin stops before it serves
-    "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-    "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
-)
+from tests.support.cli import KUBECONFIG
 
 
 def run_plugin(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:

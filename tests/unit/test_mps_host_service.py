@@ -19,8 +19,8 @@ from driver.node.claims import ClaimRef
 from partitioner import tmpfs
 from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner
-from tests.fakes import InMemoryKubeApi, allocated_claim, result
-from tests.node_env import NodeEnv, process_alive
+from testbed.node_env import NodeEnv, process_alive
+from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
 
 # Starts GPU 0's daemon the way the plugin does, then waits to be killed.
 STARTER = """

@@ -14,10 +14,10 @@ from pathlib import Path
 import kubernetes
 import yaml
 
+from testbed.node_plugin import NodePlugin
 from tests.cluster.harness import Cluster
 from tests.cluster.host_state import short_temp_dir
 from tests.cluster.node import RealNode
-from tests.node_plugin import NodePlugin
 
 DEVICE_CLASSES = Path(__file__).resolve().parents[1] / "daemonset" / "deviceclasses.yaml"
 

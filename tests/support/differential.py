@@ -21,7 +21,7 @@ from driver.allocator.model import claim_from_object, class_from_object, slice_f
 from driver.allocator.pools import Node
 from driver.allocator.quantity import parse_quantity
 from driver.allocator.state import AllocatedState
-from tests.allocator.reference import ReferenceAllocator
+from tests.support.reference import ReferenceAllocator
 
 POLICIES = ("binpack", "spread", "first-fit")
 # Upstream's errors that end its search where it meets them (allocator_incubating.go): a selector

@@ -22,6 +22,7 @@ REPORT = (
     "echo '== end'"
 )
 WAIT_S = 90
+NS = "default"  # where workloads go unless told
 
 
 def claim_template(name: str, device_class: str, *, count: int = 1, selector: str | None = None,
@@ -118,13 +119,13 @@ class ContainerReport:
         return cls(env, devices, set(sections["mounts"]), set(sections["shm"]))
 
 
-def wait_until(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+def wait_until(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = probe()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
@@ -149,12 +150,12 @@ def delete_namespace(core: kubernetes.client.CoreV1Api, name: str) -> None:
     wait_until(f"namespace {name} gone", gone, timeout_s=120)
 
 
-def pod_events(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> list[str]:
+def pod_events(core: kubernetes.client.CoreV1Api, name: str, namespace: str = NS) -> list[str]:
     events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     return [f"{e.reason}: {e.message}" for e in events]
 
 
-def wait_running(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> Any:
+def wait_running(core: kubernetes.client.CoreV1Api, name: str, namespace: str = NS) -> Any:
     def running() -> Any:
         found = core.read_namespaced_pod(name, namespace)
         return found if found.status.phase == "Running" else None
@@ -165,7 +166,7 @@ def wait_running(core: kubernetes.client.CoreV1Api, name: str, namespace: str = 
         raise AssertionError(f"{err}; events: {pod_events(core, name, namespace)}") from None
 
 
-def report(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "default") -> ContainerReport:
+def report(core: kubernetes.client.CoreV1Api, name: str, namespace: str = NS) -> ContainerReport:
     """The container's report, through the apiserver's logs endpoint (kubelet -> containerd)."""
 
     def complete() -> str | None:
@@ -173,3 +174,8 @@ def report(core: kubernetes.client.CoreV1Api, name: str, namespace: str = "defau
         return text if "== end" in text else None
 
     return ContainerReport.parse(wait_until(f"report of pod {name}", complete))
+
+
+def wait_for(probe: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
+    """wait_until for a condition that needs no name, polled more often."""
+    return wait_until("condition", probe, timeout_s=timeout, interval=interval)

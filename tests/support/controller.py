@@ -1,0 +1,37 @@
+"""`fgpu controller` as a process, and the opt-in claims and gated pods it places."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from driver.controller.controller import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+
+CONTROLLER = (sys.executable, "-m", "driver.cli", "controller")
+
+
+def gang_claim(name: str, gang: str, size: int, gpus: int) -> dict[str, Any]:
+    labels = {OPT_IN_LABEL: "fgpu", GANG_LABEL: gang, GANG_SIZE_LABEL: str(size)}
+    request = {"name": "gpus", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": gpus}}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"devices": {"requests": [request]}},
+    }
+
+
+def gated_pod(name: str, claim: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "schedulingGates": [{"name": SCHEDULING_GATE}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+            "containers": [
+                {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+            "terminationGracePeriodSeconds": 1,
+        },
+    }
