@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 NVML ?= mock:dgx-h100
 
-.PHONY: setup run test fuzz cluster cluster-up cluster-down bench lint protos render
+.PHONY: setup run test unit fuzz cluster cluster-up cluster-down bench lint protos render
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ run: setup cluster
 
 test: setup cluster
 	$(PYTHON) -m pytest -q tests
+
+# The quick tier: pure tests (allocator, CEL, devices, slices, config, checkpoint, CDI, claims,
+# the chart if helm is already built); no root, no Go, no network, under 2 minutes.
+unit: setup
+	$(PYTHON) -m pytest -q -m "not cluster and not real_node and not root" --no-builds -p no:cacheprovider tests/unit
 
 # The differential test on new random scenarios for FUZZ_MINUTES; a failure is written, shrunk,
 # to tests/allocator/cases/ (CI runs a fixed set and those cases).

@@ -1,4 +1,10 @@
-"""Shared fixtures: the real control plane (session-wide) and plugin processes."""
+"""Shared fixtures: the real control plane (session-wide) and plugin processes; the test tiers.
+
+Markers say what a test needs (pyproject.toml): `cluster`, `real_node`, `root` tests get the
+host check (the run leaves no process, mount, iptables chain, sysctl or cgroup behind; it waits
+for the host lock while another test node holds it); unmarked tests are pure and never wait.
+`--no-builds` (make unit) builds nothing from Go: a `go` test runs with binaries already built,
+else it is skipped and says why."""
 
 from __future__ import annotations
 
@@ -12,16 +18,35 @@ import pytest
 import yaml
 
 from testbed.plugin_process import PluginUnderTest
-from tests.cluster.harness import Cluster
+from tests.cluster.harness import NO_BUILDS_ENV, Cluster, built_binaries
 from tests.cluster.host_state import RUN_MARKER, HostState
 from tests.cluster.node import RealNode
 from tests.support import ROOT
 
 NODES = ("node-a", "node-b")
+CHANGE_THE_HOST = ("cluster", "real_node", "root")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--no-builds", action="store_true", help="build nothing from Go; skip go tests if unbuilt")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--no-builds"):
+        os.environ[NO_BUILDS_ENV] = "1"  # build_binaries() then only finds what was built
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--no-builds") or built_binaries() is not None:
+        return
+    skip = pytest.mark.skip(reason="needs binaries built from Go (make cluster); --no-builds builds none")
+    for item in items:
+        if item.get_closest_marker("go"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, host_left_as_found: None) -> Iterator[Cluster]:
     control_plane = Cluster(tmp_path_factory.mktemp("cluster")).start()
     try:
         for node in NODES:
@@ -45,7 +70,7 @@ def real_node(cluster: Cluster) -> Iterator[RealNode]:
         node.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def host_left_as_found() -> Iterator[None]:
     """The whole run leaves no sysctl, iptables chain, mount, network device or cgroup behind."""
     os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
@@ -53,6 +78,13 @@ def host_left_as_found() -> Iterator[None]:
     yield
     left = before.differences(HostState.take_quiet())
     assert not left, "the test run left this behind on the host:\n" + "\n".join(left)
+
+
+@pytest.fixture(autouse=True)
+def _host_checked(request: pytest.FixtureRequest) -> None:
+    """Tests that change the host take part in the run's host check; pure ones stay out of it."""
+    if any(request.node.get_closest_marker(marker) for marker in CHANGE_THE_HOST):
+        request.getfixturevalue("host_left_as_found")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from tests.support.differential import check
 from tests.support.reference import ReferenceAllocator
 from tests.support.scenarios import scenarios
 
+pytestmark = pytest.mark.go
 EXAMPLES = int(os.environ.get("FGPU_DIFFERENTIAL_EXAMPLES", "2000"))
 CASES = sorted((Path(__file__).parent / "cases").glob("*.json"))
 

@@ -42,12 +42,35 @@ RUN_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fgpu
 START_TIMEOUT_S = 60
 
 
+NO_BUILDS_ENV = "FGPU_NO_BUILDS"  # set: use what build.sh built before, never build (no Go needed)
+BUILT = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "etcd", "allocate", "pause", "helm")
+
+
 def build_binaries() -> Path:
     """Build (or find cached) control-plane binaries; returns their directory."""
+    if os.environ.get(NO_BUILDS_ENV):
+        built = built_binaries()
+        if built is None:
+            raise RuntimeError(f"{NO_BUILDS_ENV} is set and nothing is built: run make cluster")
+        return built
     run = subprocess.run([str(HERE / "build.sh")], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"building the control plane failed:\n{run.stderr[-4000:]}")
     return Path(run.stdout.strip().splitlines()[-1])
+
+
+def built_binaries() -> Path | None:
+    """The directory an earlier build.sh filled (FGPU_CLUSTER_BIN, else the newest cached
+    Kubernetes version), or None; found without Go and without building."""
+    if explicit := os.environ.get("FGPU_CLUSTER_BIN"):
+        candidates = [Path(explicit)]
+    else:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fgpu"
+        candidates = sorted(cache.glob("k8s-*"), reverse=True)
+    for directory in candidates:
+        if all((directory / name).is_file() for name in BUILT):
+            return directory
+    return None
 
 
 def die_with_parent() -> None:

@@ -20,7 +20,7 @@ from tests.cluster.kubelet_standin import KubeletStandIn
 from tests.support.controller import CONTROLLER, gang_claim, gated_pod
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from tests.cluster.harness import Cluster, build_binaries
 from tests.support.controller import CONTROLLER, gang_claim, gated_pod
 from tests.support.reference import ReferenceAllocator
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 DRIVER = "gpu.fgpu.dev"
 LEASE_ENV = {"LEASE_DURATION": "4", "RENEW_DEADLINE": "2.5", "RETRY_PERIOD": "0.5"}
 NODES = 4  # x 8 mock H100

@@ -16,7 +16,7 @@ from testbed.workloads import claim_template, pod, wait_for, wait_running
 from tests.support.node_state import check_consistent, mps_daemons
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
 
 @pytest.fixture

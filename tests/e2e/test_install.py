@@ -46,7 +46,7 @@ from tests.support.pools import complete_pool
 
 # The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
 # and a node may wait for another test's node to go.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node, pytest.mark.timeout(900)]
 REPOSITORY = "fgpu.test/fgpu"
 TAGS = ("dev", "next")  # the same image under two tags: an upgrade changes the pod template's image
 RELEASE = "fgpu"

@@ -16,7 +16,7 @@ from kubernetes.dynamic import DynamicClient
 from testbed.workloads import delete_namespace
 from tests.support.chart import NAMESPACE, ROOT, render
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 FIELD_MANAGER = "fgpu-tests"
 MANIFESTS = sorted((ROOT / "daemonset").glob("*.yaml")) + sorted((ROOT / "examples").glob("*.yaml"))
 CHART_VALUES = {

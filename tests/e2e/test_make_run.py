@@ -19,7 +19,7 @@ from examples import local_node
 from tests.cluster.harness import die_with_parent
 from tests.cluster.host_state import NODE_RECORD, HostState
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_TIMEOUT_S = 240
 

@@ -33,7 +33,7 @@ from testbed.workloads import (
 from tests.cluster.node import RealNode
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
 MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/node/cdi.py)
 

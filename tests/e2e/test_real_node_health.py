@@ -19,7 +19,7 @@ from testbed.workloads import NS, claim_template, pod, unique, wait_running, wai
 from tests.cluster.node import RealNode
 from tests.support.pools import node_slices
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 XID_TAINT = {"key": "gpu.fgpu.dev/xid", "operator": "Exists", "effect": "NoSchedule"}
 
 

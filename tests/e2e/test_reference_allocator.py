@@ -14,6 +14,7 @@ from tests.cluster.harness import build_binaries
 from tests.support.claims_api import gpu_request
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.go
 
 
 def claim(name: str, expression: str, count: int = 1) -> dict:

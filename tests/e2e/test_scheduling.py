@@ -13,7 +13,7 @@ from testbed.workloads import pod, wait_for, wait_running
 from tests.support.claims_api import gpu_request
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from tests.cluster.harness import Cluster, free_port
 from tests.support import ROOT
 from tests.support.chart import find, render
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 DRIVER = "gpu.fgpu.dev"
 NS = "default"

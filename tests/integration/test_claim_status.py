@@ -26,7 +26,7 @@ from testbed.workloads import wait_for
 from tests.cluster.harness import Cluster
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = "status-test-plugin"

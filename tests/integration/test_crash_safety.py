@@ -21,7 +21,7 @@ from testbed.plugin_process import PluginUnderTest
 from tests.support.claims_api import create_allocated_claim
 from tests.support.node_state import check_consistent
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.root]
 
 RESULTS = [
     {"request": "mig", "device": "gpu-1-mig-3g40gb-0"},

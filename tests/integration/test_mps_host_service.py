@@ -19,7 +19,7 @@ from testbed.node_env import process_alive, stop_fake_daemons
 from testbed.plugin_process import PluginUnderTest
 from tests.support.claims_api import create_allocated_claim
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.cluster, pytest.mark.root]
 
 SHARE = [{"request": "mps", "device": "gpu-2-mps", "consumedCapacity": {"memory": "8Gi", "compute": "20"}}]
 

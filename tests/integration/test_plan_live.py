@@ -21,7 +21,7 @@ from driver.slices import build_slices
 from tests.support import ROOT
 from tests.support.claims_api import DRIVER, create_allocated_claim
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 NODE = "plan-node"  # a node of its own, with H200s (no other test publishes any): nothing else matches
 H200 = 'device.attributes["gpu.fgpu.dev"].productName == "NVIDIA H200"'

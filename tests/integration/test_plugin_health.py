@@ -25,7 +25,7 @@ from testbed.workloads import wait_for
 from tests.cluster.host_state import short_temp_dir
 from tests.support.pools import node_slices
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 NODE = "node-health"
 PER_GPU = 26  # the whole GPU and 25 MIG placements of an H100
 

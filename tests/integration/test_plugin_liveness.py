@@ -18,7 +18,7 @@ from driver.node.kubelet.liveness import CHECK_INTERVAL_S
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -23,7 +23,7 @@ from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
 from tests.support.chart import CHART
 from tests.support.claims_api import create_allocated_claim, create_claim
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 SERIES_OF_TYPE = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
 
 

@@ -19,7 +19,7 @@ from tests.cluster.host_state import short_temp_dir
 from tests.support.cli import status
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 NODE = "node-offer"
 
 

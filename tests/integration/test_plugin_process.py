@@ -17,7 +17,7 @@ from testbed.workloads import wait_for
 from tests.support.claims_api import create_claim
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 
 def test_registration_handshake_and_health(start_plugin):

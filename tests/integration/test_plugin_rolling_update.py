@@ -25,7 +25,7 @@ from tests.cluster.host_state import short_temp_dir
 from tests.support.claims_api import create_allocated_claim
 from tests.support.pools import complete_pool
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 SHARE = [{"request": "mps", "device": "gpu-2-mps", "consumedCapacity": {"memory": "8Gi", "compute": "10"}}]
 WHOLE = [{"request": "gpu", "device": "gpu-1"}]

@@ -21,7 +21,7 @@ from driver.slices import build_slices
 from tests.support.claims_api import DRIVER, create_allocated_claim
 from tests.support.cli import status
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 NODE = "status-node"  # a pool of its own: other tests' claims in node-a's pool stay out of the way
 TAINT = {"key": "gpu.fgpu.dev/xid", "value": "79", "effect": "NoExecute"}

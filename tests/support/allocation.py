@@ -25,6 +25,11 @@ def h100_slices(*nodes: str) -> list[dict[str, Any]]:
 
 
 CLASSES = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]
+# The second class carries an opaque config, so results show a class's config as upstream copies it.
+CLASSES[1] = {
+    **CLASSES[1],
+    "spec": {**CLASSES[1]["spec"], "config": [{"opaque": {"driver": DRIVER, "parameters": {"a": 1}}}]},
+}
 
 
 def allocator(slices: list[dict[str, Any]], policy: str = "binpack", allocated: tuple = ()) -> ClusterAllocator:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from driver.allocator.cluster import Failure, Snapshot
-from driver.allocator.model import slice_from_object
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
+from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.state import AllocatedState
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import ALL_KINDS, SharingConfig
 from driver.slices import build_slices
-from tests.support.allocation import CLASSES, DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
-
-CLASSES[1] = {
-    **CLASSES[1],
-    "spec": {**CLASSES[1]["spec"], "config": [{"opaque": {"driver": DRIVER, "parameters": {"a": 1}}}]},
-}
+from tests.support import ROOT
+from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
 
 
 def test_share_rounds_up_to_the_step_and_draws_counters_once():
@@ -262,3 +261,25 @@ def test_a_pool_offered_to_every_node_reaches_all_of_them_and_leaves_all_of_them
     cluster.update_slices([], shared)
     assert [p.name for p in cluster.snapshot.pools["n1"]] == ["n1"]
     assert ("gpu.fgpu.dev", "fabric") not in cluster.snapshot.nodes_of_pool
+
+
+@pytest.mark.parametrize(
+    "case", ["search-order-all-constraint-ours-first", "search-order-cel-runtime-error-ours-first"]
+)
+def test_an_error_only_our_order_meets_is_searched_again_in_upstreams_order(case: str):
+    """A policy's order that meets a search-order error (docs/allocator.md, Semantics) does not
+    refuse the claim: the node is searched again in upstream's order, and gets first-fit's devices."""
+    scenario = json.loads((ROOT / "tests" / "allocator" / "cases" / f"{case}.json").read_text())
+    outcomes = {}
+    for policy in ("first-fit", "binpack", "spread"):
+        cluster = ClusterAllocator(
+            Snapshot.from_slices([slice_from_object(s) for s in scenario["slices"]]),
+            {c["metadata"]["name"]: class_from_object(c) for c in scenario["classes"]},
+            AllocatedState.from_allocations(()),
+            policy,  # type: ignore[arg-type]
+        )
+        for earlier in scenario["earlier"]:
+            place(cluster, claim_from_object(earlier))
+        outcomes[policy] = cluster.allocate(claim_from_object(scenario["claim"]))
+    assert all(isinstance(o, Placement) for o in outcomes.values()), outcomes
+    assert devices(outcomes["binpack"]) == devices(outcomes["spread"]) == devices(outcomes["first-fit"])

@@ -17,6 +17,8 @@ from driver.node.health.taints import HealthPolicy
 from driver.node.settings import health_policy, sharing_config
 from tests.support.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
 
+pytestmark = pytest.mark.go  # helm, or go for the pause image: see tests/conftest.py
+
 MOCK = {"nvml": "mock:dgx-h100"}
 
 

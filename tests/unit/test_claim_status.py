@@ -48,6 +48,7 @@ def status_devices(api: InMemoryKubeApi, ref: ClaimRef) -> dict[str, dict]:
     return {d["device"]: d for d in devices}
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_prepare_reports_each_device_and_unprepare_removes_only_ours(node):
     api, env = node
     ref = add_claim(

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli import KUBECONFIG
 
 
@@ -49,6 +51,7 @@ def discover(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_json_logs_are_one_object_a_line(tmp_path: Path):
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)

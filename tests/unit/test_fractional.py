@@ -71,6 +71,7 @@ def test_mig_on_an_a100_with_mig_off_is_a_clear_error(tmp_path: Path, monkeypatc
     assert env.claims.all() == {}
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 @pytest.mark.parametrize("device", ["gpu-4-mps", "gpu-4-ts"])
 def test_a_share_switches_off_the_mig_mode_a_mig_device_left_on(node, device: str):
     """Whole-GPU use needs MIG mode off; an H100 switches at once, so a share may follow MIG."""
@@ -85,6 +86,7 @@ def test_a_share_switches_off_the_mig_mode_a_mig_device_left_on(node, device: st
     assert env.driver.unprepare([ref]) == {ref.uid: ""}
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_mps_shares_share_one_daemon_with_their_own_limits(node):
     api, env = node
     first = claim(api, "a", [share("gpu-1-mps", memory="10Gi", compute="25")])
@@ -186,6 +188,7 @@ def test_bad_config_is_a_per_claim_error_naming_the_field(node, parameters, reas
     assert not env.mps.running(env.gpus[4].uuid)
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_class_config_comes_before_claim_config(node):
     api, env = node
     base = {"apiVersion": CONFIG, "kind": "ShareConfig", "sharing": {"strategy": "MPS"}}
@@ -198,6 +201,7 @@ def test_class_config_comes_before_claim_config(node):
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in spec(env, ref.uid)["devices"][0]["containerEdits"]["env"]
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_restart_sweeps_orphans_and_keeps_what_claims_own(node):
     api, env = node
     kept = claim(api, "kept", [result("gpu-6-mig-2g20gb-0"), share("gpu-7-mps", memory="4Gi", compute="10")])
@@ -252,6 +256,7 @@ def admin(device: str) -> dict:
     return entry
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_anything(node):
     api, env = node
     uuid = env.gpus[1].uuid
@@ -277,6 +282,7 @@ def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_
     assert env.session.gpu_instances(2) == []
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_mps_shares_inside_a_mig_partition_share_its_daemon_and_the_last_destroys_it(node):
     api, env = node
     device = "gpu-3-mig-3g40gb-4-mps"
@@ -339,6 +345,7 @@ def test_time_sliced_shares_inside_a_mig_partition(node):
     assert "interval cannot be set (it is the GPU's)" in error and env.session.gpu_instances(2) == []
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_restart_keeps_a_partitions_daemon_and_sweeps_an_orphaned_one(node):
     api, env = node
     kept = claim(api, "kept", [share("gpu-5-mig-3g40gb-4-mps", memory="4Gi")])

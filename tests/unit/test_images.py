@@ -26,6 +26,8 @@ import pytest
 from tests.cluster import images
 from tests.cluster.images import ImageConfig, Layer, build_image
 
+pytestmark = pytest.mark.go  # helm, or go for the pause image: see tests/conftest.py
+
 
 @dataclass(frozen=True)
 class Archive:

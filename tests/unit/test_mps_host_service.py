@@ -30,6 +30,8 @@ from pathlib import Path
 from driver.nvml.session import NvmlSession
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner
+
+pytestmark = pytest.mark.root  # real tmpfs mounts and cgroups
 driver_root, state_dir, uuid = sys.argv[1:]
 MpsPartitioner(NvmlSession.open("mock:dgx-h100"), ToolRunner(Path(driver_root)), Path(state_dir)).start(0, uuid)
 print("started", flush=True)

@@ -116,6 +116,7 @@ def test_failed_steps_are_counted_by_their_source(plugin):
     assert samples.delta("fgpu_claim_errors_total", operation="prepare", reason="api") == 1
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_node_state_and_usage_by_the_pod_holding_the_device(plugin):
     api, env, service, samples = plugin
     refs = [
@@ -164,6 +165,7 @@ def test_node_state_and_usage_by_the_pod_holding_the_device(plugin):
     assert samples.series("fgpu_mig_memory_used_bytes") == []
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_another_instance_sharing_the_state_reports_the_same_devices(plugin):
     """Rolling update: the state-derived metrics come from the checkpoint, whichever instance
     prepared the claim."""

@@ -70,6 +70,7 @@ def settings(tmp_path: Path, *flags: str) -> PluginSettings:
     return plugin_settings(build_parser().parse_args(argv))
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_sockets_are_named_after_the_pod_uid(tmp_path: Path, no_uid_from_the_environment: pytest.MonkeyPatch):
     # kubelet's own directories: short enough for the full UID
     dirs = ("--registrar-dir=/var/lib/kubelet/plugins_registry", "--plugin-dir=/var/lib/kubelet/plugins/gpu.fgpu.dev")

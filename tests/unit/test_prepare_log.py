@@ -32,6 +32,7 @@ def info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return lines
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_prepare_and_unprepare_each_log_one_line_with_what_changed(node, caplog: pytest.LogCaptureFixture):
     api, env = node
     results = [
@@ -72,6 +73,7 @@ def test_prepare_and_unprepare_each_log_one_line_with_what_changed(node, caplog:
     ), line
 
 
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
 def test_a_share_that_others_still_use_says_so(node, caplog: pytest.LogCaptureFixture):
     api, env = node
     refs = []
