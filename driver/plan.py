@@ -346,7 +346,7 @@ def _workload_units(
             given, template = templates[_referenced(pod, pod_claim)]
             claim = _converted(claim_from_object, given, claim_object(template, pod, pod_claim))
             subject = f"{pod.subject}: claim {pod_claim.name} from template {pod_claim.template}"
-            if pod.node and gang_of(claim):
+            if pod.node and _opted_in(claim) and gang_of(claim):
                 result.skipped.append(Skip(subject, manifest.where, "a gang of a DaemonSet's pods is not planned"))
                 continue
             units.append(Unit(subject, claim, manifest.where, pod.node))
