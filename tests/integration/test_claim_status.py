@@ -21,9 +21,9 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from testbed.cluster.harness import Cluster
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.cluster.harness import Cluster
 from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.cluster
@@ -262,12 +262,11 @@ KINDS = {
         _mps(10, "1Gi"),
         {"kind": "mig-mps", "mps": {"activeThreadPercentage": 10, "pinnedMemoryLimitBytes": 2**30}},
     ),
-    "mig-timeslice": Kind(
+    "mig-timeslice": Kind(  # a MIG partition's interval is the GPU's: the config names only the strategy
         "mig-timeslice.gpu.fgpu.dev",
         {},
-        _timeslicing("Medium"),
-        {"kind": "mig-timeslice", "timeSlice": {"interval": "Medium"}},
-        "Medium",
+        {"sharing": {"strategy": "TimeSlicing"}, "kind": "ShareConfig", "apiVersion": API},
+        {"kind": "mig-timeslice"},
     ),
 }
 
