@@ -4,13 +4,21 @@ byte of the claim kept as the server sent it.
 Why protobuf: kube-apiserver compares a claim's `status.allocation` before and after a status
 write with `equality.Semantic.DeepEqual` and refuses any difference (k8s.io/kubernetes v1.37.2,
 pkg/registry/resource/resourceclaim/strategy.go `resourceclaimStatusStrategy.ValidateUpdate` ->
-pkg/apis/resource/v1/zz_generated.validations.go `Validate_ResourceClaimStatus`, NoModify: "field
-cannot be modified once set"). An opaque config's `parameters` is a `runtime.RawExtension`, compared
-as raw bytes. Stored bytes are whatever the claim's author sent (key order, spaces), copied into
-the allocation by kube-scheduler. Every JSON route re-encodes them: server-side apply and merge
-patches turn the live object into a map and back (sorted keys, no spaces), a JSON read compacts
-them, and a PUT carries the bytes the client serialises. Only protobuf carries them verbatim both
-ways. The same holds for other drivers' `status.devices[].data`, compared per driver before
+pkg/apis/resource/v1/zz_generated.validations.go `Validate_ResourceClaimStatus`, NoModify: 422
+"status.allocation: Invalid value: null: field cannot be modified once set"; the handwritten
+`ValidateResourceClaimStatusUpdate` in pkg/apis/resource/validation does the same). An opaque
+config's `parameters` is a `runtime.RawExtension`, compared as raw bytes, and stored as its author
+sent it (apimachinery pkg/runtime/extension.go `UnmarshalJSON` keeps the bytes: key order,
+spaces); kube-scheduler copies those bytes into the allocation (protobuf). Every JSON route
+re-encodes them:
+- server-side apply and merge patches turn the live object into a map and back
+  (apimachinery pkg/runtime/converter.go `ToUnstructured`/`FromUnstructured`: json.Marshal, sorted
+  keys, no spaces), so bytes not in that form (a Python client's spaces, a Go struct's key order)
+  read as a modified allocation;
+- a JSON read compacts them and a PUT carries what the client serialises (the Python client:
+  spaces), so a PUT from Python fails on bytes in any other form (kubectl's, helm's).
+Measured against kube-apiserver 1.37.2 both ways. Only protobuf carries the bytes verbatim in and
+out. The same holds for other drivers' `status.devices[].data`, compared per driver before
 authorizing the write (pkg/registry/resource/utils.go `AuthorizedForDeviceStatus`): re-encoded,
 they would read as our changing another driver's entries.
 
