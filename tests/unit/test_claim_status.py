@@ -16,7 +16,7 @@ from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, devic
 from driver.node.claims import ClaimRef
 from driver.node.reconcile import ClaimReconciler
 from driver.node.state import PreparedDevice
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
 DRIVER = "gpu.fgpu.dev"
 NIC = {"driver": "net.example.com", "pool": "node-a", "device": "eth1"}
