@@ -6,7 +6,7 @@
 #   docker build -t ghcr.io/fgpu/fgpu:0.1.0 .        (or podman/buildah bud)
 #
 # BASE_IMAGE: a Debian-based image with python3 >= 3.11 and its venv module. The test bed passes one
-# made from Debian packages (tests/cluster/image_build.py), so it needs no registry.
+# made from Debian packages (testbed/cluster/image_build.py), so it needs no registry.
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 
 # Build stage: fgpu and its pinned dependencies into a virtual environment.

@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 # The control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd) from upstream
 # Go modules, cached in ~/.cache/fgpu/k8s-<version>/.
 cluster:
-	tests/cluster/build.sh
+	testbed/cluster/build.sh
 
 # The main job: a local cluster (the real control plane, a real kubelet and containerd) with the
 # fgpu plugin on mock GPUs (NVML=real for real ones); runs example pods, prints what their
@@ -39,10 +39,10 @@ fuzz: setup cluster
 	$(PYTHON) -m tests.allocator.fuzz --minutes $(FUZZ_MINUTES)
 
 cluster-up: setup cluster
-	$(PYTHON) -m tests.cluster.harness up
+	$(PYTHON) -m testbed.cluster.harness up
 
 cluster-down: setup
-	$(PYTHON) -m tests.cluster.harness down
+	$(PYTHON) -m testbed.cluster.harness down
 
 bench: setup cluster
 	$(PYTHON) -m bench.prepare_latency --api memory
@@ -55,7 +55,7 @@ lint: setup
 
 # daemonset/*.yaml from the Helm chart, for users without Helm (a test checks they match).
 render: setup cluster
-	HELM=$$(tests/cluster/build.sh)/helm daemonset/render.sh
+	HELM=$$(testbed/cluster/build.sh)/helm daemonset/render.sh
 
 protos: setup
 	$(PYTHON) proto/generate.py

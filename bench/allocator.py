@@ -41,7 +41,7 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import DEFAULT_KINDS, SharingConfig
 from driver.slices import build_slices
-from tests.cluster.harness import build_binaries
+from testbed.cluster.harness import build_binaries
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = "gpu.fgpu.dev"

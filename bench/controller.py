@@ -35,7 +35,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
 from driver.controller.controller import OPT_IN_LABEL, SCHEDULING_GATE
-from tests.cluster.harness import Cluster
+from testbed.cluster.harness import Cluster
 
 CLIENT_LIMITS = ["--kube-api-qps=1000", "--kube-api-burst=2000"]
 WATCHED = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler")

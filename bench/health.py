@@ -23,8 +23,8 @@ from driver.node.health.record import HealthRecord
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.cluster.harness import Cluster
 from testbed.plugin_process import PluginUnderTest
-from tests.cluster.harness import Cluster
 
 NODE = "node-a"
 POLL_S = 0.01

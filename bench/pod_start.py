@@ -27,10 +27,10 @@ from typing import Any
 import kubernetes
 from prometheus_client.parser import text_string_to_metric_families
 
+from testbed.cluster.node import RealNode
 from testbed.local_cluster import local_cluster
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import claim_template, pod, wait_until
-from tests.cluster.node import RealNode
 
 NS = "default"
 KINDS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -75,11 +75,10 @@ def device_result(kind: str, caller: int) -> dict:
 
 def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monitor: bool) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
-    from tests.fakes import InMemoryKubeApi, allocated_claim, node_object
-
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
     from driver.sharing import ALL_KINDS, SharingConfig
+    from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object
 
     api = InMemoryKubeApi()
     api.nodes[NODE] = node_object(NODE)
@@ -217,9 +216,9 @@ def main() -> None:
             )
         else:
             import kubernetes
-            from tests.claims_api import create_claim
 
-            from tests.cluster.harness import Cluster
+            from testbed.claims_api import create_claim
+            from testbed.cluster.harness import Cluster
 
             if args.kind != "whole":
                 raise SystemExit("--api cluster measures whole GPUs")

@@ -3,11 +3,11 @@
 # without Helm:  kubectl apply -f daemonset/deviceclasses.yaml -f daemonset/plugin.yaml
 # [-f daemonset/controller.yaml]. Run it after changing the chart (CI checks that they match):
 #   daemonset/render.sh [OUT_DIR]
-# helm: $HELM, or the test bed's (tests/cluster/build.sh builds it).
+# helm: $HELM, or the test bed's (testbed/cluster/build.sh builds it).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-$here}"
-helm="${HELM:-$("$here/../tests/cluster/build.sh")/helm}"
+helm="${HELM:-$("$here/../testbed/cluster/build.sh")/helm}"
 namespace=fgpu-system
 
 work="$(mktemp -d)"

@@ -1,8 +1,8 @@
 """A local fgpu cluster on this machine: the real control plane and a real node (kubelet and
-containerd from upstream, tests/cluster), `fgpu kubelet-plugin` on mock GPUs (or real NVML)
+containerd from upstream, testbed/cluster), `fgpu kubelet-plugin` on mock GPUs (or real NVML)
 registered with that kubelet, and example pods that really run. Prints what their containers see,
 then serves until Ctrl-C, after which the machine is as it was (killed instead: `python -m
-tests.cluster.node cleanup` puts it back). Needs root (kubelet and containerd manage cgroups,
+testbed.cluster.node cleanup` puts it back). Needs root (kubelet and containerd manage cgroups,
 mounts and network namespaces).
 
   python -m examples.local_node [--nvml mock:hgx-h200] [--once]
@@ -22,10 +22,10 @@ import kubernetes
 
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from testbed.cluster.host_state import RUN_MARKER
+from testbed.cluster.node import RealNode
 from testbed.local_cluster import local_cluster
 from testbed.workloads import claim_template, pod, report, wait_running, wait_until
-from tests.cluster.host_state import RUN_MARKER
-from tests.cluster.node import RealNode
 
 NEEDS_ROOT = "make run needs root: kubelet and containerd manage cgroups, mounts and network namespaces"
 EXAMPLES = {
@@ -68,7 +68,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print(NEEDS_ROOT, file=sys.stderr)
         return 1
-    # Its temp dirs and processes named after this run: `python -m tests.cluster.node cleanup`
+    # Its temp dirs and processes named after this run: `python -m testbed.cluster.node cleanup`
     # removes exactly them if it is killed.
     os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

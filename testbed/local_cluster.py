@@ -14,10 +14,10 @@ from pathlib import Path
 import kubernetes
 import yaml
 
+from testbed.cluster.harness import Cluster
+from testbed.cluster.host_state import short_temp_dir
+from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
-from tests.cluster.harness import Cluster
-from tests.cluster.host_state import short_temp_dir
-from tests.cluster.node import RealNode
 
 DEVICE_CLASSES = Path(__file__).resolve().parents[1] / "daemonset" / "deviceclasses.yaml"
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
+from testbed.cluster.node import RealNode
 from testbed.node_env import stop_fake_daemons
 from testbed.plugin_process import DRIVER, PluginUnderTest
 from testbed.workloads import wait_until
-from tests.cluster.node import RealNode
 
 
 @dataclass

@@ -23,8 +23,8 @@ from driver.node.kubelet.sockets import (
     rolling_update_dra_socket_file,
     rolling_update_registrar_socket_file,
 )
-from tests.cluster.harness import die_with_parent
-from tests.cluster.host_state import short_temp_dir
+from testbed.cluster.harness import die_with_parent
+from testbed.cluster.host_state import short_temp_dir
 
 DRIVER = "gpu.fgpu.dev"
 VERSIONS = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}

@@ -12,7 +12,7 @@ from typing import Any
 
 import kubernetes
 
-from tests.cluster.images import BUSYBOX_IMAGE
+from testbed.cluster.images import BUSYBOX_IMAGE
 
 REPORT = (
     "echo '== env'; env | sort; "

@@ -17,10 +17,10 @@ import kubernetes
 import pytest
 import yaml
 
+from testbed.cluster.harness import NO_BUILDS_ENV, Cluster, built_binaries
+from testbed.cluster.host_state import RUN_MARKER, HostState
+from testbed.cluster.node import RealNode
 from testbed.plugin_process import PluginUnderTest
-from tests.cluster.harness import NO_BUILDS_ENV, Cluster, built_binaries
-from tests.cluster.host_state import RUN_MARKER, HostState
-from tests.cluster.node import RealNode
 from tests.support import ROOT
 
 NODES = ("node-a", "node-b")

@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 
-from tests.cluster.harness import build_binaries
+from testbed.cluster.harness import build_binaries
 from tests.support.differential import check
 from tests.support.reference import ReferenceAllocator
 from tests.support.scenarios import scenarios

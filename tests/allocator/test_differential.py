@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 
-from tests.cluster.harness import build_binaries
+from testbed.cluster.harness import build_binaries
 from tests.support.differential import check
 from tests.support.reference import ReferenceAllocator
 from tests.support.scenarios import scenarios

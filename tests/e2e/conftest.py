@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import NS, wait_until
-from tests.cluster.node import RealNode
 from tests.support.pools import complete_pool
 
 

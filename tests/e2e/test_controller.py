@@ -15,8 +15,8 @@ from typing import Any
 import kubernetes
 import pytest
 
+from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.workloads import wait_for
-from tests.cluster.kubelet_standin import KubeletStandIn
 from tests.support.controller import CONTROLLER, gang_claim, gated_pod
 from tests.support.pools import complete_pool
 

@@ -2,7 +2,7 @@
 SIGSTOP part way through a burst (before a ledger write, between its ledger and status writes,
 mid-gang, at a moment the test picks) and resumed once the other has taken over and allocated;
 replicas whose wall clocks are 20 s off. Every scenario ends with the reference verifier
-(tests/cluster/cmd/allocate) over every allocation: no device, counter or capacity overbooked;
+(testbed/cluster/cmd/allocate) over every allocation: no device, counter or capacity overbooked;
 then every claim allocated, no gang partial, every gate lifted, every pod bound.
 
 The pause points come from the controller's test hook FGPU_TEST_STOP_BEFORE (the process stops
@@ -33,8 +33,8 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
+from testbed.cluster.harness import Cluster, build_binaries
 from testbed.workloads import wait_for
-from tests.cluster.harness import Cluster, build_binaries
 from tests.support.controller import CONTROLLER, gang_claim, gated_pod
 from tests.support.reference import ReferenceAllocator
 

@@ -1,5 +1,5 @@
 """fgpu installed the way an operator installs it, on the real node: the image built from the
-Dockerfile (tests/cluster/image_build.py) and imported into the node's containerd, `helm install`
+Dockerfile (testbed/cluster/image_build.py) and imported into the node's containerd, `helm install`
 of the chart with mock NVML, then the plugin DaemonSet registered with the real kubelet, the
 controller Deployment, the plugin's service account held to its own node, `helm upgrade` to a new
 image tag under running MIG, MPS and time-sliced pods, and `helm uninstall`.
@@ -28,6 +28,10 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
+from testbed.cluster.harness import Cluster, free_port
+from testbed.cluster.image_build import build_image
+from testbed.cluster.images import BUSYBOX_IMAGE
+from testbed.cluster.node import RealNode
 from testbed.workloads import (
     claim_template,
     delete_namespace,
@@ -37,10 +41,6 @@ from testbed.workloads import (
     wait_running,
     wait_until,
 )
-from tests.cluster.harness import Cluster, free_port
-from tests.cluster.image_build import build_image
-from tests.cluster.images import BUSYBOX_IMAGE
-from tests.cluster.node import RealNode
 from tests.support.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
 from tests.support.pools import complete_pool
 

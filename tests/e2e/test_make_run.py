@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from examples import local_node
-from tests.cluster.harness import die_with_parent
-from tests.cluster.host_state import NODE_RECORD, HostState
+from testbed.cluster.harness import die_with_parent
+from testbed.cluster.host_state import NODE_RECORD, HostState
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,11 +74,11 @@ def test_a_killed_make_run_is_undone_by_the_cleanup_command(tmp_path):
     kill_session(serve_make_run(tmp_path / "run.log", kill_session, start_new_session=True))
     assert NODE_RECORD.exists()
     assert before.differences(HostState.take_quiet()), "a killed run left nothing behind: the test proves nothing"
-    cleanup = subprocess.run([sys.executable, "-m", "tests.cluster.node", "cleanup"], cwd=ROOT,
+    cleanup = subprocess.run([sys.executable, "-m", "testbed.cluster.node", "cleanup"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert cleanup.returncode == 0 and "cleaned up after the real node in /tmp/fgpu-" in cleanup.stdout, cleanup
     assert before.differences(HostState.take_quiet()) == []
-    again = subprocess.run([sys.executable, "-m", "tests.cluster.node", "cleanup"], cwd=ROOT,
+    again = subprocess.run([sys.executable, "-m", "testbed.cluster.node", "cleanup"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert again.stdout.strip() == "no real node was left behind"
 

@@ -17,6 +17,7 @@ from kubernetes.stream import stream
 
 from bench import pod_start
 from driver.node.faults import STALL_ENV, STALL_SECONDS_ENV
+from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import (
     NS,
@@ -30,7 +31,6 @@ from testbed.workloads import (
     wait_running,
     wait_until,
 )
-from tests.cluster.node import RealNode
 from tests.support.pools import complete_pool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import NS, claim_template, pod, unique, wait_running, wait_until
-from tests.cluster.node import RealNode
 from tests.support.pools import node_slices
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]

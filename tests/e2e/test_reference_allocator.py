@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.harness import build_binaries
-from tests.support.claims_api import gpu_request
+from testbed.claims_api import gpu_request
+from testbed.cluster.harness import build_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.go

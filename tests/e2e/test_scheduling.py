@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from testbed.claims_api import gpu_request
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import pod, wait_for, wait_running
-from tests.support.claims_api import gpu_request
 from tests.support.pools import complete_pool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]

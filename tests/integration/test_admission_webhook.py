@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from kubernetes.client import AdmissionregistrationV1Api, ApiException, ResourceV1Api
 
+from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
-from tests.cluster.harness import Cluster, free_port
 from tests.support import ROOT
 from tests.support.chart import find, render
 

@@ -16,9 +16,9 @@ from driver.node.faults import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
+from testbed.claims_api import create_allocated_claim
 from testbed.node_env import fake_tools_env, stop_fake_daemons
 from testbed.plugin_process import PluginUnderTest
-from tests.support.claims_api import create_allocated_claim
 from tests.support.node_state import check_consistent
 
 pytestmark = [pytest.mark.cluster, pytest.mark.root]

@@ -15,9 +15,9 @@ import pytest
 
 from driver.nvml.session import MOCK_STATE_ENV
 from partitioner import tmpfs
+from testbed.claims_api import create_allocated_claim
 from testbed.node_env import process_alive, stop_fake_daemons
 from testbed.plugin_process import PluginUnderTest
-from tests.support.claims_api import create_allocated_claim
 
 pytestmark = [pytest.mark.cluster, pytest.mark.root]
 

@@ -18,8 +18,8 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
+from testbed.claims_api import DRIVER, create_allocated_claim
 from tests.support import ROOT
-from tests.support.claims_api import DRIVER, create_allocated_claim
 
 pytestmark = pytest.mark.cluster
 

@@ -20,9 +20,9 @@ from driver.kubeletapi import (
     dra_health_v1alpha1_pb2_grpc,
 )
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.cluster.host_state import short_temp_dir
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.cluster.host_state import short_temp_dir
 from tests.support.pools import node_slices
 
 pytestmark = pytest.mark.cluster

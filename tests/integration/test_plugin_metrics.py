@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
+from testbed.claims_api import create_allocated_claim, create_claim
 from tests.support.chart import CHART
-from tests.support.claims_api import create_allocated_claim, create_claim
 
 pytestmark = pytest.mark.cluster
 SERIES_OF_TYPE = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}

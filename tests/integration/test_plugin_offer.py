@@ -14,8 +14,8 @@ import pytest
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.cluster.host_state import short_temp_dir
 from testbed.workloads import wait_for
-from tests.cluster.host_state import short_temp_dir
 from tests.support.cli import status
 from tests.support.pools import complete_pool
 

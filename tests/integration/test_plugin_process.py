@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from testbed.claims_api import create_claim
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.support.claims_api import create_claim
 from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.cluster

@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from driver.nvml.session import MOCK_STATE_ENV
+from testbed.claims_api import create_allocated_claim
+from testbed.cluster.host_state import short_temp_dir
 from testbed.node_env import process_alive, stop_fake_daemons
 from testbed.plugin_process import DRIVER, PluginUnderTest
 from testbed.workloads import wait_for
-from tests.cluster.host_state import short_temp_dir
-from tests.support.claims_api import create_allocated_claim
 from tests.support.pools import complete_pool
 
 pytestmark = pytest.mark.cluster

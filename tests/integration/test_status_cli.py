@@ -18,7 +18,7 @@ from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
-from tests.support.claims_api import DRIVER, create_allocated_claim
+from testbed.claims_api import DRIVER, create_allocated_claim
 from tests.support.cli import status
 
 pytestmark = pytest.mark.cluster

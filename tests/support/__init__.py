@@ -1,5 +1,4 @@
-"""Helpers shared by the tests (no test module imports another): the chart (chart.py), claims in
-the API (claims_api.py), an in-memory API (fakes.py), the reference allocator and its scenarios
+"""Helpers shared by the tests (no test module imports another): the chart (chart.py), the reference allocator and its scenarios
 (reference.py, scenarios.py, differential.py), the allocator on small inventories
 (allocation.py), a node's pool (pools.py), a node's prepared state (node_state.py), the
 controller (controller.py), the CLI (cli.py)."""

@@ -1,4 +1,4 @@
-"""The Helm chart (daemonset/chart/fgpu) through the test bed's helm (tests/cluster/build.sh builds
+"""The Helm chart (daemonset/chart/fgpu) through the test bed's helm (testbed/cluster/build.sh builds
 it): render, lint, install. Shared by the chart's unit tests and the install tests."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from tests.cluster.harness import build_binaries
+from testbed.cluster.harness import build_binaries
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "daemonset" / "chart" / "fgpu"
 RENDER = ROOT / "daemonset" / "render.sh"
 NAMESPACE = "fgpu-system"

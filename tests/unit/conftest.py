@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.fakes import InMemoryKubeApi
 from testbed.node_env import NodeEnv, build_node, fake_tools_env, stop_fake_daemons
-from tests.support.fakes import InMemoryKubeApi
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 from driver.kube import KubeError
 from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
 from driver.node.claims import ClaimRef
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
 NODE = "node-a"
 

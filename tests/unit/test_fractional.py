@@ -12,8 +12,8 @@ import pytest
 
 from driver.node.claims import ClaimRef
 from partitioner import tmpfs
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import build_node, fake_tools_env
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"
 

@@ -16,7 +16,7 @@ from driver.node.metrics import REGISTRY
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import EventWatch, GpuLostError, NvmlEvent, NvmlSession, gpu_reachable
 from driver.sharing import SharingConfig
-from tests.support.fakes import InMemoryKubeApi, node_object
+from testbed.fakes import InMemoryKubeApi, node_object
 
 NOW = 1_800_000_000.0
 

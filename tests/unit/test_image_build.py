@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.cluster.image_build import CONTEXT, ROOT, image_stamp
+from testbed.cluster.image_build import CONTEXT, ROOT, image_stamp
 
 
 def dockerfile_copy_sources(dockerfile: Path) -> set[str]:

@@ -1,4 +1,4 @@
-"""The OCI archives of tests/cluster/images.py, read back the way containerd's importer reads them.
+"""The OCI archives of testbed/cluster/images.py, read back the way containerd's importer reads them.
 
 No test is skipped: the pause binary is built here with `go build`, and a missing /bin/busybox
 (Debian's busybox-static, which the test bed installs) fails with the command that installs it.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import images
-from tests.cluster.images import ImageConfig, Layer, build_image
+from testbed.cluster import images
+from testbed.cluster.images import ImageConfig, Layer, build_image
 
 pytestmark = pytest.mark.go  # helm, or go for the pause image: see tests/conftest.py
 
@@ -87,7 +87,7 @@ def containerd_name(annotations: Mapping[str, str], base_name: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def pause_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    assert shutil.which("go"), "go is needed to build tests/cluster/cmd/pause"
+    assert shutil.which("go"), "go is needed to build testbed/cluster/cmd/pause"
     return images.build_pause_binary(tmp_path_factory.mktemp("pause-bin"))
 
 

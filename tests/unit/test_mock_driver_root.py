@@ -18,7 +18,7 @@ from driver.node.settings import PluginSettings, SettingsError, plugin_settings
 from driver.nvml import mock_driver_root
 from driver.nvml.mock_driver_root import MockDriverRootError
 from partitioner.mps import DEFAULT_SHM_BYTES
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
 DRIVER_VERSION = "580.95.05"  # the bundled machines'
 LIBRARY_DIR = mock_driver_root.library_dir()

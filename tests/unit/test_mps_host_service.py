@@ -19,8 +19,10 @@ from driver.node.claims import ClaimRef
 from partitioner import tmpfs
 from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv, process_alive
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
+
+pytestmark = pytest.mark.root  # real tmpfs mounts and cgroups
 
 # Starts GPU 0's daemon the way the plugin does, then waits to be killed.
 STARTER = """
@@ -30,8 +32,6 @@ from pathlib import Path
 from driver.nvml.session import NvmlSession
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner
-
-pytestmark = pytest.mark.root  # real tmpfs mounts and cgroups
 driver_root, state_dir, uuid = sys.argv[1:]
 MpsPartitioner(NvmlSession.open("mock:dgx-h100"), ToolRunner(Path(driver_root)), Path(state_dir)).start(0, uuid)
 print("started", flush=True)

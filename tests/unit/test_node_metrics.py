@@ -18,8 +18,8 @@ from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedClaim
 from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, result
 
 MIB = 2**20
 

@@ -27,7 +27,7 @@ from driver.node.node_lock import NodeClaimLock
 from driver.node.ownership import InstanceLock
 from driver.node.server import PluginProcess
 from driver.node.settings import PluginSettings, SettingsError, plugin_settings
-from tests.support.fakes import InMemoryKubeApi, allocated_claim, node_object, result
+from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object, result
 
 UID = "0b7c4c1e-9a52-4c8e-8f54-6a3f1d2e5b77"
 LONG_DRIVER = "gpu." + "x" * 55 + ".dev"  # 63 characters, the longest driver name

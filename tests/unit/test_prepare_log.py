@@ -9,7 +9,7 @@ import re
 import pytest
 
 from driver.node.claims import ClaimRef
-from tests.support.fakes import allocated_claim, result
+from testbed.fakes import allocated_claim, result
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"
 TIMESLICE_LONG = {

@@ -3,7 +3,7 @@ import time
 from driver.devices import Device, Inventory
 from driver.node import metrics
 from driver.node.publisher import SlicePublisher
-from tests.support.fakes import InMemoryKubeApi, node_object
+from testbed.fakes import InMemoryKubeApi, node_object
 
 DRIVER = "gpu.fgpu.dev"
 

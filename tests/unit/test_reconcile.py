@@ -1,6 +1,6 @@
 from driver.node.claims import ClaimRef
 from driver.node.reconcile import ClaimReconciler
-from tests.support.fakes import allocated_claim, result
+from testbed.fakes import allocated_claim, result
 
 
 class Clock:

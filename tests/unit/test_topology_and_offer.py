@@ -27,8 +27,8 @@ from driver.nvml.session import NvmlSession
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from driver.sysfs import PciTopology, SysfsError, numa_node, pci_topology, pcie_root
+from testbed.fakes import InMemoryKubeApi, node_object
 from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, place
-from tests.support.fakes import InMemoryKubeApi, node_object
 
 BUS_ID = "0000:3b:00.0"
 

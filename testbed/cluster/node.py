@@ -26,8 +26,8 @@ from typing import Any
 
 import kubernetes
 
-from tests.cluster.harness import Cluster, check_alive, free_port, poll_until, spawn, stop_process, write_kubeconfig
-from tests.cluster.host_state import (
+from testbed.cluster.harness import Cluster, check_alive, free_port, poll_until, spawn, stop_process, write_kubeconfig
+from testbed.cluster.host_state import (
     NODE_RECORD,
     TEMP_PREFIX,
     HostState,
@@ -38,7 +38,7 @@ from tests.cluster.host_state import (
     temp_dirs,
     unlock_host,
 )
-from tests.cluster.images import PAUSE_IMAGE, pause_image, userland_image
+from testbed.cluster.images import PAUSE_IMAGE, pause_image, userland_image
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ def kubelet_config(node: RealNode, client_ca: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster.node")
+    parser = argparse.ArgumentParser(prog="python -m testbed.cluster.node")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("cleanup", help="put the host back after a run killed while its real node was up")
     parser.parse_args()

@@ -64,7 +64,7 @@ OUR_CGROUPS = ("kubepods", "kubepods.slice")
 HOST_LOCK = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
 HOST_LOCK_TIMEOUT_S = 1800
 # While a node runs: its directory, its run's temp prefix and the host before it, so that
-# `python -m tests.cluster.node cleanup` can put the host back after the run was killed.
+# `python -m testbed.cluster.node cleanup` can put the host back after the run was killed.
 NODE_RECORD = HOST_LOCK / "fgpu-real-node.json"
 
 

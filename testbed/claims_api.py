@@ -1,4 +1,4 @@
-"""Creating ResourceClaims in the real API server for tests, allocated as kube-scheduler would."""
+"""Creating ResourceClaims in the real API server for tests and benchmarks, allocated as kube-scheduler would."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ from upstream (build.sh), started on loopback with generated certificates, RBAC 
 feature gates, plus fake Node objects.
 
 As a pytest session fixture: `Cluster(workdir).start()` ... `.stop()`. By hand:
-  python -m tests.cluster.harness up [--nodes N]   # prints the kubeconfig path
-  python -m tests.cluster.harness down
+  python -m testbed.cluster.harness up [--nodes N]   # prints the kubeconfig path
+  python -m testbed.cluster.harness down
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def _cmd_down(_: argparse.Namespace) -> int:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster.harness")
+    parser = argparse.ArgumentParser(prog="python -m testbed.cluster.harness")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start a control plane with fake nodes; prints the kubeconfig")
     up.add_argument("--nodes", type=int, default=2)

@@ -3,7 +3,7 @@ daemon: buildah (Debian's package) runs the Dockerfile as it is, with `BASE_IMAG
 mmdebstrap from Debian's archive (python3, its venv module, util-linux), and writes a docker-archive
 that `ctr images import` names from its RepoTags.
 
-    python -m tests.cluster.image_build [--name fgpu.test/fgpu:dev]   # prints the archive's path
+    python -m testbed.cluster.image_build [--name fgpu.test/fgpu:dev]   # prints the archive's path
 
 The archive is cached under ~/.cache/fgpu/images with a stamp of its inputs (the Dockerfile, what
 it copies, the base's package list and the image name): an unchanged build costs a hash. buildah
@@ -182,7 +182,7 @@ def build_image(name: str = IMAGE, cache: Path = CACHE, root: Path = ROOT) -> Pa
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster.image_build", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m testbed.cluster.image_build", description=__doc__.split("\n")[0])
     parser.add_argument("--name", default=IMAGE, help=f"image name and tag (default {IMAGE})")
     print(build_image(parser.parse_args(argv).name))
     return 0

@@ -259,7 +259,7 @@ class KubeletStandIn:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster.kubelet_standin")
+    parser = argparse.ArgumentParser(prog="python -m testbed.cluster.kubelet_standin")
     parser.add_argument("--node", required=True)
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--registrar-dir", required=True, type=Path)

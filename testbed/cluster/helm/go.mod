@@ -1,6 +1,6 @@
 // helm for the test bed, in a module of its own: its Kubernetes client libraries are not the
-// versions tests/cluster builds kube-apiserver from.
-module fgpu.dev/tests/cluster/helm
+// versions testbed/cluster builds kube-apiserver from.
+module fgpu.dev/testbed/cluster/helm
 
 go 1.26.0
 

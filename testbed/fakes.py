@@ -1,7 +1,6 @@
-"""An in-memory KubeApi for unit tests: same methods and JSON shapes as driver.kube.ClientKubeApi.
-
-Integration and end-to-end tests use the real control plane (tests/cluster) instead.
-"""
+"""An in-memory KubeApi for unit tests and the in-memory benchmarks: same methods and JSON shapes as
+driver.kube.ClientKubeApi. A stand-in for the API server where a test or benchmark is about the
+node alone; integration and end-to-end tests use the real control plane (testbed/cluster)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ bed must not reach a registry. This module writes OCI image-layout tar archives 
 `ctr -n k8s.io images import <tar>` imports under the name given here:
 
 - `build_image`: the general writer (any number of layers); the fgpu plugin image is assembled with it.
-- `pause_image`: `fgpu.test/pause:1`, the static pause program from `tests/cluster/cmd/pause`.
+- `pause_image`: `fgpu.test/pause:1`, the static pause program from `testbed/cluster/cmd/pause`.
 - `userland_image`: `fgpu.test/busybox:1`, Debian's busybox-static with applet links.
 
 Archives are byte-for-byte reproducible (fixed mtimes, root ownership, sorted entries, gzip without a
@@ -156,7 +156,7 @@ def build_image(name: str, layers: Sequence[Layer], config: ImageConfig, out_tar
 
 def pause_image(pause_binary: Path, out_dir: Path) -> Path:
     """`fgpu.test/pause:1`: the static pause program as /pause, the pod sandbox image."""
-    _require_static(pause_binary, "the pause binary (CGO_ENABLED=0 go build ./cmd/pause in tests/cluster)")
+    _require_static(pause_binary, "the pause binary (CGO_ENABLED=0 go build ./cmd/pause in testbed/cluster)")
     layer = Layer(files={"/pause": pause_binary}, modes={"/pause": 0o755})
     config = ImageConfig(entrypoint=["/pause"])
     return build_image(PAUSE_IMAGE, [layer], config, out_dir / "pause.tar")
@@ -181,7 +181,7 @@ def userland_image(out_dir: Path, busybox: Path = BUSYBOX) -> Path:
 
 
 def build_pause_binary(out_dir: Path) -> Path:
-    """Builds tests/cluster/cmd/pause statically into `out_dir/pause` (a second or two)."""
+    """Builds testbed/cluster/cmd/pause statically into `out_dir/pause` (a second or two)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "pause"
     env = {**os.environ, "CGO_ENABLED": "0"}
@@ -312,7 +312,7 @@ def _config_json(config: ImageConfig, diff_ids: list[str]) -> bytes:
             "os": config.os,
             "config": config.runtime(),
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
-            "history": [{"created_by": "fgpu tests/cluster/images.py"} for _ in diff_ids],
+            "history": [{"created_by": "fgpu testbed/cluster/images.py"} for _ in diff_ids],
         }
     )
 
@@ -422,7 +422,7 @@ def _require_static(path: Path, what: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.cluster.images",
+        prog="python -m testbed.cluster.images",
         description=f"Writes the test-bed images {PAUSE_IMAGE} and {BUSYBOX_IMAGE} as OCI archives.",
     )
     parser.add_argument("out_dir", type=Path)
