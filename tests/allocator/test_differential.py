@@ -43,8 +43,9 @@ def reference() -> Iterator[ReferenceAllocator]:
 def test_same_verdict_as_the_reference_and_valid_allocations(reference: ReferenceAllocator, scenario: dict[str, Any]):
     verdicts = check(reference, scenario)
     event(verdicts["reference"].split(":")[0] + " by the reference")
-    if any(v != verdicts["reference"] for v in verdicts.values()):
-        event("a policy's verdict differs from the reference's (search order)")
+    allocated = {side: verdict == "allocated" for side, verdict in verdicts.items()}
+    if len(set(allocated.values())) > 1:
+        event("a policy allocates where the reference refuses (search order)")
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
