@@ -22,145 +22,67 @@ out. The same holds for other drivers' `status.devices[].data`, compared per dri
 authorizing the write (pkg/registry/resource/utils.go `AuthorizedForDeviceStatus`): re-encoded,
 they would read as our changing another driver's entries.
 
-Only the wire format is read here (no generated classes): the envelope (runtime.Unknown after the
-`k8s\\0` magic), ResourceClaim.metadata (uid, resourceVersion), ResourceClaim.status.devices, and
-the keys of each AllocatedDeviceStatus. Field numbers are those of k8s.io/api/resource/v1 and
-k8s.io/apimachinery's generated.proto.
+The messages are a subset of the API's (proto/resourceclaim_status.proto: the envelope, the
+claim's uid and resourceVersion, status.devices). Every other field (spec, status.allocation,
+reservedFor, a newer server's fields) is an unknown field to protobuf, written back byte for byte;
+protobuf writes the known fields first, in field-number order, which is no change to the object
+(the API server decodes before it compares).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from driver.kubeletapi.resourceclaim_status_pb2 import (
+    AllocatedDeviceStatus,
+    Condition,
+    NetworkDeviceData,
+    RawExtension,
+    ResourceClaim,
+    Time,
+    Unknown,
+)
 
 MAGIC = b"k8s\x00"
 CONTENT_TYPE = "application/vnd.kubernetes.protobuf"
-VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
 DeviceKey = tuple[str, str, str, str]  # driver, pool, device, shareID ("" for none): the list's map key
 JsonObject = dict[str, Any]
-
-# Field numbers (generated.proto)
-UNKNOWN_RAW = 2  # runtime.Unknown.raw: the object
-CLAIM_METADATA, CLAIM_STATUS = 1, 3  # ResourceClaim
-META_UID, META_RESOURCE_VERSION = 5, 6  # ObjectMeta
-STATUS_DEVICES = 4  # ResourceClaimStatus (1 allocation and 2 reservedFor are kept as they are)
-DEV_DRIVER, DEV_POOL, DEV_DEVICE, DEV_CONDITIONS, DEV_DATA, DEV_NETWORK, DEV_SHARE_ID = 1, 2, 3, 4, 5, 6, 7
-COND_TYPE, COND_STATUS, COND_GENERATION, COND_TIME, COND_REASON, COND_MESSAGE = 1, 2, 3, 4, 5, 6
-TIME_SECONDS = 1
-RAW_BYTES = 1  # runtime.RawExtension.raw
-NET_INTERFACE, NET_IPS, NET_HARDWARE_ADDRESS = 1, 2, 3
+M = TypeVar("M", bound=Message)
 
 
 class ProtobufError(ValueError):
     """The bytes are not the protobuf encoding this module expects."""
 
 
-@dataclass(frozen=True)
-class Field:
-    number: int
-    value: int | bytes  # a varint's value, or a length-delimited field's payload
-    span: bytes  # the field as encoded (tag and value), kept verbatim when not edited
+def _parse(message_type: type[M], data: bytes) -> M:
+    try:
+        return message_type.FromString(data)
+    except DecodeError as err:
+        raise ProtobufError(f"not a {message_type.__name__}: {err}") from err
 
 
-# --- wire format ---------------------------------------------------------------------------------
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ProtobufError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise ProtobufError("varint too long")
-
-
-def varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int64s as protobuf writes them: two's complement, 10 bytes
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def fields(data: bytes) -> Iterator[Field]:
-    """The message's fields in order; groups (unused by Kubernetes) are refused."""
-    pos = 0
-    while pos < len(data):
-        start = pos
-        tag, pos = _read_varint(data, pos)
-        number, wire = tag >> 3, tag & 7
-        value: int | bytes
-        if wire == VARINT:
-            value, pos = _read_varint(data, pos)
-        elif wire == LENGTH:
-            size, pos = _read_varint(data, pos)
-            if pos + size > len(data):
-                raise ProtobufError(f"field {number} runs past the message")
-            value, pos = data[pos : pos + size], pos + size
-        elif wire in (FIXED64, FIXED32):
-            width = 8 if wire == FIXED64 else 4
-            value, pos = int.from_bytes(data[pos : pos + width], "little"), pos + width
-        else:
-            raise ProtobufError(f"field {number}: unsupported wire type {wire}")
-        yield Field(number, value, data[start:pos])
-
-
-def length_field(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | LENGTH) + varint(len(payload)) + payload
-
-
-def varint_field(number: int, value: int) -> bytes:
-    return varint(number << 3 | VARINT) + varint(value)
-
-
-def string_field(number: int, text: str) -> bytes:
-    return length_field(number, text.encode())
-
-
-def _payload(message: bytes, number: int) -> bytes:
-    """The last occurrence of a length-delimited field (protobuf's rule for singular fields)."""
-    found = b""
-    for field in fields(message):
-        if field.number == number and isinstance(field.value, bytes):
-            found = field.value
-    return found
-
-
-def _text(message: bytes, number: int) -> str:
-    return _payload(message, number).decode()
-
-
-# --- the claim -----------------------------------------------------------------------------------
+def _envelope(body: bytes) -> Unknown:
+    if not body.startswith(MAGIC):
+        raise ProtobufError("not a Kubernetes protobuf object (no k8s magic)")
+    return _parse(Unknown, body[len(MAGIC) :])
 
 
 def unwrap(body: bytes) -> bytes:
     """The object inside the API server's protobuf envelope."""
-    if not body.startswith(MAGIC):
-        raise ProtobufError("not a Kubernetes protobuf object (no k8s magic)")
-    return _payload(body[len(MAGIC) :], UNKNOWN_RAW)
+    return _envelope(body).raw
 
 
 def rewrap(body: bytes, claim: bytes) -> bytes:
     """The envelope of `body` (its apiVersion and kind) around another encoding of the object."""
-    envelope = b"".join(
-        length_field(UNKNOWN_RAW, claim) if field.number == UNKNOWN_RAW else field.span
-        for field in fields(body[len(MAGIC) :])
-    )
-    return MAGIC + envelope
+    envelope = _envelope(body)
+    envelope.raw = claim
+    return MAGIC + envelope.SerializeToString()
 
 
 @dataclass(frozen=True)
@@ -170,96 +92,68 @@ class ClaimIdentity:
 
 
 def identity(claim: bytes) -> ClaimIdentity:
-    meta = _payload(claim, CLAIM_METADATA)
-    return ClaimIdentity(_text(meta, META_UID), _text(meta, META_RESOURCE_VERSION))
+    meta = _parse(ResourceClaim, claim).metadata
+    return ClaimIdentity(meta.uid, meta.resourceVersion)
 
 
-def device_key(entry: bytes) -> DeviceKey:
-    """The map key of an encoded AllocatedDeviceStatus."""
-    return (
-        _text(entry, DEV_DRIVER),
-        _text(entry, DEV_POOL),
-        _text(entry, DEV_DEVICE),
-        _text(entry, DEV_SHARE_ID),
-    )
+def device_key(entry: AllocatedDeviceStatus) -> DeviceKey:
+    return entry.driver, entry.pool, entry.device, entry.shareID
 
 
 def status_device_keys(claim: bytes) -> list[DeviceKey]:
-    status = _payload(claim, CLAIM_STATUS)
-    return [device_key(f.value) for f in fields(status) if f.number == STATUS_DEVICES and isinstance(f.value, bytes)]
+    return [device_key(entry) for entry in _parse(ResourceClaim, claim).status.devices]
 
 
 def with_devices(claim: bytes, replaced: Callable[[DeviceKey], bool], entries: list[JsonObject]) -> bytes:
     """The claim with the status.devices entries for which `replaced` holds swapped for `entries`
     (in the place of the first one replaced, else after the others); every other field, other
-    entries included, byte for byte as it was."""
-    status = _swap_entries(_payload(claim, CLAIM_STATUS), replaced, b"".join(map(encode_device_status, entries)))
-    out, placed = [], False
-    for field in fields(claim):
-        if field.number == CLAIM_STATUS:
-            if not placed:
-                out.append(length_field(CLAIM_STATUS, status))
-                placed = True
-            continue
-        out.append(field.span)
-    if not placed:
-        out.append(length_field(CLAIM_STATUS, status))
-    return b"".join(out)
+    entries included, as it was."""
+    message = _parse(ResourceClaim, claim)
+    devices = message.status.devices
+    old = [(entry, replaced(device_key(entry))) for entry in devices]
+    at = next((i for i, (_, mine) in enumerate(old) if mine), len(old))
+    kept = [entry for entry, mine in old if not mine]
+    new = [*kept[:at], *map(encode_device_status, entries), *kept[at:]]
+    del devices[:]
+    devices.extend(new)
+    return message.SerializeToString()
 
 
-def _swap_entries(status: bytes, replaced: Callable[[DeviceKey], bool], encoded: bytes) -> bytes:
-    out, placed = [], False
-    for field in fields(status):
-        if field.number == STATUS_DEVICES and isinstance(field.value, bytes) and replaced(device_key(field.value)):
-            if not placed:
-                out.append(encoded)
-                placed = True
-            continue
-        out.append(field.span)
-    if not placed:
-        out.append(encoded)
-    return b"".join(out)
-
-
-# --- our entries ---------------------------------------------------------------------------------
-
-
-def encode_device_status(entry: JsonObject) -> bytes:
+def encode_device_status(entry: JsonObject) -> AllocatedDeviceStatus:
     """An AllocatedDeviceStatus from its JSON form (the API's field names); `data` becomes compact
     JSON, as the API server would store it from any client."""
-    parts = [
-        string_field(DEV_DRIVER, entry["driver"]),
-        string_field(DEV_POOL, entry["pool"]),
-        string_field(DEV_DEVICE, entry["device"]),
-    ]
-    parts += [length_field(DEV_CONDITIONS, encode_condition(c)) for c in entry.get("conditions") or []]
-    if entry.get("data") is not None:
-        data = json.dumps(entry["data"], separators=(",", ":"), ensure_ascii=False).encode()
-        parts.append(length_field(DEV_DATA, length_field(RAW_BYTES, data)))
-    if entry.get("networkData") is not None:
-        parts.append(length_field(DEV_NETWORK, encode_network_data(entry["networkData"])))
-    if entry.get("shareID"):  # a pointer in Go: absent, not empty, for a device without shares
-        parts.append(string_field(DEV_SHARE_ID, entry["shareID"]))
-    return length_field(STATUS_DEVICES, b"".join(parts))
-
-
-def encode_condition(condition: JsonObject) -> bytes:
-    """metav1.Condition; its time in whole seconds (RFC 3339 as the JSON form writes it)."""
-    when = datetime.fromisoformat(condition["lastTransitionTime"].replace("Z", "+00:00"))
-    return b"".join(
-        [
-            string_field(COND_TYPE, condition["type"]),
-            string_field(COND_STATUS, condition["status"]),
-            varint_field(COND_GENERATION, int(condition.get("observedGeneration") or 0)),
-            length_field(COND_TIME, varint_field(TIME_SECONDS, int(when.timestamp()))),
-            string_field(COND_REASON, condition["reason"]),
-            string_field(COND_MESSAGE, condition.get("message") or ""),
-        ]
+    data, network = entry.get("data"), entry.get("networkData")
+    return AllocatedDeviceStatus(
+        driver=entry["driver"],
+        pool=entry["pool"],
+        device=entry["device"],
+        shareID=entry.get("shareID") or None,  # a pointer in Go: absent, not empty, for a device without shares
+        conditions=[_condition(c) for c in entry.get("conditions") or []],
+        data=None if data is None else RawExtension(raw=_compact_json(data)),
+        networkData=None if network is None else _network_data(network),
     )
 
 
-def encode_network_data(network: JsonObject) -> bytes:
-    parts = [string_field(NET_INTERFACE, network.get("interfaceName") or "")]
-    parts += [string_field(NET_IPS, ip) for ip in network.get("ips") or []]
-    parts.append(string_field(NET_HARDWARE_ADDRESS, network.get("hardwareAddress") or ""))
-    return b"".join(parts)
+def _compact_json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _condition(condition: JsonObject) -> Condition:
+    """metav1.Condition; its time in whole seconds (RFC 3339 as the JSON form writes it)."""
+    when = datetime.fromisoformat(condition["lastTransitionTime"])
+    return Condition(
+        type=condition["type"],
+        status=condition["status"],
+        observedGeneration=int(condition.get("observedGeneration") or 0),
+        lastTransitionTime=Time(seconds=int(when.timestamp())),
+        reason=condition["reason"],
+        message=condition.get("message") or "",
+    )
+
+
+def _network_data(network: JsonObject) -> NetworkDeviceData:
+    return NetworkDeviceData(
+        interfaceName=network.get("interfaceName") or "",
+        ips=network.get("ips") or [],
+        hardwareAddress=network.get("hardwareAddress") or "",
+    )
