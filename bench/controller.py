@@ -34,7 +34,7 @@ import kubernetes
 from kubernetes.watch.watch import iter_resp_lines
 
 from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
-from driver.controller.controller import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.controller.labels import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
 
 CLIENT_LIMITS = ["--kube-api-qps=1000", "--kube-api-burst=2000"]

@@ -31,7 +31,7 @@ from driver.allocator.model import (
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
-from driver.controller.controller import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
 from driver.manifests import (
     WORKLOAD_KINDS,
     ClaimTemplate,

@@ -27,7 +27,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.controller.controller import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+from driver.controller.labels import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from driver.controller.controller import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 
 CONTROLLER = (sys.executable, "-m", "driver.cli", "controller")
 

@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from driver.allocator.model import claim_from_object
-from driver.controller.controller import Controller, gang_of, pending, pod_claim_names
+from driver.controller.controller import Controller
 from driver.controller.informer import object_key
+from driver.controller.labels import gang_of, pending, pod_claim_names
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import FENCE_ANNOTATION, entries_of, ledger_name
 from driver.kube import ConflictError, KubeUnavailableError, NotFoundError

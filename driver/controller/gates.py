@@ -1,0 +1,127 @@
+"""Gates and events: pods' scheduling gates lifted once their claims are allocated (and their gang
+is whole), and one Event per claim and reason when a claim waits or cannot be placed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+from driver.controller import metrics
+from driver.controller.clock import timestamp
+from driver.controller.informer import Informer, object_key
+from driver.controller.labels import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
+from driver.kube import KubeError
+
+log = logging.getLogger(__name__)
+COMPONENT = "fgpu-controller"
+
+
+class Gates:
+    """The Controller's gates and events (controller.py builds the state named here). Uses its
+    acting() (controller.py)."""
+
+    api: Any
+    informers: dict[str, Informer]
+    _writers: ThreadPoolExecutor
+    _pods_lock: threading.Lock
+    _pods_of: tuple[int, dict[str, list[str]]]
+    _reported: dict[str, str]
+
+    def _gated_pods_by_claim(self) -> dict[str, list[str]]:
+        """Claim key -> gated pods that use it, rebuilt when the pods change (kube-controller-manager
+        names a pod's claims in its status after it makes them, so this is read when a unit is written)."""
+        with self._pods_lock:
+            version = self.informers["pods"].version
+            if self._pods_of[0] != version:
+                out: dict[str, list[str]] = defaultdict(list)
+                for pod in self.informers["pods"].items():
+                    if gated(pod) and (names := pod_claim_names(pod)) is not None:
+                        for name in names:
+                            out[f"{pod['metadata']['namespace']}/{name}"].append(object_key(pod))
+                self._pods_of = (version, out)
+            return self._pods_of[1]
+
+    def _whole_gangs(self) -> dict[str, bool]:
+        """Gang -> whether every one of its claims exists and is allocated."""
+        members: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+        for obj in self.informers["claims"].items():
+            if opted_in(obj) and (labels := obj["metadata"].get("labels") or {}).get(GANG_LABEL):
+                members[f"{obj['metadata']['namespace']}/{labels[GANG_LABEL]}", gang_size(labels)].append(obj)
+        return {
+            gang: len(claims) >= size > 0 and not any(pending(c) for c in claims)
+            for (gang, size), claims in members.items()
+        }
+
+    def _lift_pods(self, claims: Iterable[str]) -> None:
+        pods_of = self._gated_pods_by_claim()
+        keys = {pod for claim in claims for pod in pods_of.get(claim, ())}
+        pods = [p for key in keys if (p := self.informers["pods"].get(key)) is not None]
+        if pods:
+            whole = self._whole_gangs()
+            for pod in pods:
+                self._lift(pod, whole)
+
+    def _lift_gates(self) -> None:
+        """Every gated pod whose claims are allocated, the patches sent concurrently."""
+        whole = self._whole_gangs()
+        pods = [p for p in self.informers["pods"].items() if gated(p)]
+        if pods and self.acting():
+            wait([self._writers.submit(self._lift, pod, whole) for pod in pods])
+
+    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool]) -> None:
+        """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole."""
+        if not gated(pod) or (names := pod_claim_names(pod)) is None:
+            return
+        namespace = pod["metadata"]["namespace"]
+        used = [self.informers["claims"].get(f"{namespace}/{name}") for name in names]
+        for claim in used:
+            if claim is None or pending(claim):
+                return
+            gang = (claim["metadata"].get("labels") or {}).get(GANG_LABEL) if opted_in(claim) else None
+            if gang and not whole_gangs.get(f"{namespace}/{gang}"):
+                return
+        gates = [g for g in pod["spec"]["schedulingGates"] if g.get("name") != SCHEDULING_GATE]
+        try:
+            self.informers["pods"].update(self.api.set_scheduling_gates(pod, gates))
+        except KubeError as error:
+            log.warning("cannot lift the gate of pod %s: %s", object_key(pod), error)
+            return
+        metrics.GATES_LIFTED.inc()
+
+    def _report(self, obj: dict[str, Any] | None, reason: str, warning: bool = True) -> None:
+        """One Event per claim and reason (not one a pass)."""
+        if obj is None:
+            return
+        meta = obj["metadata"]
+        if self._reported.get(meta.get("uid", "")) == reason:
+            return
+        self._reported[meta.get("uid", "")] = reason
+        log.info("claim %s/%s: %s", meta["namespace"], meta["name"], reason)
+        now = timestamp()
+        event = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": "FailedAllocation" if warning else "WaitingForGang",
+            "message": reason[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.api.create_event(meta["namespace"], event)
+        except KubeError as error:
+            log.warning("cannot record an event for %s/%s: %s", meta["namespace"], meta["name"], error)

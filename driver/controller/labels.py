@@ -1,0 +1,69 @@
+"""How claims and pods ask for the controller: its labels, its scheduling gate, and what they say.
+
+Claims opt in with the label `gpu.fgpu.dev/allocator=fgpu` (set it on a ResourceClaimTemplate's
+metadata and every claim made from it carries it). Their pods carry the scheduling gate
+`gpu.fgpu.dev/allocation`, so kube-scheduler leaves them alone until the controller has written
+every claim's allocation; it then lifts the gate and kube-scheduler binds the pod to the node the
+allocation names. Gangs: claims labelled `gpu.fgpu.dev/gang=<name>` and `gpu.fgpu.dev/gang-size=<n>`
+are allocated together once all n exist, all or none.
+
+Read by the controller and by `fgpu plan`, which plans claims as the controller would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from driver.allocator.model import Claim
+
+OPT_IN_LABEL = "gpu.fgpu.dev/allocator"
+OPT_IN_VALUE = "fgpu"
+GANG_LABEL = "gpu.fgpu.dev/gang"
+GANG_SIZE_LABEL = "gpu.fgpu.dev/gang-size"
+SCHEDULING_GATE = "gpu.fgpu.dev/allocation"
+
+
+def opted_in(claim: dict[str, Any]) -> bool:
+    return ((claim.get("metadata") or {}).get("labels") or {}).get(OPT_IN_LABEL) == OPT_IN_VALUE
+
+
+def pending(claim: dict[str, Any]) -> bool:
+    meta = claim.get("metadata") or {}
+    return opted_in(claim) and not (claim.get("status") or {}).get("allocation") and not meta.get("deletionTimestamp")
+
+
+def pod_claim_names(pod: dict[str, Any]) -> list[str] | None:
+    """The claims a pod uses, or None while one made from a template has no name yet."""
+    statuses = {
+        s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()
+    }
+    names = []
+    for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
+        name = ref.get("resourceClaimName") or statuses.get(ref.get("name"))
+        if not name:
+            return None
+        names.append(name)
+    return names
+
+
+def gang_of(claim: Claim) -> tuple[str, int] | None:
+    """The claim's gang (namespace/name) and its size; size 0 when the size label is not a number
+    (reported, never placed)."""
+    name = claim.labels.get(GANG_LABEL)
+    if not name:
+        return None
+    return f"{claim.namespace}/{name}", gang_size(claim.labels)
+
+
+def gang_label(claim: dict[str, Any]) -> str | None:
+    return (claim["metadata"].get("labels") or {}).get(GANG_LABEL)
+
+
+def gang_size(labels: dict[str, str]) -> int:
+    try:
+        return max(1, int(labels.get(GANG_SIZE_LABEL, "1")))
+    except ValueError:
+        return 0
+
+
+def gated(pod: dict[str, Any]) -> bool:
+    return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())

@@ -1,0 +1,145 @@
+"""Placing: the waiting claims, one unit (a claim, or a whole gang) at a time, handed to the writers.
+
+A pass computes placements one unit at a time and hands each to a pool of writers (writes.py), so
+writes overlap with the search and with each other (at most MAX_IN_FLIGHT units, controller.py).
+Lone claims go first, in creation order, then gangs, all or none once every member exists. A
+claim that cannot be placed gets an Event (gates.py) and waits for the next pass."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement
+from driver.allocator.model import Claim, ObjectError, claim_from_object
+from driver.controller import metrics
+from driver.controller.informer import Informer, object_key
+from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
+
+log = logging.getLogger(__name__)
+ABSORB_S = 2.0  # how long a pass goes on placing lone claims that arrive while its writes are out
+
+
+@dataclass
+class Unit:
+    """Claims written together: one claim, or the waiting members of a gang (all or none)."""
+
+    placements: list[Placement]
+    objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
+    # Gang members allocated earlier (by an interrupted pass) that this unit completes: their
+    # resourceVersion is moved first, so that a take-back decided on them elsewhere fails.
+    kept: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Placing:
+    """The Controller's placing (controller.py builds the state named here). Uses its acting(),
+    _waiting() and _count() (controller.py), _write_unit() and _take_back() (writes.py) and
+    _report() (gates.py)."""
+
+    informers: dict[str, Informer]
+    stale: threading.Event
+    _writers: ThreadPoolExecutor
+
+    def _allocate(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> None:
+        """Place and hand out the waiting claims; while their writes are out (up to ABSORB_S), lone
+        claims that arrive are placed too, on the same allocator and ledger versions, instead of
+        waiting for the next pass. Gang members that arrive wait for it."""
+        started = time.perf_counter()
+        handled = {object_key(c) for c in waiting}
+        in_flight = self._submit(allocator, waiting)
+        version = self.informers["claims"].version
+        while time.perf_counter() - started < ABSORB_S and not self.stale.is_set() and self.acting():
+            if not wait(in_flight, timeout=0.02, return_when=FIRST_COMPLETED).not_done:
+                break
+            if self.informers["claims"].version == version:
+                continue
+            version = self.informers["claims"].version
+            arrived = [c for c in self._waiting() if object_key(c) not in handled and not gang_label(c)]
+            handled.update(object_key(c) for c in arrived)
+            in_flight += self._submit(allocator, arrived)
+        wait(in_flight)
+        log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)
+        for future in in_flight:
+            if future.exception() is not None:
+                log.error("writing a unit failed", exc_info=future.exception())
+                self.stale.set()
+
+    def _submit(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> list[Future[None]]:
+        return [self._writers.submit(self._write_unit, unit) for unit in self._units(allocator, waiting)]
+
+    def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> Iterator[Unit]:
+        """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
+        as soon as a write has failed or this replica no longer leads."""
+        gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
+        for obj in waiting:
+            if self.stale.is_set() or not self.acting():
+                return
+            try:
+                claim = claim_from_object(obj)
+            except ObjectError as error:
+                self._report(obj, f"cannot read the claim: {error}")
+                continue
+            gang = gang_of(claim)
+            if gang is not None:
+                gangs[gang].append(claim)
+            elif (placement := self._place_one(allocator, claim, obj)) is not None:
+                yield Unit([placement], {claim.key: obj})
+        for (name, size), members in gangs.items():
+            if self.stale.is_set() or not self.acting():
+                return
+            if (unit := self._place_gang(allocator, name, size, members)) is not None:
+                yield unit
+
+    def _place_one(self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any]) -> Placement | None:
+        started = time.perf_counter()
+        outcome = allocator.allocate(claim)
+        metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
+        if isinstance(outcome, Failure):
+            metrics.ALLOCATIONS.labels("unschedulable").inc()
+            self._report(obj, outcome.reason)
+            return None
+        allocator.commit(outcome)
+        self._count([(obj, outcome)])
+        return outcome
+
+    def _place_gang(self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim]) -> Unit | None:
+        objects = {c.key: self.informers["claims"].get(c.key) for c in members}
+        if size == 0:
+            for obj in objects.values():
+                self._report(obj, f"label {GANG_SIZE_LABEL} must be a whole number")
+            return None
+        present = {key: obj for key, obj in objects.items() if obj is not None}
+        if len(present) < len(objects):
+            return None  # deleted since the pass began
+        allocated = [c for c in self._gang_claims(name) if not pending(c)]
+        if len(members) + len(allocated) < size:
+            missing = size - len(members) - len(allocated)
+            for obj in objects.values():
+                self._report(obj, f"gang {name} waits for {missing} more claim(s) of {size}", warning=False)
+            return None
+        outcome = allocator.allocate_gang(members)
+        if isinstance(outcome, Failure):
+            metrics.GANGS.labels("unschedulable").inc()
+            for obj in objects.values():
+                self._report(obj, outcome.reason)
+            if allocated and len(allocated) < size:
+                # Members left allocated by an interrupted pass: all or none, so give them back.
+                self._take_back(allocated)
+            return None
+        self._count((present[p.claim.key], p) for p in outcome)
+        return Unit(outcome, present, kept=allocated)
+
+    def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
+        namespace, name = gang.split("/", 1)
+        return [
+            c
+            for c in self.informers["claims"].items()
+            if c["metadata"].get("namespace") == namespace
+            and (c["metadata"].get("labels") or {}).get(GANG_LABEL) == name
+        ]

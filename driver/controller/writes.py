@@ -1,0 +1,220 @@
+"""Writes: a unit's claims written ledger first, then status (the fence), and allocations taken back.
+
+Each unit is recorded in the pools' ledgers before its claims are written (ledger.py: the fence).
+A write that fails ends the pass (`stale`): the claims and ledgers are read afresh from the API
+server before anything else is allocated. Ledger entries that no claim holds and none can come to
+hold (a replica stopped between its two writes, a claim taken back or deleted) are dropped by the
+next pass, after fencing the claim where a write decided on it could still land."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from driver.allocator.cluster import Placement
+from driver.controller import metrics
+from driver.controller.clock import timestamp
+from driver.controller.informer import Informer, object_key
+from driver.controller.ledger import FENCE_ANNOTATION, Entry, Ledgers, PoolId, backs, entries_for, entries_of, pool_of
+from driver.controller.placing import Unit
+from driver.controller.testhooks import stop_point
+from driver.kube import ConflictError, KubeError, NotFoundError
+
+log = logging.getLogger(__name__)
+DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
+
+
+class Unwritten(enum.Enum):
+    """A claim write that failed: refused by the API server (nothing written), or unanswered (a
+    timeout, a server error: it may have been written, so what it records must be kept)."""
+
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+
+
+class Writes:
+    """The Controller's writes (controller.py builds the state named here). Uses its acting()
+    (controller.py) and _lift_pods() (gates.py)."""
+
+    api: Any
+    informers: dict[str, Informer]
+    ledgers: Ledgers
+    stale: threading.Event
+    _writers: ThreadPoolExecutor
+
+    def _write_unit(self, unit: Unit) -> None:
+        """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
+        go as soon as it is written. After a failed status write, the entries of the claims not
+        written are dropped, except where the write may have landed (no answer): that claim may hold
+        the devices, so its entry stays until a pass reads the claim afresh (_resolve_undecided).
+        Members of a gang already written stay too: this replica's view is stale now, so the next
+        pass, after reading afresh, places the rest of the gang or takes the gang back."""
+        if not all(self.acting() and self._fence(obj) for obj in unit.kept):
+            return
+        prepared = [self._protect(unit.objects[p.claim.key]) for p in unit.placements]
+        decided = [(p, obj) for p, obj in zip(unit.placements, prepared, strict=True) if obj is not None]
+        if len(decided) < len(unit.placements):
+            return
+        recorded = self._record(decided)
+        if recorded is None:
+            return
+        gang = len(decided) > 1
+        for index, (placement, obj) in enumerate(decided):
+            result = self._write_status(obj, placement) if self.acting() else Unwritten.REFUSED
+            if isinstance(result, Unwritten):
+                first = index + (result is Unwritten.UNKNOWN)
+                unwritten = {o["metadata"]["uid"] for _, o in decided[first:]}
+                self._forget(
+                    {pool: {u: e for u, e in added.items() if u in unwritten} for pool, added in recorded.items()}
+                )
+                if gang:
+                    metrics.GANGS.labels("interrupted").inc()
+                return
+        if gang:
+            metrics.GANGS.labels("allocated").inc()
+        self._lift_pods([*unit.objects, *(object_key(obj) for obj in unit.kept)])  # the whole gang's pods
+
+    def _record(self, decided: list[tuple[Placement, dict[str, Any]]]) -> dict[PoolId, dict[str, Entry]] | None:
+        """The unit's ledger entries, pool by pool; None (and what was recorded forgotten) on failure."""
+        entries: dict[PoolId, dict[str, Entry]] = defaultdict(dict)
+        for placement, obj in decided:
+            for pool, entry in entries_for(obj, placement.allocation).items():
+                entries[pool][obj["metadata"]["uid"]] = entry
+        recorded: dict[PoolId, dict[str, Entry]] = {}
+        for pool, added in entries.items():
+            if self.acting():
+                stop_point("ledger", *(entry.claim for entry in added.values()))
+                if self.ledgers.change(pool, add=added):
+                    recorded[pool] = added
+                    continue
+            self._forget(recorded)
+            return None
+        return recorded
+
+    def _forget(self, entries: dict[PoolId, dict[str, Entry]]) -> None:
+        """Drop entries whose claims were never written; what cannot be dropped now is dropped by a
+        later pass (_resolve_undecided)."""
+        for pool, uids in entries.items():
+            if uids and self.acting():
+                self.ledgers.change(pool, remove=uids)
+
+    def _protect(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The claim with the delete-protection finalizer (added first, as kube-scheduler does)."""
+        finalizers = obj["metadata"].get("finalizers") or []
+        if DELETE_PROTECTION in finalizers:
+            return obj
+        if not self.acting():
+            return None
+        meta = {**obj["metadata"], "finalizers": [*finalizers, DELETE_PROTECTION]}
+        updated = self._claim_write(self.api.replace_claim, {**obj, "metadata": meta}, object_key(obj))
+        return None if isinstance(updated, Unwritten) else updated
+
+    def _write_status(self, obj: dict[str, Any], placement: Placement) -> dict[str, Any] | Unwritten:
+        stop_point("status", placement.claim.key)
+        allocation = {**placement.allocation, "allocationTimestamp": timestamp()}
+        body = {**obj, "status": {**(obj.get("status") or {}), "allocation": allocation}}
+        updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
+        if not isinstance(updated, Unwritten):
+            metrics.ALLOCATIONS.labels("allocated").inc()
+            log.info("allocated %s on %s", placement.claim.key, placement.node)
+        return updated
+
+    def _claim_write(self, call: Any, body: dict[str, Any], key: str) -> dict[str, Any] | Unwritten:
+        """One write conditioned on the claim's resourceVersion; on failure the pass ends, and the
+        result says whether the write may have landed all the same."""
+        try:
+            updated = call(body)
+        except ConflictError:
+            log.info("claim %s changed since this replica read it", key)
+            metrics.CONFLICTS.inc()
+            metrics.ALLOCATIONS.labels("conflict").inc()
+            self.stale.set()
+            return Unwritten.REFUSED
+        except NotFoundError:
+            log.info("claim %s is gone", key)
+            self.stale.set()
+            return Unwritten.REFUSED
+        except KubeError as error:  # a timeout or an outage: a later pass, reading afresh, sees what it did
+            metrics.ALLOCATIONS.labels("error").inc()
+            log.warning("cannot write claim %s: %s", key, error)
+            self.stale.set()
+            return Unwritten.UNKNOWN
+        self.informers["claims"].update(updated)
+        return updated
+
+    def _take_back(self, claims: Iterable[dict[str, Any]]) -> None:
+        """Clear allocations we wrote, then their ledger entries (in that order: the entry holds the
+        devices until the claim no longer does). What fails is retried by a later pass."""
+        cleared: dict[PoolId, set[str]] = defaultdict(set)
+        for obj in claims:
+            if not self.acting():
+                return
+            status = {k: v for k, v in (obj.get("status") or {}).items() if k != "allocation"}
+            cleared_claim = self._claim_write(self.api.replace_claim_status, {**obj, "status": status}, object_key(obj))
+            if isinstance(cleared_claim, Unwritten):
+                log.error("could not take back the allocation of %s", object_key(obj))
+                continue
+            for pool in entries_for(obj, (obj.get("status") or {}).get("allocation") or {}):
+                cleared[pool].add(obj["metadata"]["uid"])
+        for pool, uids in cleared.items():
+            if self.acting():
+                self.ledgers.change(pool, remove=uids)
+
+    # --- entries without a claim to match -------------------------------------------------------
+
+    def _resolve_undecided(self) -> None:
+        """Drop ledger entries that no claim holds and none can come to hold: left by a replica
+        that stopped (or was stopped) between its ledger write and its claim write, or by a claim
+        that was taken back or deleted. Entries the claim cache confirms cost nothing here."""
+        claims = {c["metadata"].get("uid"): c for c in self.informers["claims"].items()}
+        suspects = [
+            (pool_of(ledger), uid, entry)
+            for ledger in self.ledgers.objects()
+            for uid, entry in entries_of(ledger).items()
+            if not backs(entry, uid, claims.get(uid), pool_of(ledger))
+        ]
+        if not suspects:
+            return
+        verdicts = self._writers.map(lambda s: self._voided(*s), suspects)
+        dropped: dict[PoolId, set[str]] = defaultdict(set)
+        for (pool, uid, _), voided in zip(suspects, verdicts, strict=True):
+            if voided:
+                dropped[pool].add(uid)
+        for pool, uids in dropped.items():
+            if self.acting():
+                log.info("dropping %d ledger entries of pool %s/%s no claim holds", len(uids), *pool)
+                self.ledgers.change(pool, remove=uids)
+
+    def _voided(self, pool: PoolId, uid: str, entry: Entry) -> bool:
+        """Whether no write can still give the claim what the entry records: read afresh, the claim
+        is gone, holds something else, or has moved past the version the entry was decided on. A
+        pending claim still at that version is changed now, so that the decision's write fails."""
+        namespace, name = entry.claim.split("/", 1)
+        try:
+            claim = self.api.get_claim(namespace, name)
+        except NotFoundError:
+            return True
+        except KubeError as error:
+            log.warning("cannot read claim %s: %s", entry.claim, error)
+            return False
+        if backs(entry, uid, claim, pool):
+            self.informers["claims"].update(claim)
+            return False
+        if claim["metadata"].get("uid") != uid or claim["metadata"].get("resourceVersion") != entry.version:
+            return True
+        if not self.acting():
+            return False
+        return self._fence(claim)
+
+    def _fence(self, claim: dict[str, Any]) -> bool:
+        """Move the claim's resourceVersion (an annotation naming the version it had), so that every
+        write decided on that version, by any replica, fails; False if this write failed."""
+        version = claim["metadata"]["resourceVersion"]
+        annotations = {**(claim["metadata"].get("annotations") or {}), FENCE_ANNOTATION: version}
+        body = {**claim, "metadata": {**claim["metadata"], "annotations": annotations}}
+        return not isinstance(self._claim_write(self.api.replace_claim, body, object_key(claim)), Unwritten)
