@@ -1,0 +1,237 @@
+"""Would kube-scheduler run a pod on a node: the Filter checks of its default plugins that depend
+on the pod and the node alone, with their semantics and their reasons, so that a claim is placed
+only where the pods that use it can run.
+
+- NodeUnschedulable: a cordoned node (`spec.unschedulable`) unless the pod tolerates
+  `node.kubernetes.io/unschedulable:NoSchedule`;
+- TaintToleration: every NoSchedule and NoExecute taint tolerated (k8s.io/api core/v1
+  toleration.go `ToleratesTaint`; Lt/Gt compare integers). A node that is not Ready carries the
+  node lifecycle controller's `node.kubernetes.io/not-ready` taint, which is how the scheduler
+  sees readiness;
+- NodeAffinity: `nodeSelector` and the required node affinity (component-helpers
+  nodeaffinity.go: terms ORed, a term's requirements ANDed, an empty term matches nothing);
+- NodeResourcesFit: CPU, memory, ephemeral storage, extended resources and the pod count against
+  allocatable less what the node's pods request (`fitsRequest` in noderesources/fit.go), a pod's
+  requests as component-helpers resource.PodRequests counts them (sidecars, init containers,
+  pod-level requests, overhead).
+
+Not evaluated (kube-scheduler may still refuse the node; docs/allocator.md says what happens then):
+inter-pod affinity, topology spread, volumes, host ports, image locality, DRA itself."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from driver.allocator.quantity import parse_quantity
+
+JsonObject = dict[str, Any]
+CPU, MEMORY, EPHEMERAL, PODS = "cpu", "memory", "ephemeral-storage", "pods"
+FILTERED_EFFECTS = ("NoSchedule", "NoExecute")
+UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+# kube-scheduler's reasons, as its FitError message counts them ("0/3 nodes are available: ..."); a taint
+# is named where kube-scheduler 1.37 says only "node(s) had untolerated taint(s)".
+UNSCHEDULABLE = "node(s) were unschedulable"
+UNTOLERATED = "node(s) had untolerated taint {{{key}: {value}}}"
+AFFINITY = "node(s) didn't match Pod's node affinity/selector"
+TOO_MANY_PODS = "Too many pods"
+
+Resources = dict[str, Fraction]
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the fit checks read of a node."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[JsonObject, ...] = ()
+    unschedulable: bool = False
+    allocatable: Mapping[str, Fraction] = field(default_factory=dict)
+
+    @classmethod
+    def from_object(cls, node: JsonObject) -> NodeFacts:
+        spec, status = node.get("spec") or {}, node.get("status") or {}
+        return cls(
+            name=node["metadata"]["name"],
+            labels=dict(node["metadata"].get("labels") or {}),
+            taints=tuple(spec.get("taints") or ()),
+            unschedulable=bool(spec.get("unschedulable")),
+            allocatable=_resources(status.get("allocatable")),
+        )
+
+
+@dataclass(frozen=True)
+class PodNeeds:
+    """What the fit checks read of a pod."""
+
+    name: str
+    requests: Mapping[str, Fraction] = field(default_factory=dict)
+    tolerations: tuple[JsonObject, ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    required_terms: tuple[JsonObject, ...] | None = None  # None: no required node affinity
+
+    @classmethod
+    def from_object(cls, pod: JsonObject) -> PodNeeds:
+        spec = pod.get("spec") or {}
+        required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        metadata = pod.get("metadata") or {}
+        return cls(
+            name=f"{metadata.get('namespace', 'default')}/{metadata.get('name', '')}",
+            requests=pod_requests(spec),
+            tolerations=tuple(spec.get("tolerations") or ()),
+            node_selector=dict(spec.get("nodeSelector") or {}),
+            required_terms=None if required is None else tuple(required.get("nodeSelectorTerms") or ()),
+        )
+
+
+def _resources(raw: Mapping[str, Any] | None) -> Resources:
+    return {name: parse_quantity(str(value)) for name, value in (raw or {}).items()}
+
+
+def _add(total: Resources, more: Mapping[str, Fraction]) -> None:
+    for name, value in more.items():
+        total[name] = total.get(name, Fraction(0)) + value
+
+
+def _max(total: Resources, other: Mapping[str, Fraction]) -> None:
+    for name, value in other.items():
+        if value > total.get(name, Fraction(0)):
+            total[name] = value
+
+
+def pod_requests(spec: JsonObject) -> Resources:
+    """A pod's requests as kube-scheduler counts them (resource.PodRequests): the containers'
+    sum with restartable init containers (sidecars) running beside them, at least what any init
+    container needs with the sidecars started before it, pod-level requests where set, plus the
+    runtime class overhead."""
+    total: Resources = {}
+    for container in spec.get("containers") or ():
+        _add(total, _resources((container.get("resources") or {}).get("requests")))
+    sidecars: Resources = {}
+    init_peak: Resources = {}
+    for container in spec.get("initContainers") or ():
+        own = _resources((container.get("resources") or {}).get("requests"))
+        if container.get("restartPolicy") == "Always":
+            _add(total, own)
+            _add(sidecars, own)
+            _max(init_peak, sidecars)
+        else:
+            running = dict(own)
+            _add(running, sidecars)
+            _max(init_peak, running)
+    _max(total, init_peak)
+    for name, value in _resources((spec.get("resources") or {}).get("requests")).items():
+        if name in (CPU, MEMORY) or name.startswith("hugepages-"):
+            total[name] = value
+    _add(total, _resources(spec.get("overhead")))
+    return total
+
+
+def _tolerates(toleration: JsonObject, taint: JsonObject) -> bool:
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Equal":
+        return (toleration.get("value") or "") == (taint.get("value") or "")
+    if operator == "Exists":
+        return True
+    if operator in ("Lt", "Gt"):
+        mine, theirs = _integer(toleration.get("value")), _integer(taint.get("value"))
+        if mine is None or theirs is None:
+            return False
+        return theirs < mine if operator == "Lt" else theirs > mine
+    return False
+
+
+def _integer(value: Any) -> int | None:
+    try:
+        return int(str(value), 10)
+    except ValueError:
+        return None
+
+
+def untolerated_taint(pod: PodNeeds, node: NodeFacts) -> JsonObject | None:
+    """The first NoSchedule/NoExecute taint of the node the pod does not tolerate, if any."""
+    for taint in node.taints:
+        if taint.get("effect") in FILTERED_EFFECTS and not any(_tolerates(t, taint) for t in pod.tolerations):
+            return taint
+    return None
+
+
+def _requirement_matches(requirement: JsonObject, value: str | None) -> bool:
+    operator, values = requirement.get("operator"), requirement.get("values") or []
+    if operator == "In":
+        return value is not None and value in values
+    if operator == "NotIn":
+        return value is None or value not in values
+    if operator == "Exists":
+        return value is not None
+    if operator == "DoesNotExist":
+        return value is None
+    if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
+        mine, bound = _integer(value), _integer(values[0])
+        if mine is None or bound is None:
+            return False
+        return mine > bound if operator == "Gt" else mine < bound
+    return False
+
+
+def _term_matches(term: JsonObject, node: NodeFacts) -> bool:
+    expressions, fields = term.get("matchExpressions") or [], term.get("matchFields") or []
+    if not expressions and not fields:
+        return False  # an empty term matches no objects
+    if not all(_requirement_matches(r, node.labels.get(r.get("key", ""))) for r in expressions):
+        return False
+    node_fields = {"metadata.name": node.name}
+    return all(_requirement_matches(r, node_fields.get(r.get("key", ""))) for r in fields)
+
+
+def affinity_matches(pod: PodNeeds, node: NodeFacts) -> bool:
+    if any(node.labels.get(key) != value for key, value in pod.node_selector.items()):
+        return False
+    return pod.required_terms is None or any(_term_matches(term, node) for term in pod.required_terms)
+
+
+def insufficient(pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fraction], pods_on_node: int) -> list[str]:
+    """kube-scheduler's `Insufficient <resource>` / `Too many pods` reasons for the pod on a node
+    whose pods request `requested` (pods_on_node of them)."""
+    reasons = []
+    if PODS in node.allocatable and pods_on_node + 1 > node.allocatable[PODS]:
+        reasons.append(TOO_MANY_PODS)
+    for name in sorted(pod.requests):
+        wanted = pod.requests[name]
+        if wanted <= 0 or name == PODS:
+            continue
+        if wanted > node.allocatable.get(name, Fraction(0)) - requested.get(name, Fraction(0)):
+            reasons.append(f"Insufficient {name}")
+    return reasons
+
+
+def unfit_reasons(
+    pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fraction] | None = None, pods_on_node: int = 0
+) -> list[str]:
+    """Why kube-scheduler would not run the pod on the node (empty: it fits), in its words. The
+    filters run in its order and stop at the first that fails, as its framework does."""
+    if node.unschedulable and not any(_tolerates(t, UNSCHEDULABLE_TAINT) for t in pod.tolerations):
+        return [UNSCHEDULABLE]
+    taint = untolerated_taint(pod, node)
+    if taint is not None:
+        return [UNTOLERATED.format(key=taint.get("key", ""), value=taint.get("value", ""))]
+    if not affinity_matches(pod, node):
+        return [AFFINITY]
+    return insufficient(pod, node, requested or {}, pods_on_node)
+
+
+def summary(nodes: int, reasons: Iterable[str]) -> str:
+    """kube-scheduler's FitError message: `0/3 nodes are available: 1 Insufficient cpu, 2 node(s)
+    were unschedulable.` (each reason counted over the nodes, sorted as text)."""
+    parts = ", ".join(sorted(f"{count} {reason}" for reason, count in Counter(reasons).items()))
+    return f"0/{nodes} nodes are available: {parts}." if parts else f"0/{nodes} nodes are available."

@@ -1,0 +1,151 @@
+"""Pod fit as kube-scheduler's Filter plugins decide it (driver/nodefit.py), on hand-built pods
+and nodes: each reason, the filters' order, requests counted as resource.PodRequests counts them."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from driver.nodefit import NodeFacts, PodNeeds, pod_requests, summary, unfit_reasons
+
+
+def node(name: str = "n1", **spec: Any) -> NodeFacts:
+    allocatable = spec.pop("allocatable", {"cpu": "4", "memory": "16Gi", "pods": "110"})
+    labels = spec.pop("labels", {"zone": "a"})
+    body = {"metadata": {"name": name, "labels": labels}, "spec": spec, "status": {"allocatable": allocatable}}
+    return NodeFacts.from_object(body)
+
+
+def pod(cpu: str = "1", memory: str = "1Gi", **spec: Any) -> PodNeeds:
+    container = {"name": "main", "resources": {"requests": {"cpu": cpu, "memory": memory}}}
+    return PodNeeds.from_object(
+        {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [container], **spec}}
+    )
+
+
+def test_a_pod_that_fits_has_no_reason():
+    assert unfit_reasons(pod(), node()) == []
+
+
+def test_resources_against_allocatable_less_what_the_node_runs():
+    assert unfit_reasons(pod(cpu="4"), node()) == []
+    assert unfit_reasons(pod(cpu="4", memory="20Gi"), node()) == ["Insufficient memory"]
+    used = {"cpu": Fraction(1), "memory": Fraction(0)}
+    assert unfit_reasons(pod(cpu="3500m"), node(), used) == ["Insufficient cpu"]
+    assert unfit_reasons(pod(cpu="3"), node(), used) == []
+    assert unfit_reasons(pod(), node(allocatable={"cpu": "4", "memory": "16Gi", "pods": "2"}), {}, 2) == [
+        "Too many pods"
+    ]
+    gpu_pod = PodNeeds("ns/p", {"example.com/fpga": Fraction(1)})
+    assert unfit_reasons(gpu_pod, node()) == ["Insufficient example.com/fpga"]
+
+
+def test_requests_count_sidecars_init_containers_pod_level_and_overhead():
+    def container(cpu: str, **more: Any) -> dict[str, Any]:
+        return {"name": cpu, "resources": {"requests": {"cpu": cpu}}, **more}
+
+    spec = {"containers": [container("1"), container("500m")]}
+    assert pod_requests(spec)["cpu"] == Fraction(3, 2)
+    # An init container alone needs 2: more than the containers' 1.5.
+    assert pod_requests({**spec, "initContainers": [container("2")]})["cpu"] == 2
+    # A sidecar runs beside the containers (1.5 + 1) and beside the init containers after it (1 + 2).
+    sidecar = container("1", restartPolicy="Always")
+    assert pod_requests({**spec, "initContainers": [sidecar, container("2")]})["cpu"] == 3
+    assert pod_requests({**spec, "initContainers": [container("2"), sidecar]})["cpu"] == Fraction(5, 2)
+    # Pod-level requests replace the containers' for cpu and memory; overhead adds.
+    assert pod_requests({**spec, "resources": {"requests": {"cpu": "3"}}, "overhead": {"cpu": "250m"}})["cpu"] == (
+        Fraction(13, 4)
+    )
+
+
+GENERATION_9 = {"key": "gpu-gen", "value": "9", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("taint", "tolerations", "fits"),
+    [
+        ({"key": "dedicated", "value": "x", "effect": "NoSchedule"}, [], False),
+        ({"key": "dedicated", "value": "x", "effect": "NoExecute"}, [], False),
+        ({"key": "dedicated", "value": "x", "effect": "PreferNoSchedule"}, [], True),
+        ({"key": "dedicated", "value": "x", "effect": "NoSchedule"}, [{"key": "dedicated", "value": "x"}], True),
+        ({"key": "dedicated", "value": "x", "effect": "NoSchedule"}, [{"key": "dedicated", "value": "y"}], False),
+        ({"key": "dedicated", "value": "x", "effect": "NoSchedule"}, [{"operator": "Exists"}], True),
+        (
+            {"key": "dedicated", "value": "x", "effect": "NoExecute"},
+            [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+            False,
+        ),
+        (
+            {"key": "gpu-gen", "value": "9", "effect": "NoSchedule"},
+            [{"key": "gpu-gen", "operator": "Lt", "value": "10"}],
+            True,
+        ),
+        (
+            {"key": "gpu-gen", "value": "9", "effect": "NoSchedule"},
+            [{"key": "gpu-gen", "operator": "Gt", "value": "10"}],
+            False,
+        ),
+    ],
+)
+def test_taints_against_tolerations(taint: dict[str, str], tolerations: list[dict[str, str]], fits: bool):
+    reasons = unfit_reasons(pod(tolerations=tolerations), node(taints=[taint]))
+    assert reasons == ([] if fits else [f"node(s) had untolerated taint {{{taint['key']}: {taint['value']}}}"])
+
+
+def test_a_cordoned_node_unless_tolerated():
+    assert unfit_reasons(pod(), node(unschedulable=True)) == ["node(s) were unschedulable"]
+    tolerating = pod(tolerations=[{"key": "node.kubernetes.io/unschedulable", "operator": "Exists"}])
+    assert unfit_reasons(tolerating, node(unschedulable=True)) == []
+
+
+def named(node: str) -> dict[str, Any]:
+    return {"key": "metadata.name", "operator": "In", "values": [node]}
+
+
+def affinity(*terms: dict[str, Any]) -> dict[str, Any]:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "fits"),
+    [
+        ({"nodeSelector": {"zone": "a"}}, True),
+        ({"nodeSelector": {"zone": "b"}}, False),
+        ({"affinity": affinity({"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]})}, True),
+        ({"affinity": affinity({"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]})}, False),
+        ({"affinity": affinity({"matchExpressions": [{"key": "gpu", "operator": "DoesNotExist"}]})}, True),
+        ({"affinity": affinity({"matchExpressions": [{"key": "gpu", "operator": "Exists"}]})}, False),
+        ({"affinity": affinity({"matchExpressions": [{"key": "rank", "operator": "Gt", "values": ["3"]}]})}, True),
+        (
+            {"affinity": affinity({"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n2"]}]})},
+            False,
+        ),
+        # Terms are ORed; an empty term matches nothing.
+        (
+            {"affinity": affinity({}, {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]})},
+            True,
+        ),
+        ({"affinity": affinity({})}, False),
+    ],
+)
+def test_node_selector_and_required_affinity(spec: dict[str, Any], fits: bool):
+    reasons = unfit_reasons(pod(**spec), node(labels={"zone": "a", "rank": "5"}))
+    assert reasons == ([] if fits else ["node(s) didn't match Pod's node affinity/selector"])
+
+
+def test_filters_stop_at_the_first_that_fails_in_kube_schedulers_order():
+    unfit = pod(cpu="64", nodeSelector={"zone": "b"})
+    tainted = node(unschedulable=True, taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}])
+    assert unfit_reasons(unfit, tainted) == ["node(s) were unschedulable"]
+    assert unfit_reasons(unfit, node(taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}])) == [
+        "node(s) had untolerated taint {k: v}"
+    ]
+    assert unfit_reasons(unfit, node()) == ["node(s) didn't match Pod's node affinity/selector"]
+
+
+def test_the_summary_counts_reasons_as_kube_scheduler_writes_them():
+    reasons = ["Insufficient cpu", "node(s) were unschedulable", "Insufficient cpu"]
+    assert summary(3, reasons) == "0/3 nodes are available: 1 node(s) were unschedulable, 2 Insufficient cpu."
+    assert summary(0, []) == "0/0 nodes are available."
