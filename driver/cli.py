@@ -13,19 +13,14 @@ import yaml
 from driver.allocator.scoring import POLICIES
 from driver.devices import node_inventory, shortfall
 from driver.discovery import discover_gpus
+from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, seconds
 from driver.kube import ClientKubeApi, KubeConfigError, KubeError
 from driver.logs import LOG_FORMATS, configure_logging
 from driver.node.settings import (
-    DEFAULT_DRIVER_NAME,
-    FlagParser,
-    SettingsError,
-    add_common_flags,
+    add_node_flags,
     add_plugin_flags,
     check_offers,
-    env_default,
     plugin_settings,
-    port,
-    seconds,
     sharing_config,
     validate_names,
 )
@@ -94,14 +89,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_webhook(args: argparse.Namespace) -> int:
-    from driver.admission.server import WebhookSettings, run_webhook
+    from driver.admission.server import run_webhook, webhook_settings
 
     if args.port < 1:
         raise SettingsError(f"--port {args.port}: the webhook needs a port (1-65535)")
-    settings = WebhookSettings(args.driver_name, args.bind_address, args.port, args.tls_cert_file,
-                               args.tls_private_key_file)  # fmt: skip
     try:
-        run_webhook(settings)
+        run_webhook(webhook_settings(args))
     except ValueError as err:
         raise SettingsError(str(err)) from err
     except OSError as err:  # the address is taken or cannot be bound
@@ -185,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     discover = commands.add_parser("discover", help="print the ResourceSlices this node would publish")
-    add_common_flags(discover)
+    add_node_flags(discover)
     discover.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
     discover.set_defaults(func=cmd_discover)
 
@@ -229,8 +222,40 @@ def build_parser() -> argparse.ArgumentParser:
     webhook.add_argument(
         "--port", type=port, default=env_default("8443", "WEBHOOK_PORT"), help="HTTPS port [WEBHOOK_PORT]"
     )
-    webhook.add_argument("--tls-cert-file", type=Path, required=True, help="serving certificate (PEM)")
-    webhook.add_argument("--tls-private-key-file", type=Path, required=True, help="its private key (PEM)")
+    webhook.add_argument("--tls-cert-file", type=Path, help="serving certificate (PEM), read again when it changes")
+    webhook.add_argument("--tls-private-key-file", type=Path, help="its private key (PEM)")
+    webhook.add_argument(
+        "--ca-bundle-file",
+        type=Path,
+        help="with --tls-cert-file: the CA to write into --webhook-configuration's caBundle",
+    )
+    from driver.admission.lifetimes import duration  # the webhook's flags (docs/admission.md)
+
+    webhook.add_argument(
+        "--tls-secret",
+        default="",
+        help="self-managed: a CA and serving certificate kept in this Secret, made and renewed here",
+    )
+    webhook.add_argument(
+        "--namespace",
+        default=env_default(None, "POD_NAMESPACE"),
+        help="the Secret's namespace, the Service's [POD_NAMESPACE]",
+    )
+    webhook.add_argument("--service-name", default="", help="the Service in front of the webhook: the names certified")
+    webhook.add_argument("--extra-san", action="append", help="another DNS name or IP address to certify (repeat)")
+    webhook.add_argument(
+        "--webhook-configuration",
+        default="",
+        help="the ValidatingWebhookConfiguration whose caBundle this webhook writes",
+    )
+    webhook.add_argument("--cert-validity", type=duration, default="8760h", help="serving certificate's lifetime")
+    webhook.add_argument("--cert-renew-before", type=duration, default="720h", help="renew it this long before expiry")
+    webhook.add_argument("--ca-validity", type=duration, default="87600h", help="the self-managed CA's lifetime")
+    webhook.add_argument(
+        "--kubeconfig",
+        default=env_default(None, "KUBECONFIG"),
+        help="client configuration [KUBECONFIG]; default: the pod's service account",
+    )
     webhook.set_defaults(func=cmd_webhook)
 
     planner = commands.add_parser(

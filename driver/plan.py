@@ -32,6 +32,7 @@ from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.flags import DEFAULT_DRIVER_NAME
 from driver.manifests import (
     WORKLOAD_KINDS,
     ClaimTemplate,
@@ -48,7 +49,6 @@ from driver.manifests import (
     pods_of,
     read_manifests,
 )
-from driver.node.settings import DEFAULT_DRIVER_NAME
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")

@@ -1,21 +1,22 @@
-"""Command-line flags and their environment variables -> one typed settings object."""
+"""The node's commands (`fgpu discover`, `fgpu kubelet-plugin`): their flags and environment
+variables -> one typed, checked settings object for the plugin. What every command shares (flag
+parsing, environment defaults, value types) is in driver/flags.py."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn, get_args
+from typing import get_args
 
 from kubernetes.utils import parse_quantity
 
 from driver.devices import gpu_targets
 from driver.discovery import GpuInfo
 from driver.featuregates import GATES, FeatureGateError, FeatureGates
+from driver.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, interval, port, seconds
 from driver.node.health.taints import HealthPolicy, TaintEffect
 from driver.node.kubelet.sockets import (
     SocketPathError,
@@ -27,14 +28,9 @@ from driver.nvml.session import is_mock
 from driver.sharing import ALL_KINDS, SharingConfig, SharingConfigError, SharingKind, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
-DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
 MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver
 POD_UID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")  # it becomes part of two socket file names
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-class SettingsError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -88,90 +84,7 @@ class PluginSettings:
         return self.state_dir / "checkpoint.json"
 
 
-class EnvValue(str):
-    """A flag's value taken from its environment variable. Its repr names the variable, so every
-    message that quotes a bad value (argparse's among them) says where it came from."""
-
-    env: str
-
-    def __new__(cls, value: str, env: str) -> EnvValue:
-        self = super().__new__(cls, value)
-        self.env = env
-        return self
-
-    def __repr__(self) -> str:
-        return f"{self.env}={str.__repr__(self)}"
-
-    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
-        # copy and pickle: a value such as NODE_NAME ends up in records that are deep-copied
-        return str(self), self.env
-
-
-def env_default(parser_default: str | None, env: str) -> str | None:
-    """A flag's default from its environment variable. Kept a string: argparse converts a string
-    default with the flag's `type`, so a bad value fails as a flag would, in one line, and only
-    when the flag is not given (a bad variable does not break `--help` or an explicit flag)."""
-    value = os.environ.get(env)
-    return parser_default if value is None else EnvValue(value, env)
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block), and with defaults from the environment
-    checked as flags are: argparse leaves a default's choices unchecked and a boolean flag's
-    default unconverted."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, rest = super().parse_known_args(args, namespace)
-        for action in self._actions:
-            value = getattr(parsed, action.dest, None)
-            if not isinstance(value, str):
-                continue
-            if isinstance(action, argparse.BooleanOptionalAction):
-                if value not in ("true", "false"):
-                    self.error(f"argument {action.option_strings[0]}: {value!r} is not true or false")
-                setattr(parsed, action.dest, value == "true")
-            elif action.choices is not None and value not in action.choices:
-                choices = ", ".join(map(str, action.choices))
-                self.error(f"argument {action.option_strings[0]}: {value!r} is not one of {choices}")
-        return parsed, rest
-
-
-def port(value: str) -> int:
-    """A TCP port, or -1 (off)."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = -2
-    if not -1 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a port (0-65535, or -1: off)")
-    return number
-
-
-def interval(value: str) -> float:
-    """A period in seconds, above 0: a loop waits this long between rounds."""
-    number = seconds(value)
-    if number == 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
-    return number
-
-
-def seconds(value: str) -> float:
-    """A duration in seconds: a finite number, not negative."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not 0 <= number < math.inf:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (0 or more)")
-    return number
-
-
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--driver-name", default=env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"), help="DRA driver name [DRIVER_NAME]"
     )
@@ -208,7 +121,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
-    add_common_flags(parser)
+    add_node_flags(parser)
     add_health_flags(parser)
     parser.add_argument(
         "--registrar-dir",
