@@ -1,14 +1,16 @@
 """`fgpu webhook`: the validating admission webhook over HTTPS (kube-apiserver calls only HTTPS).
 
 POST /validate answers an AdmissionReview (driver/admission/review.py); GET /healthz is the probes'
-endpoint; GET /metrics Prometheus' text format. The certificate is read at start: the chart rolls
-the pods when its Secret changes.
+endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
+driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
+while serving: new connections get the new one, without a restart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import ssl
 import threading
@@ -20,7 +22,10 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
+from driver.admission import certs
+from driver.admission.lifetimes import DEFAULT_LIFETIMES, Lifetimes
 from driver.admission.review import review
+from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
 
 LOG = logging.getLogger("fgpu.webhook")
 # etcd's request limit is 1.5 MiB: no object kube-apiserver sends is larger than this.
@@ -34,17 +39,73 @@ class WebhookSettings:
     driver_name: str
     bind_address: str
     port: int
-    cert_file: Path
-    key_file: Path
+    cert_file: Path | None = None  # a certificate from files (cert-manager's or an operator's Secret) ...
+    key_file: Path | None = None
+    ca_file: Path | None = None  # ... and its CA, copied into the configuration's caBundle
+    tls_secret: str = ""  # ... or self-managed: the Secret the webhook keeps its CA and certificate in
+    namespace: str = ""
+    hosts: tuple[str, ...] = ()  # the serving certificate's names (self-managed)
+    lifetimes: Lifetimes = DEFAULT_LIFETIMES
+    webhook_configuration: str = ""  # the ValidatingWebhookConfiguration whose caBundle it writes
+    kubeconfig: str | None = None
+    check_interval_s: float = 10.0
+
+    def check(self) -> None:
+        """Raises ValueError naming the flags that do not go together."""
+        if self.tls_secret:
+            if self.cert_file or self.key_file or self.ca_file:
+                raise ValueError("--tls-secret (self-managed) or --tls-cert-file/--tls-private-key-file, not both")
+            if not self.namespace:
+                raise ValueError("--tls-secret needs --namespace (or POD_NAMESPACE): where the Secret is")
+            if not self.hosts:
+                raise ValueError("--tls-secret needs --service-name or --extra-san: the names to certify")
+            self.lifetimes.check()
+        elif not (self.cert_file and self.key_file):
+            raise ValueError("the following arguments are required: --tls-cert-file and --tls-private-key-file "
+                             "(a certificate), or --tls-secret (self-managed)")  # fmt: skip
+        if self.ca_file and not self.webhook_configuration:
+            raise ValueError("--ca-bundle-file needs --webhook-configuration: whose caBundle to write")
 
 
-def tls_context(settings: WebhookSettings) -> ssl.SSLContext:
+def webhook_settings(args: Any) -> WebhookSettings:
+    """The settings `fgpu webhook`'s flags give (driver/cli.py)."""
+    lifetimes = Lifetimes(args.cert_validity, args.cert_renew_before, args.ca_validity)
+    return WebhookSettings(
+        driver_name=args.driver_name,
+        bind_address=args.bind_address,
+        port=args.port,
+        cert_file=args.tls_cert_file,
+        key_file=args.tls_private_key_file,
+        ca_file=args.ca_bundle_file,
+        tls_secret=args.tls_secret,
+        namespace=args.namespace or "",
+        hosts=certs.service_hosts(args.service_name, args.namespace or "", args.extra_san or ()),
+        lifetimes=lifetimes,
+        webhook_configuration=args.webhook_configuration,
+        kubeconfig=args.kubeconfig,
+        # Often enough to renew in time with a margin of seconds (tests); a GET of the Secret and
+        # of the configuration every 10 s at most otherwise.
+        check_interval_s=max(0.5, min(10.0, lifetimes.renew_before_s / 4)),
+    )
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd
+
+
+def tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
+    """A server context for a PEM certificate (chain) and key held in memory: read through memfds,
+    so that nothing is written to the (read-only) file system."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    cert_fd, key_fd = _memfd("tls.crt", cert), _memfd("tls.key", key)
     try:
-        context.load_cert_chain(settings.cert_file, settings.key_file)
-    except (OSError, ssl.SSLError) as err:
-        raise ValueError(f"--tls-cert-file/--tls-private-key-file: cannot load {settings.cert_file}: {err}") from err
+        context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
+    finally:
+        os.close(cert_fd)
+        os.close(key_fd)
     return context
 
 
@@ -96,15 +157,19 @@ class _Handler(BaseHTTPRequestHandler):
 class WebhookServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, settings: WebhookSettings) -> None:
+    def __init__(self, settings: WebhookSettings, tls: ssl.SSLContext) -> None:
         self.driver_name = settings.driver_name
-        self.tls = tls_context(settings)
+        self.tls = tls
         super().__init__((settings.bind_address, settings.port), _Handler)
+
+    def set_certificate(self, cert: bytes, key: bytes) -> None:
+        """Serve this certificate from the next handshake on (open connections keep theirs)."""
+        self.tls = tls_context(cert, key)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # The TLS handshake in the connection's own thread: a slow client cannot hold up accept().
         request.settimeout(HANDSHAKE_TIMEOUT_S)
-        with self.tls.wrap_socket(request, server_side=True) as connection:
+        with self.tls.wrap_socket(request, server_side=True) as connection:  # the context of this moment
             connection.settimeout(None)
             super().finish_request(connection, client_address)
 
@@ -112,13 +177,56 @@ class WebhookServer(ThreadingHTTPServer):
         LOG.debug("connection from %s failed", client_address[0], exc_info=True)  # e.g. a TLS handshake
 
 
+def certificate_source(settings: WebhookSettings) -> SelfManaged | MountedFiles:
+    if settings.tls_secret or settings.webhook_configuration:
+        api = ClientCertApi(settings.kubeconfig)
+    if settings.tls_secret:
+        return SelfManaged(api, settings.namespace, settings.tls_secret, settings.hosts, settings.lifetimes,
+                           settings.webhook_configuration)  # fmt: skip
+    assert settings.cert_file is not None and settings.key_file is not None
+    publisher = CaBundlePublisher(api, settings.webhook_configuration) if settings.ca_file else None
+    return MountedFiles(settings.cert_file, settings.key_file, settings.ca_file, publisher)
+
+
 def run_webhook(settings: WebhookSettings) -> None:
     """Serve until SIGTERM or SIGINT."""
-    server = WebhookServer(settings)
+    settings.check()
+    tls: list[ssl.SSLContext] = []
+    server: WebhookServer | None = None
+
+    def serve(cert: bytes, key: bytes) -> None:
+        if server is None:
+            tls[:] = [tls_context(cert, key)]
+        else:
+            server.set_certificate(cert, key)
+
+    rotator = Rotator(certificate_source(settings), serve, settings.check_interval_s)
+
+    def stop(*_: object) -> None:
+        rotator.stopped.set()
+        if server is not None:
+            threading.Thread(target=server.shutdown).start()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: threading.Thread(target=server.shutdown).start())
+        signal.signal(signum, stop)
+    if settings.tls_secret:
+        try:
+            rotator.first()  # the API server may not answer yet: retried
+        except InterruptedError:
+            return
+    else:
+        try:
+            rotator.first(retry=False)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            flags = "--tls-cert-file/--tls-private-key-file"
+            raise ValueError(f"{flags}: cannot load {settings.cert_file}: {err}") from err
+    server = WebhookServer(settings, tls[0])
+    if rotator.stopped.is_set():
+        return
+    rotator.start()
     LOG.info("validating %s configs on https://%s:%d/validate", settings.driver_name, *server.server_address[:2])
     try:
         server.serve_forever()
     finally:
+        rotator.stop()
         server.server_close()
