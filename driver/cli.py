@@ -11,7 +11,6 @@ from pathlib import Path
 import yaml
 
 from driver.allocator.scoring import POLICIES
-from driver.devices import node_inventory, shortfall
 from driver.discovery import discover_gpus
 from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, seconds
 from driver.kube import ClientKubeApi, KubeConfigError, KubeError
@@ -19,7 +18,6 @@ from driver.logs import LOG_FORMATS, configure_logging
 from driver.node.settings import (
     add_node_flags,
     add_plugin_flags,
-    check_offers,
     plugin_settings,
     sharing_config,
     validate_names,
@@ -27,6 +25,7 @@ from driver.node.settings import (
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from driver.offers import check_offers, node_inventory, shortfall
 from driver.slices import build_slices
 from driver.status import RENDERERS, cluster_status
 

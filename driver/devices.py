@@ -16,7 +16,7 @@ same as the partition, once however many shares it holds.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from driver.discovery import GpuInfo
@@ -342,69 +342,6 @@ def node_targets(gpus: list[GpuInfo], sharing: SharingConfig) -> list[DeviceTarg
     ]
 
 
-@dataclass(frozen=True)
-class OfferLimit:
-    """The kinds a GPU cannot offer as it is now, because prepare could not make them real, and why."""
-
-    kinds: frozenset[SharingKind]
-    reason: str
-    # The reason in a device attribute (at most 64 characters), where an admin can act on it.
-    note: str = ""
-
-
-NO_LIMIT = OfferLimit(frozenset(), "")
-
-
-def offer_limit(gpu: GpuInfo) -> OfferLimit:
-    """Prepare switches MIG mode as a device needs it (partitioner/mig.py): on for a MIG device, off
-    for whole-GPU use (whole, MPS, time-slicing) once no instance is left. Where a switch waits for
-    a GPU reset (Ampere), the GPU can offer only what its current mode allows."""
-    if not gpu.mig_capable:
-        return OfferLimit(MIG_KINDS, "the GPU has no MIG")
-    if not gpu.mig_mode_needs_reset:
-        return NO_LIMIT
-    if gpu.mig_enabled:
-        return OfferLimit(
-            frozenset({"whole", "mps", "timeslice"}),
-            "MIG mode is on and switching it off needs a GPU reset on this GPU "
-            f"(nvidia-smi -i {gpu.index} -mig 0, then reset the GPU)",
-            "MIG mode on, switching needs a GPU reset",
-        )
-    return OfferLimit(
-        MIG_KINDS,
-        "MIG mode is off and switching it on needs a GPU reset on this GPU "
-        f"(nvidia-smi -i {gpu.index} -mig 1, then reset the GPU)",
-        "MIG mode off, switching needs a GPU reset",
-    )
-
-
-def _held_back(gpu: GpuInfo, sharing: SharingConfig) -> tuple[list[str], OfferLimit]:
-    """The configured kinds the GPU cannot offer as it is now, sorted, and why."""
-    limit = offer_limit(gpu)
-    return sorted(sharing.offered(gpu.index) & limit.kinds), limit
-
-
-def shortfall(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
-    """Why a GPU offers less than it is configured to, in a line; None when it offers all of it."""
-    missing, limit = _held_back(gpu, sharing)
-    if not missing:
-        return None
-    return f"GPU {gpu.index} ({gpu.product_name}) offers no {', '.join(missing)}: {limit.reason}"
-
-
-def not_offered_note(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
-    """What the GPU's devices carry in NOT_OFFERED_ATTRIBUTE, so that `fgpu status` can say why a GPU
-    offers less: the kinds held back and the note, e.g. "mig: MIG mode off, switching needs a GPU reset"."""
-    missing, limit = _held_back(gpu, sharing)
-    return f"{','.join(missing)}: {limit.note}" if missing and limit.note else None
-
-
-def _with_note(device: Device, note: str | None) -> Device:
-    if note is None:
-        return device
-    return replace(device, attributes={**device.attributes, NOT_OFFERED_ATTRIBUTE: Attribute("string", note)})
-
-
 def device_for(target: DeviceTarget) -> Device:
     if target.kind == "whole":
         return whole_gpu_device(target.gpu)
@@ -416,14 +353,3 @@ def device_for(target: DeviceTarget) -> Device:
     if target.kind == "mps":
         return mps_device(target.gpu)
     return timeslice_device(target.gpu)
-
-
-def node_inventory(gpus: list[GpuInfo], sharing: SharingConfig) -> Inventory:
-    """Every device and counter set the node offers now, in a stable order."""
-    targets = node_targets(gpus, sharing)
-    notes = {gpu.index: not_offered_note(gpu, sharing) for gpu in gpus}
-    devices = [_with_note(device_for(t), notes[t.gpu.index]) for t in targets if t.kind not in offer_limit(t.gpu).kinds]
-    if not sharing.shared_counters:
-        return Inventory(devices=[replace(d, consumes={}) for d in devices], counter_sets=[])
-    counter_sets = [CounterSet(counter_set_name(gpu), gpu_counters(gpu)) for gpu in sorted(gpus, key=lambda g: g.index)]
-    return Inventory(devices=devices, counter_sets=counter_sets)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from driver.devices import node_inventory, node_targets
+from driver.devices import node_targets
 from driver.discovery import discover_gpus
 from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
@@ -29,16 +29,17 @@ from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, R
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
+from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.node_lock import NodeClaimLock, SerializedDriver
-from driver.node.offer import OfferWatch
 from driver.node.ownership import InstanceLock
 from driver.node.prepare import Partitioners
 from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
-from driver.node.settings import PluginSettings, check_offers
+from driver.node.settings import PluginSettings
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
+from driver.offers import check_offers, node_inventory
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner
@@ -98,8 +99,8 @@ class PluginProcess:
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
         )
-        self.offer = OfferWatch(self._nvml, self.gpus, settings.sharing, self.publisher.set_inventory)
-        self.offer.log_shortfalls()
+        self.mig_mode_watch = MigModeWatch(self._nvml, self.gpus, settings.sharing, self.publisher.set_inventory)
+        self.mig_mode_watch.log_shortfalls()
         self.health = GatedHealthServicer()
         self.device_health = HealthBoard()
         self.health_monitor = HealthMonitor(
@@ -142,7 +143,7 @@ class PluginProcess:
         if settings.health_monitor:
             self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()
-        self.offer.start()
+        self.mig_mode_watch.start()
         self.reconciler.start()
         if settings.health_monitor:
             self.health_monitor.start()
@@ -218,7 +219,7 @@ class PluginProcess:
             time.sleep(self.settings.shutdown_drain_s)
         self.api.close()  # unblocks the publisher's watch
         self.health_monitor.stop()
-        self.offer.stop()
+        self.mig_mode_watch.stop()
         self.publisher.stop()
         self.reconciler.stop()
         for server in (self._dra_server, self._health_server):

@@ -13,8 +13,6 @@ from typing import get_args
 
 from kubernetes.utils import parse_quantity
 
-from driver.devices import gpu_targets
-from driver.discovery import GpuInfo
 from driver.featuregates import GATES, FeatureGateError, FeatureGates
 from driver.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, interval, port, seconds
 from driver.node.health.taints import HealthPolicy, TaintEffect
@@ -25,7 +23,7 @@ from driver.node.kubelet.sockets import (
     rolling_update_registrar_socket_file,
 )
 from driver.nvml.session import is_mock
-from driver.sharing import ALL_KINDS, SharingConfig, SharingConfigError, SharingKind, load_sharing_config
+from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
 MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver
@@ -282,54 +280,6 @@ def sharing_config(args: argparse.Namespace) -> SharingConfig:
         return FeatureGates.parse(args.feature_gates).restrict(sharing)
     except (SharingConfigError, FeatureGateError) as err:
         raise SettingsError(str(err)) from err
-
-
-def check_offers(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
-    """Refuse what this node cannot honour rather than publish less, or nothing, without a word:
-    a sharing config entry for a GPU it lacks or asking a GPU for a kind it cannot offer, and a
-    GPU left with no device at all."""
-    indices = sorted(gpu.index for gpu in gpus)
-    missing = sorted(set(sharing.per_gpu) - set(indices))
-    if missing:
-        raise SettingsError(
-            f"--sharing-config names GPU index(es) {missing}, but this node's GPUs are {indices}; remove those entries"
-        )
-    for gpu in gpus:
-        unable = sorted(kind for kind in sharing.per_gpu.get(gpu.index, ()) if not _can_offer(gpu, kind))
-        if unable:
-            raise SettingsError(
-                f"--sharing-config asks GPU {gpu.index} ({gpu.product_name}) for {', '.join(unable)}, which it "
-                f"cannot offer; it can offer {_offerable(gpu)}"
-            )
-    _check_mig_share_profiles(gpus, sharing)
-    idle = [gpu for gpu in gpus if not gpu_targets(gpu, sharing.offered(gpu.index))]
-    if idle:
-        first = idle[0]
-        raise SettingsError(
-            f"GPU(s) {', '.join(str(gpu.index) for gpu in idle)} would offer no device: {first.product_name} cannot "
-            f"offer {', '.join(sorted(sharing.offered(first.index))) or 'nothing'}, only {_offerable(first)}; "
-            "change --offer or --sharing-config"
-        )
-
-
-def _check_mig_share_profiles(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
-    """A profile no GPU of the node has is a typo: its partitions would silently offer no share."""
-    named = set(sharing.mig_share_profiles or ()).union(*sharing.per_gpu_mig_share_profiles.values())
-    known = {profile.name for gpu in gpus for profile in gpu.mig_profiles}
-    unknown = sorted(named - known)
-    if unknown:
-        raise SettingsError(
-            f"--mig-share-profiles / migShareProfiles name MIG profile(s) {', '.join(unknown)} that no GPU of this "
-            f"node has; its GPUs have {', '.join(sorted(known)) or 'no MIG'}"
-        )
-
-
-def _can_offer(gpu: GpuInfo, kind: SharingKind) -> bool:
-    return bool(gpu_targets(gpu, frozenset({kind})))
-
-
-def _offerable(gpu: GpuInfo) -> str:
-    return ", ".join(sorted(kind for kind in ALL_KINDS if _can_offer(gpu, kind)))
 
 
 def default_driver_root(nvml: str, state_dir: Path) -> Path:

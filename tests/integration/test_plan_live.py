@@ -13,9 +13,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
+from driver.offers import node_inventory
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from testbed.claims_api import DRIVER, create_allocated_claim

@@ -4,10 +4,11 @@ import sys
 
 import pytest
 
-from driver.devices import Attribute, Device, Inventory, node_inventory
+from driver.devices import Attribute, Device, Inventory
 from driver.discovery import cuda_version, discover_gpus, pci_bus_id, semver
 from driver.nvml.machine import bundled_machines
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
+from driver.offers import node_inventory
 from driver.sharing import SharingConfig
 from driver.slices import MAX_DEVICES_PER_SLICE, build_slices, format_quantity, node_owner
 

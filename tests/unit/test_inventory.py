@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.geometry import MEMORY_SLICES
 from driver.nvml.session import NvmlSession
+from driver.offers import node_inventory
 from driver.sharing import ALL_KINDS, SharingConfig, SharingConfigError, load_sharing_config
 from driver.slices import MAX_DEVICES_WITH_COUNTERS, build_slices
 

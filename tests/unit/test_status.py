@@ -8,9 +8,9 @@ from typing import Any
 
 import yaml
 
-from driver.devices import node_inventory
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
+from driver.offers import node_inventory
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from driver.status import ClusterStatus, GpuStatus, cluster_status, render_json, render_table, render_yaml, to_document

@@ -17,13 +17,12 @@ from driver.devices import (
     PCIE_ROOT_ATTRIBUTE,
     Attribute,
     DeviceTaint,
-    node_inventory,
-    shortfall,
 )
 from driver.discovery import discover_gpus
-from driver.node.offer import OfferWatch
+from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import NvmlSession
+from driver.offers import node_inventory, shortfall
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from driver.sysfs import PciTopology, SysfsError, numa_node, pci_topology, pcie_root
@@ -134,7 +133,7 @@ def test_the_plugin_follows_an_a100_switched_to_mig_and_reset(caplog):
     sharing = SharingConfig()
     publisher = SlicePublisher(api, DRIVER, "n1", node_inventory(gpus, sharing))
     publisher.reconcile()
-    watch = OfferWatch(session, gpus, sharing, publisher.set_inventory)
+    watch = MigModeWatch(session, gpus, sharing, publisher.set_inventory)
 
     def published_kinds() -> set[str]:
         return {
@@ -154,7 +153,7 @@ def test_the_plugin_follows_an_a100_switched_to_mig_and_reset(caplog):
     watch.check()
     assert published_kinds() == {"gpu", "mps", "timeslice"}
     session.nvml.reset_gpu(3)
-    with caplog.at_level(logging.INFO, logger="driver.node.offer"):
+    with caplog.at_level(logging.INFO, logger="driver.node.mig_mode_watch"):
         watch.check()
     assert published_kinds() == {"mig"}
     assert "GPU 3: MIG mode is on now; GPU 3 (NVIDIA A100-SXM4-40GB) offers no mps, timeslice, whole" in caplog.text
