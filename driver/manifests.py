@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from driver.allocator.model import ObjectError
 from driver.allocator.pools import Node
 from driver.controller.api import ControllerApi
+from driver.nodefit import PodNeeds
 from driver.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
 
 STDIN = "-"
@@ -76,6 +77,11 @@ class Pod:
     name: str
     claims: tuple[PodClaim, ...]
     node: str = ""  # a DaemonSet's pod: the node it runs on
+    needs: PodNeeds | None = None  # what kube-scheduler checks of it on a node
+
+    def with_needs(self, pod_spec: dict[str, Any]) -> Pod:
+        metadata = {"name": self.subject, "namespace": self.namespace}
+        return replace(self, needs=PodNeeds.from_object({"metadata": metadata, "spec": pod_spec}))
 
     @property
     def namespace(self) -> str:
@@ -207,16 +213,17 @@ def pods_of(workload: Manifest, nodes: Sequence[Node]) -> list[Pod]:
     spec, pod_spec = _specs(workload)
     claims = pod_claims(ref, pod_spec)
     if ref.kind == "Pod":
-        return [Pod(ref, None, ref.name, claims)]
-    if ref.kind == "DaemonSet":
+        pods = [Pod(ref, None, ref.name, claims)]
+    elif ref.kind == "DaemonSet":
         chosen = _ds_nodes(ref, pod_spec, nodes)
-        return [Pod(ref, None, _made_up_name(ref, i), claims, node.name) for i, node in enumerate(chosen)]
-    names = _NAMES[ref.kind]
-    count = _running(ref, spec)
-    if count == 0:
-        raise NotPlanned("runs no pods (replicas or parallelism 0)")
-    indexed = spec.get("completionMode") == "Indexed"
-    return [Pod(ref, i, names(ref, i, indexed), claims) for i in range(count)]
+        pods = [Pod(ref, None, _made_up_name(ref, i), claims, node.name) for i, node in enumerate(chosen)]
+    else:
+        count = _running(ref, spec)
+        if count == 0:
+            raise NotPlanned("runs no pods (replicas or parallelism 0)")
+        names, indexed = _NAMES[ref.kind], spec.get("completionMode") == "Indexed"
+        pods = [Pod(ref, i, names(ref, i, indexed), claims) for i in range(count)]
+    return [pod.with_needs(pod_spec) for pod in pods]
 
 
 def _specs(workload: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:

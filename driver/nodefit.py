@@ -21,11 +21,13 @@ inter-pod affinity, topology spread, volumes, host ports, image locality, DRA it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from driver.allocator.cluster import Placement
+from driver.allocator.model import Claim
 from driver.allocator.quantity import parse_quantity
 
 JsonObject = dict[str, Any]
@@ -235,3 +237,54 @@ def summary(nodes: int, reasons: Iterable[str]) -> str:
     were unschedulable.` (each reason counted over the nodes, sorted as text)."""
     parts = ", ".join(sorted(f"{count} {reason}" for reason, count in Counter(reasons).items()))
     return f"0/{nodes} nodes are available: {parts}." if parts else f"0/{nodes} nodes are available."
+
+
+class NodeRoom:
+    """What the nodes have left for pods, kept as claims are placed: a PodRoom for the allocator
+    (driver/allocator/cluster.py). A claim's pods (`pods_of`, by claim key) fit a node when each
+    of them does with the ones before it counted; a pod counted on a node already (it uses
+    another claim placed there) is not counted twice."""
+
+    def __init__(self, nodes: Iterable[NodeFacts], pods_of: Mapping[str, Sequence[PodNeeds]]) -> None:
+        self.nodes = {node.name: node for node in nodes}
+        self.pods_of = pods_of
+        self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
+        self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
+
+    def reasons(self, pods: Sequence[PodNeeds], node: str) -> list[str]:
+        """Why the pods cannot all run on the node (empty: they can). A node without facts (no
+        Node object) is not one a pod can be placed on."""
+        facts = self.nodes.get(node)
+        if facts is None:
+            return ["node(s) not found"]
+        requested, counted = dict(self.requested[node]), len(self.counted[node])
+        for pod in pods:
+            if pod.name in self.counted[node]:
+                continue
+            reasons = unfit_reasons(pod, facts, requested, counted)
+            if reasons:
+                return reasons
+            _add(requested, pod.requests)
+            counted += 1
+        return []
+
+    def fits(self, claim: Claim, node: str) -> bool:
+        return not self.reasons(self.pods_of.get(claim.key, ()), node)
+
+    def take(self, placement: Placement) -> None:
+        for pod in self._new_here(placement):
+            _add(self.requested[placement.node], pod.requests)
+            self.counted[placement.node].add(pod.name)
+
+    def give_back(self, placement: Placement) -> None:
+        for pod in self.pods_of.get(placement.claim.key, ()):
+            if pod.name in self.counted.get(placement.node, ()):
+                _add(self.requested[placement.node], {k: -v for k, v in pod.requests.items()})
+                self.counted[placement.node].discard(pod.name)
+
+    def why_not(self, claim: Claim, nodes: Sequence[str]) -> str:
+        pods = self.pods_of.get(claim.key, ())
+        return summary(len(nodes), (reason for node in nodes for reason in self.reasons(pods, node)))
+
+    def _new_here(self, placement: Placement) -> list[PodNeeds]:
+        return [p for p in self.pods_of.get(placement.claim.key, ()) if p.name not in self.counted[placement.node]]

@@ -49,6 +49,7 @@ from driver.manifests import (
     pods_of,
     read_manifests,
 )
+from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")
@@ -78,6 +79,7 @@ class Unit:
     claim: Claim
     where: str  # the object it comes from: "<file> document <n>"
     node: str = ""  # placed on this node only (a DaemonSet's pod)
+    pods: tuple[PodNeeds, ...] = ()  # the pods that use the claim: it goes where they all fit
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def make_plan(manifests: list[Manifest], policy: Policy, driver: str) -> Plan:
     world = World.build(catalog, policy)
     result = Plan(skipped=list(catalog.skipped), notes=catalog.notes + world.notes())
     units = _units(catalog, world, driver, result)
-    result.outcomes = _allocate(world, units)
+    result.outcomes = _allocate(world, units, world.room({u.claim.key: u.pods for u in units}))
     result.nodes = {node: node_picture(world.cluster, node) for node in sorted(world.cluster.snapshot.pools)}
     return result
 
@@ -181,7 +183,8 @@ def _converted(convert: Callable[[dict[str, Any]], T], manifest: Manifest, obj: 
 @dataclass
 class World:
     cluster: ClusterAllocator
-    nodes: list[Node]  # Nodes given: placement only on these
+    nodes: list[Node]  # Nodes given: placement only on these, where the claim's pods fit
+    node_facts: list[NodeFacts]
     unused_nodes: list[str]  # nodes that slices name but that are not among the Nodes given
     taken: list[Claim]  # claims allocated already
     pending_in_cluster: int  # claims in the cluster waiting for an allocation (not planned)
@@ -200,6 +203,7 @@ class World:
         return cls(
             ClusterAllocator(snapshot, classes, state, policy),
             nodes,
+            [_converted(NodeFacts.from_object, m) for m in catalog.of_kind("Node")],
             sorted(named - {n.name for n in nodes}) if nodes else [],
             taken,
             pending,
@@ -208,6 +212,11 @@ class World:
     @property
     def classes(self) -> dict[str, DeviceClass]:
         return self.cluster.classes
+
+    def room(self, pods_of: dict[str, tuple[PodNeeds, ...]]) -> NodeRoom | None:
+        """With Nodes given, what they have left for the planned claims' pods (kube-scheduler's
+        checks, driver/nodefit.py); without, pods are not checked."""
+        return NodeRoom(self.node_facts, pods_of) if self.nodes else None
 
     def drivers(self) -> set[str]:
         return {pool.driver for pools in self.cluster.snapshot.pools.values() for pool in pools}
@@ -220,8 +229,9 @@ class World:
             notes.append("no DeviceClasses: give them (daemonset/deviceclasses.yaml) or --kubeconfig")
         if self.nodes:
             notes.append(
-                f"placement only on the {len(self.nodes)} Node(s) given; whether a pod fits a node (its node "
-                "selector, affinity, tolerations, resources) is not checked yet (another issue)"
+                f"placement only on the {len(self.nodes)} Node(s) given, where the claim's pods fit (cordon, taints, "
+                "node selector and affinity, cpu, memory and other requests against allocatable; pods of the input "
+                "counted, not those already running on the nodes)"
             )
         if self.unused_nodes:
             notes.append(f"not used, no Node object given for them: the slices of {', '.join(self.unused_nodes)}")
@@ -254,7 +264,7 @@ def _units(catalog: Catalog, world: World, driver: str, result: Plan) -> list[Un
         if kind in READ_KINDS or (manifest.from_cluster and manifest.ref not in users):
             continue  # the cluster's objects count, but only the claims the input's pods use are planned
         if kind == "ResourceClaim":
-            units.extend(_claim_units(manifest, users.get(manifest.ref, []), result))
+            units.extend(_claim_units(manifest, users.get(manifest.ref, []), _users_needs(pods, manifest.ref), result))
         elif kind == "ResourceClaimTemplate":
             if manifest.ref not in used:
                 result.skipped.append(Skip(str(manifest.ref), manifest.where, "no pod in the input uses it"))
@@ -281,10 +291,10 @@ def _pods(catalog: Catalog, world: World, result: Plan) -> dict[Ref, list[Pod]]:
             result.skipped.append(Skip(str(manifest.ref), manifest.where, "its pods use no ResourceClaims"))
             continue
         pods[manifest.ref] = made
-        if fields := placement_fields(manifest):
+        if not world.nodes and (fields := placement_fields(manifest)):
             where = "on each node its nodeSelector matches" if manifest.ref.kind == "DaemonSet" else "on any node"
             result.notes.append(
-                f"{manifest.ref}: its pods' {', '.join(fields)} not checked (pod fit: another issue); "
+                f"{manifest.ref}: its pods' {', '.join(fields)} not checked without Nodes in the input; "
                 f"their claims are planned {where}"
             )
     return pods
@@ -328,12 +338,22 @@ def _used(pods: dict[Ref, list[Pod]]) -> set[Ref]:
     return {_referenced(pod, c) for made in pods.values() for pod in made for c in pod.claims if c.template}
 
 
-def _claim_units(manifest: Manifest, users: list[str], result: Plan) -> list[Unit]:
+def _users_needs(pods: dict[Ref, list[Pod]], claim: Ref) -> tuple[PodNeeds, ...]:
+    """What the pods that name the claim need of a node (all of them run where it is)."""
+    return tuple(
+        pod.needs
+        for made in pods.values()
+        for pod in made
+        if pod.needs and any(c.claim and _referenced(pod, c) == claim for c in pod.claims)
+    )
+
+
+def _claim_units(manifest: Manifest, users: list[str], needs: tuple[PodNeeds, ...], result: Plan) -> list[Unit]:
     if _allocated(manifest):
         result.skipped.append(Skip(str(manifest.ref), manifest.where, "allocated already (counted as taken)"))
         return []
     subject = str(manifest.ref) + (f" (used by {', '.join(users)})" if users else "")
-    return [Unit(subject, _converted(claim_from_object, manifest), manifest.where)]
+    return [Unit(subject, _converted(claim_from_object, manifest), manifest.where, pods=needs)]
 
 
 def _workload_units(
@@ -349,7 +369,7 @@ def _workload_units(
             if pod.node and _opted_in(claim) and gang_of(claim):
                 result.skipped.append(Skip(subject, manifest.where, "a gang of a DaemonSet's pods is not planned"))
                 continue
-            units.append(Unit(subject, claim, manifest.where, pod.node))
+            units.append(Unit(subject, claim, manifest.where, pod.node, (pod.needs,) if pod.needs else ()))
     return units
 
 
@@ -395,42 +415,46 @@ def _opted_in(claim: Claim) -> bool:
 # Allocation
 
 
-def _allocate(world: World, units: list[Unit]) -> list[Outcome]:
+def _allocate(world: World, units: list[Unit], room: NodeRoom | None) -> list[Outcome]:
     """Lone claims in input order, then gangs all or none (the controller's order); reported in
-    input order."""
+    input order. With a room, each claim only where its pods fit, the pods placed before counted."""
     gangs: dict[tuple[str, int], list[Unit]] = defaultdict(list)
     outcomes: dict[int, Outcome] = {}
     for unit in units:
         gang = gang_of(unit.claim) if _opted_in(unit.claim) else None
         if gang is None:
-            outcomes[id(unit)] = _place(world.cluster, unit)
+            outcomes[id(unit)] = _place(world.cluster, unit, room)
         else:
             gangs[gang].append(unit)
     allocated = world.allocated_members()
     for (gang, size), members in gangs.items():
-        for outcome in _place_gang(world.cluster, gang, size, members, allocated.get(gang, 0)):
+        for outcome in _place_gang(world.cluster, gang, size, members, allocated.get(gang, 0), room):
             outcomes[id(outcome.unit)] = outcome
     return [outcomes[id(unit)] for unit in units]
 
 
-def _place(cluster: ClusterAllocator, unit: Unit) -> Outcome:
+def _place(cluster: ClusterAllocator, unit: Unit, room: NodeRoom | None) -> Outcome:
     if unit.node and unit.node not in cluster.snapshot.pools:
         return Outcome(unit, error=f"node {unit.node} has no devices (no ResourceSlices)")
-    outcome = cluster.allocate(unit.claim, [unit.node] if unit.node else None)
+    outcome = cluster.allocate(unit.claim, [unit.node] if unit.node else None, room)
     if isinstance(outcome, Failure):
         return Outcome(unit, error=outcome.reason)
     cluster.commit(outcome)
+    if room is not None:
+        room.take(outcome)
     return _placed(unit, outcome)
 
 
-def _place_gang(cluster: ClusterAllocator, gang: str, size: int, members: list[Unit], allocated: int) -> list[Outcome]:
+def _place_gang(
+    cluster: ClusterAllocator, gang: str, size: int, members: list[Unit], allocated: int, room: NodeRoom | None
+) -> list[Outcome]:
     """As the controller places a gang: nothing until all its claims exist, then all or none."""
     if size == 0:
         reason = f"label {GANG_SIZE_LABEL} must be a whole number"
     elif len(members) + allocated < size:
         reason = f"gang {gang} waits for {size - len(members) - allocated} more claim(s) of {size}"
     else:
-        outcome = cluster.allocate_gang([unit.claim for unit in members])
+        outcome = cluster.allocate_gang([unit.claim for unit in members], room)
         if not isinstance(outcome, Failure):
             by_claim = {id(placement.claim): placement for placement in outcome}
             return [_placed(unit, by_claim[id(unit.claim)]) for unit in members]

@@ -7,7 +7,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.model import Claim, DeviceClass, Slice
@@ -125,6 +125,16 @@ def _named_nodes(slice_: Slice) -> set[str]:
     return {slice_.placement.node_name, *(d.placement.node_name for d in slice_.devices)} - {""}
 
 
+class PodRoom(Protocol):
+    """Whether the pods that use a claim can run on a node (driver/nodefit.py), and what the
+    placements made take from the nodes: the allocator stays about devices."""
+
+    def fits(self, claim: Claim, node: str) -> bool: ...
+    def take(self, placement: Placement) -> None: ...
+    def give_back(self, placement: Placement) -> None: ...
+    def why_not(self, claim: Claim, nodes: Sequence[str]) -> str: ...
+
+
 class ClusterAllocator:
     def __init__(
         self,
@@ -230,18 +240,25 @@ class ClusterAllocator:
                     cached.pop(node, None)
                 self._used.discard(node)
 
-    def allocate(self, claim: Claim, nodes: Sequence[str] | None = None) -> Placement | Failure:
-        """The best node's allocation for one claim (not yet committed), or why none fits.
+    def allocate(
+        self, claim: Claim, nodes: Sequence[str] | None = None, room: PodRoom | None = None
+    ) -> Placement | Failure:
+        """The best node's allocation for one claim (not yet committed), or why none fits; with a
+        room, only on nodes where the claim's pods can run.
 
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
         SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one."""
         errors: list[str] = []
+        unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
         order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
         while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
+            if room is not None and not room.fits(claim, node):
+                unfit.append(node)
+                continue
             try:
                 result = self.allocate_on(node, [claim])
             except AllocationError as error:
@@ -262,11 +279,19 @@ class ClusterAllocator:
             scanned += 1
         if best is not None:
             return best[1]
+        if room is not None and unfit:
+            reason = room.why_not(claim, unfit)
+            if len(unfit) == len(nodes if nodes is not None else self.snapshot.pools):
+                return Failure(claim, reason)
+            return Failure(claim, f"{errors[0] if errors else self._explain(claim)}; and for its pods: {reason}")
         if errors:
             return Failure(claim, errors[0])
+        return Failure(claim, self._explain(claim))
+
+    def _explain(self, claim: Claim) -> str:
         from driver.allocator.explain import explain  # explain builds on this module
 
-        return Failure(claim, explain(self, claim))
+        return explain(self, claim)
 
     def commit(self, placement: Placement) -> None:
         self.add(placement.node, placement.allocation)
@@ -290,17 +315,22 @@ class ClusterAllocator:
         for name in nodes & self._usage.keys():
             self._measure(name)
 
-    def allocate_gang(self, claims: Sequence[Claim]) -> list[Placement] | Failure:
+    def allocate_gang(self, claims: Sequence[Claim], room: PodRoom | None = None) -> list[Placement] | Failure:
         """Every claim placed, or none: each claim in turn (largest first) on its best node, with
-        the ones before it counted; the first that fails undoes the rest."""
+        the ones before it counted (their devices, and their pods in the room); the first that
+        fails undoes the rest."""
         placed: list[Placement] = []
         for claim in sorted(claims, key=_size, reverse=True):
-            outcome = self.allocate(claim)
+            outcome = self.allocate(claim, room=room)
             if isinstance(outcome, Failure):
                 for placement in reversed(placed):
                     self.release(placement.node, placement.allocation)
+                    if room is not None:
+                        room.give_back(placement)
                 return Failure(claim, f"gang cannot be placed whole: {outcome.claim.key}: {outcome.reason}")
             self.commit(outcome)
+            if room is not None:
+                room.take(outcome)
             placed.append(outcome)
         return placed
 

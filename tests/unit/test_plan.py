@@ -293,21 +293,47 @@ def test_a_daemonset_with_nodes_gets_a_claim_on_each_node_it_selects(h100: list[
     got = subjects(result)
     assert list(got) == [template_claim(f"daemonset default/exporter on node n{i}", "one") for i in (1, 2)]
     assert [v.split(":")[0] for v in got.values()] == ["n1", "n2"]
-    assert any("placement only on the 3 Node(s) given" in note for note in result.notes)
-    assert (
-        "daemonset default/exporter: its pods' affinity not checked (pod fit: another issue); "
-        "their claims are planned on each node its nodeSelector matches"
-    ) in result.notes
+    assert any("placement only on the 3 Node(s) given, where the claim's pods fit" in note for note in result.notes)
+    assert not any("not checked" in note for note in result.notes)
 
 
 def test_given_nodes_restrict_placement(h100: list[Manifest], machines: dict[str, Path]):
     n2 = [manifest(obj, "given") for obj in yaml.safe_load(machines["n2"].read_text())["items"]]
     web = workload("Deployment", "web", "one", spec="replicas: 3, ", pod_spec=", nodeSelector: {a: b}")
-    result = plan_of(h100 + n2, "kind: Node\nmetadata: {name: n2}\n", template("one"), web)
+    result = plan_of(h100 + n2, "kind: Node\nmetadata: {name: n2, labels: {a: b}}\n", template("one"), web)
     assert [o.node for o in result.outcomes] == ["n2"] * 3
     assert "not used, no Node object given for them: the slices of n1" in result.notes
     assert sorted(result.nodes) == ["n2"]
-    assert any(note.startswith("deployment default/web: its pods' nodeSelector not checked") for note in result.notes)
+    without = plan_of(h100 + n2, "kind: Node\nmetadata: {name: n2}\n", template("one"), web)
+    assert [o.error for o in without.outcomes] == [
+        "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
+    ] * 3
+
+
+def test_claims_go_only_where_their_pods_fit(h100: list[Manifest], machines: dict[str, Path]):
+    """Pod fit as kube-scheduler checks it (driver/nodefit.py): each replica's pod is counted on the
+    node its claim went to, so the third replica of 3-CPU pods finds no node with CPU left."""
+    n2 = [manifest(obj, "given") for obj in yaml.safe_load(machines["n2"].read_text())["items"]]
+    nodes = [
+        "kind: Node\nmetadata: {name: n1}\nstatus: {allocatable: {cpu: '4', memory: 64Gi, pods: '110'}}\n",
+        "kind: Node\nmetadata: {name: n2}\nspec: {taints: [{key: dedicated, value: x, effect: NoSchedule}]}\n"
+        "status: {allocatable: {cpu: '64', memory: 64Gi, pods: '110'}}\n",
+    ]
+    container = ", containers: [{name: c, resources: {requests: {cpu: '3'}}}]"
+    web = workload("Deployment", "web", "one", spec="replicas: 3, ", pod_spec=container)
+    result = plan_of(h100 + n2, *nodes, template("one"), web)
+    assert [o.node for o in result.outcomes] == ["n1", "", ""]
+    assert result.outcomes[1].error == (
+        "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) had untolerated taint {dedicated: x}."
+    )
+    tolerating = container + ", tolerations: [{key: dedicated, operator: Exists}]"
+    result = plan_of(
+        h100 + n2,
+        *nodes,
+        template("one"),
+        workload("Deployment", "web", "one", spec="replicas: 3, ", pod_spec=tolerating),
+    )
+    assert sorted(o.node for o in result.outcomes) == ["n1", "n2", "n2"]
 
 
 def gang_claim(name: str, size: int = 4, opt_in: bool = True) -> str:
