@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Renders the Helm chart (chart/fgpu) into the plain manifests next to this script, for users
 # without Helm:  kubectl apply -f daemonset/deviceclasses.yaml -f daemonset/plugin.yaml
-# [-f daemonset/controller.yaml]. Run it after changing the chart (CI checks that they match):
+# [-f daemonset/controller.yaml] [-f daemonset/webhook.yaml]. Run it after changing the chart (CI
+# checks that they match):
 #   daemonset/render.sh [OUT_DIR]
 # helm: $HELM, or the test bed's (testbed/cluster/build.sh builds it).
 set -euo pipefail
@@ -12,9 +13,9 @@ namespace=fgpu-system
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-# One file per template (empty ones are not written), then grouped by what a user applies.
-# The admission webhook stays out: its certificate is made per install, which only Helm can do.
-"$helm" template fgpu "$here/chart/fgpu" --namespace "$namespace" --set namespace.create=true --set webhook.enabled=false \
+# One file per template (empty ones are not written), then grouped by what a user applies. The
+# admission webhook makes its own certificate when it starts (self-managed): nothing secret here.
+"$helm" template fgpu "$here/chart/fgpu" --namespace "$namespace" --set namespace.create=true \
   --kube-version 1.36.0 \
   --output-dir "$work" > /dev/null
 
@@ -36,3 +37,5 @@ write controller.yaml "fgpu controller (optional: claims labelled gpu.fgpu.dev/a
   controller-rbac.yaml controller.yaml
 write deviceclasses.yaml "fgpu DeviceClasses: users ask for devices by class, then narrow with CEL selectors and capacity." \
   deviceclasses.yaml
+write webhook.yaml "fgpu admission webhook (optional: refuses bad gpu.fgpu.dev configs at kubectl apply; makes and renews its own certificate): RBAC, Service, two replicas, the ValidatingWebhookConfiguration." \
+  webhook-rbac.yaml webhook.yaml webhook-certmanager.yaml

@@ -3,23 +3,38 @@ daemonset/ match it (daemonset/render.sh). The apiserver's verdict on them: test
 
 from __future__ import annotations
 
-import base64
+import argparse
 import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from driver.admission.lifetimes import Lifetimes
+from driver.admission.server import webhook_settings
 from driver.cli import build_parser
 from driver.node.health.taints import HealthPolicy
 from driver.node.settings import health_policy, sharing_config
-from tests.support.chart import CHART, RENDER, ROOT, container_env, find, helm, helm_binary, render
+from tests.support.chart import (
+    CHART,
+    KUBE_VERSION,
+    RENDER,
+    ROOT,
+    container_env,
+    find,
+    helm,
+    helm_binary,
+    render,
+    set_flags,
+)
 
 pytestmark = pytest.mark.go  # helm, or go for the pause image: see tests/conftest.py
 
 MOCK = {"nvml": "mock:dgx-h100"}
+CERT_MANAGER_MODULE, CERT_MANAGER_VERSION = "github.com/cert-manager/cert-manager", "v1.21.2"
 
 
 def test_lint_default_and_mock_values() -> None:
@@ -29,7 +44,7 @@ def test_lint_default_and_mock_values() -> None:
 
 def test_rendered_manifests_match_the_chart(tmp_path: Path) -> None:
     subprocess.run([str(RENDER), str(tmp_path)], check=True, env={**os.environ, "HELM": str(helm_binary())})
-    for name in ("plugin.yaml", "controller.yaml", "deviceclasses.yaml"):
+    for name in ("plugin.yaml", "controller.yaml", "deviceclasses.yaml", "webhook.yaml"):
         checked_in = (ROOT / "daemonset" / name).read_text()
         assert checked_in == (tmp_path / name).read_text(), f"daemonset/{name} is stale: run daemonset/render.sh"
 
@@ -233,26 +248,58 @@ def test_device_classes_carry_extended_resource_names() -> None:
     assert mig["selectors"][0]["cel"]["expression"].endswith('.profile == "1g.10gb"')
 
 
-def test_webhook_serves_its_certificate_and_the_apiserver_trusts_it(tmp_path: Path) -> None:
+WEBHOOK_MODES = {
+    "self-managed": {},
+    "cert-manager": {"webhook.certManager.enabled": True},
+    "cert-manager, own issuer": {
+        "webhook.certManager.enabled": True,
+        "webhook.certManager.issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},
+    },
+    "existing Secret": {"webhook.tls.existingSecret": "corp-tls"},
+    "existing Secret and CA": {"webhook.tls.existingSecret": "corp-tls", "webhook.tls.caBundle": "Q0EK"},
+}
+
+
+@pytest.mark.parametrize("values", list(WEBHOOK_MODES.values()), ids=list(WEBHOOK_MODES))
+def test_the_same_values_render_the_same_bytes(values: dict[str, object]) -> None:
+    # GitOps tools render on every sync: no certificate made, no lookup, nothing random.
+    flags = ["--namespace", "gpus", "--kube-version", KUBE_VERSION, *set_flags(values)]
+    first, second = (helm("template", "fgpu", str(CHART), *flags) for _ in range(2))
+    assert first == second
+    assert "PRIVATE KEY" not in first and "BEGIN CERTIFICATE" not in first
+
+
+def webhook_args(objects: list[dict[str, Any]]) -> argparse.Namespace:
+    container = find(objects, "Deployment", "webhook")["spec"]["template"]["spec"]["containers"][0]
+    return build_parser().parse_args(container["args"])
+
+
+def rbac_rules(objects: list[dict[str, Any]], kind: str, name: str) -> set[tuple[str, ...]]:
+    role = find(objects, kind, name)
+    return {
+        (rule["apiGroups"][0], resource, verb, *rule.get("resourceNames", []))
+        for rule in role["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_self_managed_webhook_keeps_its_own_certificate_with_least_privilege() -> None:
     objects = render({"webhook.failurePolicy": "Fail", "driverName": "gpu.example.com"}, namespace="gpus")
-    secret = find(objects, "Secret", "webhook-tls")
-    deployment = find(objects, "Deployment", "webhook")
-    spec = deployment["spec"]["template"]["spec"]
-    args = build_parser().parse_args(spec["containers"][0]["args"])
-    assert (args.driver_name, args.port) == ("gpu.example.com", 8443)
-    mounted = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-    assert args.tls_cert_file.parent.as_posix() in mounted and args.tls_private_key_file.name in secret["data"]
-    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
-    # The serving certificate names the Service, and the webhooks trust its CA.
+    args = webhook_args(objects)
+    settings = webhook_settings(args)
+    settings.check()  # the flags go together, as fgpu webhook checks them
+    assert (settings.driver_name, settings.port, settings.tls_secret) == ("gpu.example.com", 8443, "fgpu-webhook-certs")
+    assert settings.namespace == "gpus" and settings.webhook_configuration == "fgpu-webhook"
     service = find(objects, "Service", "webhook")
-    (tmp_path / "ca.crt").write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
-    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
-    verified = subprocess.run(
-        ["openssl", "verify", "-CAfile", tmp_path / "ca.crt", "-verify_hostname",
-         f"{service['metadata']['name']}.gpus.svc", tmp_path / "tls.crt"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert verified.returncode == 0, verified.stderr
+    assert f"{service['metadata']['name']}.gpus.svc" in settings.hosts  # the name kube-apiserver dials
+    assert settings.lifetimes == Lifetimes(8760 * 3600, 720 * 3600, 87600 * 3600)
+    assert 0.5 <= settings.check_interval_s <= 10
+    spec = find(objects, "Deployment", "webhook")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "fgpu-webhook" and spec["automountServiceAccountToken"] is True
+    assert "volumes" not in spec and spec["securityContext"]["runAsNonRoot"] is True
+    assert "checksum/tls" not in (spec.get("annotations") or {})
+    assert not [o for o in objects if o["kind"] == "Secret"]  # the webhook makes it; nothing to render
     configuration = find(objects, "ValidatingWebhookConfiguration")
     assert [w["name"] for w in configuration["webhooks"]] == [
         "resourceclaims.gpu.example.com",
@@ -260,15 +307,181 @@ def test_webhook_serves_its_certificate_and_the_apiserver_trusts_it(tmp_path: Pa
         "deviceclasses.gpu.example.com",
     ]
     for webhook in configuration["webhooks"]:
-        assert webhook["failurePolicy"] == "Fail" and webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert webhook["failurePolicy"] == "Fail" and "caBundle" not in webhook["clientConfig"]
         assert webhook["clientConfig"]["service"] == {
             "name": service["metadata"]["name"], "namespace": "gpus", "path": "/validate", "port": 443
         }  # fmt: skip
         assert '== "gpu.example.com"' in webhook["matchConditions"][0]["expression"]
+    # Its own configuration's caBundle, and its own Secret (create cannot be held to a name).
+    assert rbac_rules(objects, "ClusterRole", "webhook") == {
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "fgpu-webhook"),
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", "fgpu-webhook"),
+    }
+    assert rbac_rules(objects, "Role", "webhook") == {
+        ("", "secrets", "get", "fgpu-webhook-certs"),
+        ("", "secrets", "update", "fgpu-webhook-certs"),
+        ("", "secrets", "create"),
+    }
+    assert find(objects, "Role", "webhook")["metadata"]["namespace"] == "gpus"
+    bindings = [
+        o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding") and "webhook" in o["metadata"]["name"]
+    ]
+    assert len(bindings) == 2
+    assert all(
+        b["subjects"] == [{"kind": "ServiceAccount", "name": "fgpu-webhook", "namespace": "gpus"}] for b in bindings
+    )
     assert not [o for o in render({"webhook.enabled": False}) if "webhook" in o["metadata"]["name"]]
 
 
-def test_the_rendered_manifests_leave_the_webhook_to_helm() -> None:
-    # Its certificate is made per install; a rendered one would be the same secret key for everyone.
+def test_webhook_on_the_nodes_network_reaches_an_explicit_api_server() -> None:
+    objects = render({"webhook.hostNetwork": True, "apiServer.host": "127.0.0.1", "apiServer.port": "6443"})
+    deployment = find(objects, "Deployment", "webhook")
+    assert deployment["spec"]["template"]["spec"]["hostNetwork"] is True
+    env = container_env(deployment)
+    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
+
+
+def test_cert_manager_mode_issues_the_certificate_and_injects_its_ca() -> None:
+    objects = render(WEBHOOK_MODES["cert-manager"], namespace="gpus")
+    configuration = find(objects, "ValidatingWebhookConfiguration")
+    assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "gpus/fgpu-webhook"}
+    assert all("caBundle" not in w["clientConfig"] for w in configuration["webhooks"])
+    serving = next(o for o in objects if o["kind"] == "Certificate" and o["metadata"]["name"] == "fgpu-webhook")
+    assert serving["spec"]["secretName"] == "fgpu-webhook-tls"
+    assert serving["spec"]["dnsNames"] == ["fgpu-webhook", "fgpu-webhook.gpus", "fgpu-webhook.gpus.svc"]
+    assert (serving["spec"]["duration"], serving["spec"]["renewBefore"]) == ("8760h", "720h")
+    # A self-signed Issuer makes the CA; a CA Issuer signs with it: a renewal keeps the caBundle valid.
+    ca = find(objects, "Certificate", "-ca")
+    assert ca["spec"]["isCA"] is True and ca["spec"]["issuerRef"]["name"] == "fgpu-webhook-selfsigned"
+    issuers = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Issuer"}
+    assert issuers == {
+        "fgpu-webhook-selfsigned": {"selfSigned": {}},
+        "fgpu-webhook-ca": {"ca": {"secretName": "fgpu-webhook-ca"}},
+    }
+    assert serving["spec"]["issuerRef"] == {"name": "fgpu-webhook-ca", "kind": "Issuer", "group": "cert-manager.io"}
+    # The webhook reads the mounted Secret (again when cert-manager renews it) and needs no API access.
+    args = webhook_args(objects)
+    assert (str(args.tls_cert_file), str(args.tls_private_key_file), args.tls_secret) == (
+        "/tls/tls.crt",
+        "/tls/tls.key",
+        "",
+    )
+    spec = find(objects, "Deployment", "webhook")["spec"]["template"]["spec"]
+    assert spec["volumes"] == [{"name": "tls", "secret": {"secretName": "fgpu-webhook-tls"}}]
+    assert spec["automountServiceAccountToken"] is False
+    assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole") and "webhook" in o["metadata"]["name"]]
+
+    own = render(WEBHOOK_MODES["cert-manager, own issuer"])
+    assert [o["metadata"]["name"] for o in own if o["kind"] in ("Issuer", "Certificate")] == ["fgpu-webhook"]
+    assert find(own, "Certificate")["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+
+
+def test_an_operators_secret_with_or_without_its_ca() -> None:
+    given = render(WEBHOOK_MODES["existing Secret and CA"])
+    assert {w["clientConfig"]["caBundle"] for w in find(given, "ValidatingWebhookConfiguration")["webhooks"]} == {
+        "Q0EK"
+    }
+    spec = find(given, "Deployment", "webhook")["spec"]["template"]["spec"]
+    assert spec["volumes"] == [{"name": "tls", "secret": {"secretName": "corp-tls"}}]
+    assert spec["automountServiceAccountToken"] is False and webhook_args(given).ca_bundle_file is None
+    assert not [
+        o for o in given if o["kind"] in ("Role", "ClusterRole", "Secret") and "webhook" in o["metadata"]["name"]
+    ]
+    # Without the CA as a value, the webhook copies the Secret's ca.crt into the caBundle itself.
+    read = render(WEBHOOK_MODES["existing Secret"])
+    args = webhook_args(read)
+    assert (str(args.ca_bundle_file), args.webhook_configuration) == ("/tls/ca.crt", "fgpu-webhook")
+    webhook_settings(args).check()
+    assert rbac_rules(read, "ClusterRole", "webhook") == {
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "fgpu-webhook"),
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", "fgpu-webhook"),
+    }
+    assert not [o for o in read if o["kind"] == "Role" and "webhook" in o["metadata"]["name"]]  # no Secrets
+
+
+def test_webhook_modes_that_do_not_go_together() -> None:
+    with pytest.raises(AssertionError, match="choose one"):
+        render({"webhook.certManager.enabled": True, "webhook.tls.existingSecret": "x"})
+    with pytest.raises(AssertionError, match="goes with webhook"):
+        render({"webhook.tls.caBundle": "Q0EK"})
+
+
+def cert_manager_crds() -> dict[str, dict[str, Any]]:
+    """kind -> the CustomResourceDefinition of cert-manager's Certificate and Issuer, from its Go
+    module (deploy/crds), through the Go module proxy and cache."""
+    listed = subprocess.run(["go", "mod", "download", "-json", f"{CERT_MANAGER_MODULE}@{CERT_MANAGER_VERSION}"],
+                            capture_output=True, text=True, check=False, timeout=600, cwd="/",
+                            env={**os.environ, "GOFLAGS": "-mod=mod", "GO111MODULE": "on"})  # fmt: skip
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    crds = Path(json.loads(listed.stdout)["Dir"]) / "deploy" / "crds"
+    found = {}
+    for name in ("cert-manager.io_certificates.yaml", "cert-manager.io_issuers.yaml"):
+        crd = yaml.safe_load((crds / name).read_text())
+        found[crd["spec"]["names"]["kind"]] = crd
+    return found
+
+
+def schema_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """What of `value` a structural OpenAPI v3 schema does not allow: unknown fields, types, enums,
+    required fields (what kube-apiserver's strict field validation checks of a custom resource)."""
+    kind = schema.get("type")
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+    if kind in types and not isinstance(value, types[kind]):
+        return [f"{path}: {value!r} is not {kind}"]
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        errors += [f"{path}.{key}: required" for key in schema.get("required", []) if key not in value]
+        for key, item in value.items():
+            if key in properties:
+                errors += schema_errors(item, properties[key], f"{path}.{key}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errors += schema_errors(item, schema["additionalProperties"], f"{path}.{key}")
+            elif (
+                not schema.get("x-kubernetes-preserve-unknown-fields")
+                and schema.get("additionalProperties") is not True
+            ):
+                errors.append(f"{path}.{key}: unknown field")
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{path}[{index}]")
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["cert-manager", "cert-manager, own issuer"])
+def test_cert_manager_objects_fit_cert_managers_crds(mode: str) -> None:
+    crds = cert_manager_crds()
+    checked = 0
+    for document in render(WEBHOOK_MODES[mode]):
+        if document["apiVersion"].startswith("cert-manager.io/"):
+            crd = crds[document["kind"]]
+            (version,) = [
+                v for v in crd["spec"]["versions"] if f"cert-manager.io/{v['name']}" == document["apiVersion"]
+            ]
+            assert version["served"] and version["storage"]
+            spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            assert schema_errors(document["spec"], spec_schema, "spec") == [], document["metadata"]["name"]
+            checked += 1
+    assert checked == (4 if mode == "cert-manager" else 1)
+    # The checker does find what the apiserver would refuse.
+    certificate = crds["Certificate"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert set(schema_errors({"secretName": 1, "issuerRef": {}, "dnsName": []}, certificate, "spec")) == {
+        "spec.issuerRef.name: required", "spec.secretName: 1 is not string", "spec.dnsName: unknown field"
+    }  # fmt: skip
+
+
+def test_the_rendered_manifests_carry_the_webhook_and_no_secret() -> None:
+    # The webhook makes its certificate when it starts, so the plain manifests can have it again.
+    webhook = (ROOT / "daemonset" / "webhook.yaml").read_text()
+    kinds = [d["kind"] for d in yaml.safe_load_all(webhook) if d]
+    assert "ValidatingWebhookConfiguration" in kinds and "Deployment" in kinds and "Secret" not in kinds
     for path in sorted((ROOT / "daemonset").glob("*.yaml")):
-        assert "ValidatingWebhookConfiguration" not in path.read_text() and "PRIVATE KEY" not in path.read_text()
+        assert "PRIVATE KEY" not in path.read_text()
+    (configuration,) = [d for d in yaml.safe_load_all(webhook) if d and d["kind"] == "ValidatingWebhookConfiguration"]
+    assert not [w for w in configuration["webhooks"] if "caBundle" in w["clientConfig"]]

@@ -61,3 +61,34 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- join "," $gates -}}
 {{- end -}}
+
+{{/* The webhook's objects' name: its Deployment, Service, ServiceAccount and configuration. */}}
+{{- define "fgpu.webhookName" -}}
+{{- printf "%s-webhook" (include "fgpu.fullname" .) -}}
+{{- end -}}
+
+{{/* Where the webhook's serving certificate comes from (docs/admission.md, "Certificates"):
+  self-managed (the webhook keeps it in a Secret it makes), cert-manager, or existing-secret. */}}
+{{- define "fgpu.webhookCertMode" -}}
+{{- $w := .Values.webhook -}}
+{{- if and $w.certManager.enabled $w.tls.existingSecret -}}
+{{- fail "webhook.certManager.enabled and webhook.tls.existingSecret: choose one" -}}
+{{- else if $w.certManager.enabled -}}
+cert-manager
+{{- else if $w.tls.existingSecret -}}
+existing-secret
+{{- else if $w.tls.caBundle -}}
+{{- fail "webhook.tls.caBundle goes with webhook.tls.existingSecret (the Secret its certificate is in)" -}}
+{{- else -}}
+self-managed
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the webhook calls the API server: self-managed (its Secret and caBundle), or an
+  existing Secret whose CA it copies into the caBundle. */}}
+{{- define "fgpu.webhookUsesApi" -}}
+{{- $mode := include "fgpu.webhookCertMode" . -}}
+{{- if or (eq $mode "self-managed") (and (eq $mode "existing-secret") (not .Values.webhook.tls.caBundle)) -}}
+true
+{{- end -}}
+{{- end -}}
