@@ -40,9 +40,10 @@ from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
 from driver.allocator.state import AllocatedState
+from driver.claims.allocation import allocation_for_node
+from driver.claims.config import config_for_request
+from driver.claims.refs import ClaimError, ClaimRef
 from driver.devices import NOT_OFFERED_ATTRIBUTE
-from driver.node.claim_config import config_for_request
-from driver.node.claims import ClaimError, ClaimRef, allocation_for_node
 
 # The `type` attribute -> the kind; mig-mps and mig-timeslice are shares inside a MIG partition.
 KIND_OF_TYPE = {

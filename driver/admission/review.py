@@ -1,7 +1,7 @@
 """Admission review of fgpu's opaque device configs (pure: AdmissionReview in, response out).
 
 ResourceClaims, ResourceClaimTemplates and DeviceClasses carry `opaque` configs for a driver; those
-for ours are checked with the very rules prepare applies (driver/node/claim_config.py), so a bad
+for ours are checked with the very rules prepare applies (driver/claims/config.py), so a bad
 config is refused at `kubectl apply`, naming the field, instead of failing the pod at start.
 What depends on the allocated device (a limit within the allocated capacity, a strategy that fits
 the device's kind) is known only at prepare, and checked there.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from driver.node.claim_config import parse_device_config
-from driver.node.claims import ClaimError
+from driver.claims.config import parse_device_config
+from driver.claims.refs import ClaimError
 
 REVIEW_API_VERSION = "admission.k8s.io/v1"
 

@@ -42,9 +42,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from driver.claim_protobuf import DeviceKey
+from driver.claims.refs import ClaimRef
 from driver.kube import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
 from driver.node import metrics
-from driver.node.claims import ClaimRef
 from driver.node.state import PreparedDevice
 from driver.sharing import MIG_KINDS
 from partitioner.mps import CONTAINER_PIPE_DIR

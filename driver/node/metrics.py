@@ -23,13 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from driver.claims.refs import ErrorReason
 from driver.discovery import GpuInfo
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
-from driver.node.claims import ErrorReason
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
-from driver.sharing import MIG_KINDS, SharingKind
+from driver.sharing import MIG_KINDS, DeviceKind
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class NodeCollector(Collector):
         kinds = GaugeMetricFamily(
             "fgpu_prepared_devices", "Devices of prepared claims on the node", labels=["node", "kind"]
         )
-        for kind in get_args(SharingKind):
+        for kind in get_args(DeviceKind):
             kinds.add_metric([self._node, kind], sum(1 for d in devices if d.kind == kind))
         yield kinds
         mps = GaugeMetricFamily("fgpu_mps_clients", "MPS shares prepared on the GPU, each a client", labels=GPU_LABELS)

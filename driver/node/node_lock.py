@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from driver.claims.refs import ClaimRef
 from driver.kube import JsonObject
-from driver.node.claims import ClaimRef
 from driver.node.prepare import Driver, PrepareResult
 
 LOCK_FILE = "claims.lock"

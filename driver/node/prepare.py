@@ -23,20 +23,14 @@ from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
+from driver.claims.allocation import AllocatedDevice, ClaimAllocation, allocation_for_node
+from driver.claims.config import config_for_request
+from driver.claims.refs import ClaimError, ClaimRef, ErrorReason
 from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
-from driver.node.claim_config import config_for_request
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
-from driver.node.claims import (
-    AllocatedDevice,
-    ClaimAllocation,
-    ClaimError,
-    ClaimRef,
-    ErrorReason,
-    allocation_for_node,
-)
 from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice

@@ -12,9 +12,9 @@ import logging
 import time
 from collections.abc import Callable
 
+from driver.claims.refs import ClaimRef
 from driver.kube import KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
-from driver.node.claims import ClaimRef
 from driver.node.prepare import Driver
 from driver.node.state import PreparedClaims
 

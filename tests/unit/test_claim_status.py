@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from driver.claims.refs import ClaimRef
 from driver.kube import ConflictError, KubeError, KubeUnavailableError, NotFoundError, RefusedError, translated_errors
 from driver.node import metrics
 from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, device_data, device_entry, up_to_date
-from driver.node.claims import ClaimRef
 from driver.node.reconcile import ClaimReconciler
 from driver.node.state import PreparedDevice
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
+from driver.claims.refs import ClaimRef
 from driver.kube import KubeError
 from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
-from driver.node.claims import ClaimRef
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
 NODE = "node-a"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from driver.node.claims import ClaimRef
+from driver.claims.refs import ClaimRef
 from partitioner import tmpfs
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import build_node, fake_tools_env

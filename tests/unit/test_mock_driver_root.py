@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from driver.claims.refs import ClaimRef
 from driver.cli import build_parser
-from driver.node.claims import ClaimRef
 from driver.node.server import PluginProcess
 from driver.node.settings import PluginSettings, SettingsError, plugin_settings
 from driver.nvml import mock_driver_root

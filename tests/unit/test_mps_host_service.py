@@ -15,7 +15,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from driver.node.claims import ClaimRef
+from driver.claims.refs import ClaimRef
 from partitioner import tmpfs
 from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner

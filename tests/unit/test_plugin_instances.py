@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from driver.claims.refs import ClaimRef
 from driver.cli import build_parser
 from driver.node.checkpoint import Checkpoint
-from driver.node.claims import ClaimRef
 from driver.node.kubelet.sockets import (
     BoundSocket,
     rolling_update_dra_socket_file,

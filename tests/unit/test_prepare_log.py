@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from driver.node.claims import ClaimRef
+from driver.claims.refs import ClaimRef
 from testbed.fakes import allocated_claim, result
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"

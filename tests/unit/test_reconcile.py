@@ -1,4 +1,4 @@
-from driver.node.claims import ClaimRef
+from driver.claims.refs import ClaimRef
 from driver.node.reconcile import ClaimReconciler
 from testbed.fakes import allocated_claim, result
 

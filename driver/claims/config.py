@@ -20,7 +20,8 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from driver.node.claims import ClaimError, OpaqueConfig
+from driver.claims.allocation import OpaqueConfig
+from driver.claims.refs import ClaimError
 
 API_VERSION = "gpu.fgpu.dev/v1alpha1"
 KINDS = ("GpuConfig", "ShareConfig", "MigDeviceConfig")

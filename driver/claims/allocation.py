@@ -1,37 +1,12 @@
-"""What a ResourceClaim's allocation means for this node (pure: claim JSON in, dataclasses out)."""
+"""What a ResourceClaim's allocation means for one node: its devices of our driver in the node's pool,
+and the opaque configs of our driver (pure: claim JSON in, dataclasses out)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-# Where a claim's error came from, a small fixed set (the plugin's metrics count errors by it).
-ErrorReason = Literal["invalid", "not_found", "not_allocated", "mig", "mps", "timeslice", "io", "api", "internal"]
-
-
-class ClaimError(ValueError):
-    """The claim cannot be prepared here; the message names the reason, `reason` its source."""
-
-    def __init__(self, message: str, reason: ErrorReason = "invalid") -> None:
-        super().__init__(message)
-        self.reason: ErrorReason = reason
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    """A claim as kubelet names it."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} (uid {self.uid})"
-
-    def validate(self) -> None:
-        missing = [field for field in ("namespace", "name", "uid") if not getattr(self, field)]
-        if missing:
-            raise ClaimError(f"malformed request: the claim has no {', '.join(missing)}")
+from driver.claims.refs import ClaimError, ClaimRef
 
 
 @dataclass(frozen=True)
