@@ -22,8 +22,8 @@ from driver.controller.clock import timestamp
 from driver.controller.informer import Informer, object_key
 from driver.controller.ledger import FENCE_ANNOTATION, Entry, Ledgers, PoolId, backs, entries_for, entries_of, pool_of
 from driver.controller.placing import Unit
-from driver.controller.testhooks import stop_point
 from driver.kube import ConflictError, KubeError, NotFoundError
+from driver.testhooks import stop_point
 
 log = logging.getLogger(__name__)
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"

@@ -31,11 +31,11 @@ from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
-from driver.node.faults import crash_point
 from driver.node.ownership import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord
 from driver.sharing import MIG_KINDS
+from driver.testhooks import crash_point
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
 from partitioner.runner import ToolError

@@ -8,7 +8,7 @@ then every claim allocated, no gang partial, every gate lifted, every pod bound.
 The pause points come from the controller's test hook FGPU_TEST_STOP_BEFORE (the process stops
 itself right after its leadership check, so the write that follows goes out after SIGCONT, on
 what it decided before: the race a leadership check cannot close); the skew from
-FGPU_TEST_CLOCK_OFFSET_S (driver/controller/testhooks.py). Leases are short (4 s) to keep it quick."""
+FGPU_TEST_CLOCK_OFFSET_S (driver/testhooks.py). Leases are short (4 s) to keep it quick."""
 
 from __future__ import annotations
 
