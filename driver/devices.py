@@ -22,7 +22,7 @@ from typing import Literal
 from driver.discovery import GpuInfo
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
 from driver.nvml.machine import MigProfileSpec
-from driver.sharing import MIG_KINDS, SharingConfig, SharingKind
+from driver.sharing import MIG_KINDS, DeviceKind, SharingConfig
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 # Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).
@@ -45,8 +45,9 @@ class Attribute:
 
 
 @dataclass(frozen=True)
-class RequestPolicy:
-    """How a consumable capacity may be requested: a default and a range rounded up to `step`."""
+class PublishedRequestPolicy:
+    """How a consumable capacity of a published device may be requested: a default and a range
+    rounded up to `step` (the allocator reads it back as allocator/model.RequestPolicy)."""
 
     default: int
     minimum: int
@@ -71,13 +72,14 @@ class DeviceTaint:
 
 
 @dataclass(frozen=True)
-class Device:
-    """One allocatable device. Attribute and capacity names without a domain belong to the driver's."""
+class PublishedDevice:
+    """One device as this node publishes it in its ResourceSlices (the allocator reads it back as
+    allocator/model.Device). Attribute and capacity names without a domain belong to the driver's."""
 
     name: str
     attributes: dict[str, Attribute] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)
-    request_policies: dict[str, RequestPolicy] = field(default_factory=dict)
+    request_policies: dict[str, PublishedRequestPolicy] = field(default_factory=dict)
     consumes: dict[str, dict[str, int]] = field(default_factory=dict)  # counter set -> counters
     allow_multiple_allocations: bool = False
     taints: tuple[DeviceTaint, ...] = ()
@@ -85,7 +87,7 @@ class Device:
 
 @dataclass(frozen=True)
 class Inventory:
-    devices: list[Device]
+    devices: list[PublishedDevice]
     counter_sets: list[CounterSet]
 
 
@@ -111,7 +113,7 @@ def mig_device_name(gpu_index: int, profile_name: str, start: int) -> str:
     return f"gpu-{gpu_index}-mig-{re.sub(r'[^a-z0-9]', '', profile_name.lower())}-{start}"
 
 
-def mig_share_device_name(gpu_index: int, profile_name: str, start: int, kind: SharingKind) -> str:
+def mig_share_device_name(gpu_index: int, profile_name: str, start: int, kind: DeviceKind) -> str:
     return f"{mig_device_name(gpu_index, profile_name, start)}-{'mps' if kind == 'mig-mps' else 'ts'}"
 
 
@@ -157,8 +159,8 @@ def _consumes_all(gpu: GpuInfo) -> dict[str, dict[str, int]]:
     return {counter_set_name(gpu): gpu_counters(gpu)}
 
 
-def whole_gpu_device(gpu: GpuInfo) -> Device:
-    return Device(
+def whole_gpu_device(gpu: GpuInfo) -> PublishedDevice:
+    return PublishedDevice(
         name=whole_gpu_name(gpu),
         attributes={
             "type": Attribute("string", "gpu"),
@@ -198,9 +200,9 @@ def _placement_attributes(gpu: GpuInfo, placement: MigPlacement, device_type: st
     }
 
 
-def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
+def mig_device(gpu: GpuInfo, placement: MigPlacement) -> PublishedDevice:
     profile = placement.profile
-    return Device(
+    return PublishedDevice(
         name=mig_device_name(gpu.index, profile.name, placement.start),
         attributes=_placement_attributes(gpu, placement, "mig"),
         capacity={
@@ -216,18 +218,18 @@ def mig_device(gpu: GpuInfo, placement: MigPlacement) -> Device:
     )
 
 
-def mig_share_device(gpu: GpuInfo, placement: MigPlacement, kind: SharingKind) -> Device:
+def mig_share_device(gpu: GpuInfo, placement: MigPlacement, kind: DeviceKind) -> PublishedDevice:
     """Shares of one MIG partition: the partition is made with the first share and isolated from
     the rest of the GPU by hardware; its shares split it as MPS or time-slicing do a whole GPU.
     memory: the partition's, in the share steps; compute (MPS): a percentage of its multiprocessors."""
     memory = _share_steps(placement.profile.memory_mib * MiB)
-    memory_policy = RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, memory)
+    memory_policy = _share_memory_policy(memory)
     if kind == "mig-mps":
         capacity = {"memory": memory, "compute": 100, "clients": MPS_MAX_CLIENTS}
         policies = {"memory": memory_policy, **_MPS_POLICIES}
     else:
         capacity, policies = {"memory": memory}, {"memory": memory_policy}
-    return Device(
+    return PublishedDevice(
         name=mig_share_device_name(gpu.index, placement.profile.name, placement.start, kind),
         attributes=_placement_attributes(gpu, placement, kind),
         capacity=capacity,
@@ -247,17 +249,22 @@ def share_memory(gpu: GpuInfo) -> int:
     return _share_steps(gpu.memory_bytes)
 
 
+def _share_memory_policy(maximum: int) -> PublishedRequestPolicy:
+    """A share's memory: default 1Gi, in 256Mi steps, up to `maximum`."""
+    return PublishedRequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, maximum)
+
+
 # compute: active thread percentage, default 10, in steps of 5; clients: one per share.
 _MPS_POLICIES = {
-    "compute": RequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
-    "clients": RequestPolicy(default=1, minimum=1, step=1, maximum=1),
+    "compute": PublishedRequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
+    "clients": PublishedRequestPolicy(default=1, minimum=1, step=1, maximum=1),
 }
 
 
-def mps_device(gpu: GpuInfo) -> Device:
+def mps_device(gpu: GpuInfo) -> PublishedDevice:
     """MPS shares. memory: pinned device memory limit, default 1Gi, in 256Mi steps; compute:
     active thread percentage, default 10, in steps of 5; clients: one per share, at most 48."""
-    return Device(
+    return PublishedDevice(
         name=mps_device_name(gpu),
         attributes={
             "type": Attribute("string", "mps"),
@@ -266,7 +273,7 @@ def mps_device(gpu: GpuInfo) -> Device:
         },
         capacity={"memory": share_memory(gpu), "compute": 100, "clients": MPS_MAX_CLIENTS},
         request_policies={
-            "memory": RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu)),
+            "memory": _share_memory_policy(share_memory(gpu)),
             **_MPS_POLICIES,
         },
         consumes=_consumes_all(gpu),
@@ -274,9 +281,9 @@ def mps_device(gpu: GpuInfo) -> Device:
     )
 
 
-def timeslice_device(gpu: GpuInfo) -> Device:
+def timeslice_device(gpu: GpuInfo) -> PublishedDevice:
     """Time-sliced shares: memory is accounting only (no isolation), default 1Gi in 256Mi steps."""
-    return Device(
+    return PublishedDevice(
         name=timeslice_device_name(gpu),
         attributes={
             "type": Attribute("string", "timeslice"),
@@ -284,9 +291,7 @@ def timeslice_device(gpu: GpuInfo) -> Device:
             **_product_attributes(gpu),
         },
         capacity={"memory": share_memory(gpu)},
-        request_policies={
-            "memory": RequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, share_memory(gpu))
-        },
+        request_policies={"memory": _share_memory_policy(share_memory(gpu))},
         consumes=_consumes_all(gpu),
         allow_multiple_allocations=True,
     )
@@ -297,12 +302,12 @@ class DeviceTarget:
     """What a published device stands for on this node."""
 
     name: str
-    kind: SharingKind
+    kind: DeviceKind
     gpu: GpuInfo
     placement: MigPlacement | None = None
 
 
-def gpu_targets(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[DeviceTarget]:
+def gpu_targets(gpu: GpuInfo, offered: frozenset[DeviceKind]) -> list[DeviceTarget]:
     targets = []
     if "whole" in offered:
         targets.append(DeviceTarget(whole_gpu_name(gpu), "whole", gpu))
@@ -318,7 +323,7 @@ def gpu_targets(gpu: GpuInfo, offered: frozenset[SharingKind]) -> list[DeviceTar
     return targets
 
 
-def mig_share_targets(gpu: GpuInfo, offered: frozenset[SharingKind], sharing: SharingConfig) -> list[DeviceTarget]:
+def mig_share_targets(gpu: GpuInfo, offered: frozenset[DeviceKind], sharing: SharingConfig) -> list[DeviceTarget]:
     if not gpu.mig_capable:
         return []
     return [
@@ -342,7 +347,7 @@ def node_targets(gpus: list[GpuInfo], sharing: SharingConfig) -> list[DeviceTarg
     ]
 
 
-def device_for(target: DeviceTarget) -> Device:
+def device_for(target: DeviceTarget) -> PublishedDevice:
     if target.kind == "whole":
         return whole_gpu_device(target.gpu)
     if target.kind in MIG_KINDS:

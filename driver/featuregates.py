@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from driver.sharing import SharingConfig, SharingKind
+from driver.sharing import DeviceKind, SharingConfig
 
 
 class FeatureGateError(ValueError):
@@ -17,7 +17,7 @@ class FeatureGateError(ValueError):
 class FeatureGate:
     default: bool
     needs: str  # what the cluster must have for it
-    kinds: frozenset[SharingKind] = frozenset()  # device kinds that are not published without it
+    kinds: frozenset[DeviceKind] = frozenset()  # device kinds that are not published without it
 
 
 PARTITIONABLE_DEVICES = "PartitionableDevices"

@@ -19,8 +19,8 @@ from driver.devices import (
     NOT_OFFERED_ATTRIBUTE,
     Attribute,
     CounterSet,
-    Device,
     Inventory,
+    PublishedDevice,
     counter_set_name,
     device_for,
     gpu_counters,
@@ -29,14 +29,14 @@ from driver.devices import (
 )
 from driver.discovery import GpuInfo
 from driver.flags import SettingsError
-from driver.sharing import ALL_KINDS, MIG_KINDS, SharingConfig, SharingKind
+from driver.sharing import ALL_KINDS, MIG_KINDS, DeviceKind, SharingConfig
 
 
 @dataclass(frozen=True)
 class OfferLimit:
     """The kinds a GPU cannot offer as it is now, because prepare could not make them real, and why."""
 
-    kinds: frozenset[SharingKind]
+    kinds: frozenset[DeviceKind]
     reason: str
     # The reason in a device attribute (at most 64 characters), where an admin can act on it.
     note: str = ""
@@ -89,7 +89,7 @@ def not_offered_note(gpu: GpuInfo, sharing: SharingConfig) -> str | None:
     return f"{','.join(missing)}: {limit.note}" if missing and limit.note else None
 
 
-def _with_note(device: Device, note: str | None) -> Device:
+def _with_note(device: PublishedDevice, note: str | None) -> PublishedDevice:
     if note is None:
         return device
     return replace(device, attributes={**device.attributes, NOT_OFFERED_ATTRIBUTE: Attribute("string", note)})
@@ -146,7 +146,7 @@ def _check_mig_share_profiles(gpus: list[GpuInfo], sharing: SharingConfig) -> No
         )
 
 
-def _can_offer(gpu: GpuInfo, kind: SharingKind) -> bool:
+def _can_offer(gpu: GpuInfo, kind: DeviceKind) -> bool:
     return bool(gpu_targets(gpu, frozenset({kind})))
 
 

@@ -1,4 +1,6 @@
-"""Node configuration: which kinds of device each GPU offers (whole, MIG, MPS, time-slicing)."""
+"""The kinds of device a GPU can offer (DeviceKind: whole, MIG, MPS, time-slicing, and shares
+inside a MIG partition) and the node's configuration of which kinds each GPU offers (--offer,
+--sharing-config, --mig-share-profiles). What a GPU then offers, and why not: driver/offers.py."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ from typing import Literal, get_args
 
 from driver.yamlfile import YamlFileError, load_yaml
 
-# mig-mps, mig-timeslice: MPS or time-sliced shares inside a MIG partition (docs/sharing.md).
-SharingKind = Literal["whole", "mig", "mps", "timeslice", "mig-mps", "mig-timeslice"]
-ALL_KINDS: frozenset[SharingKind] = frozenset(get_args(SharingKind))
-MIG_KINDS: frozenset[SharingKind] = frozenset({"mig", "mig-mps", "mig-timeslice"})  # need MIG mode on
-DEFAULT_KINDS: frozenset[SharingKind] = frozenset({"whole", "mig", "mps", "timeslice"})
+# What a published device stands for; mig-mps, mig-timeslice: MPS or time-sliced shares inside a
+# MIG partition (docs/sharing.md).
+DeviceKind = Literal["whole", "mig", "mps", "timeslice", "mig-mps", "mig-timeslice"]
+ALL_KINDS: frozenset[DeviceKind] = frozenset(get_args(DeviceKind))
+MIG_KINDS: frozenset[DeviceKind] = frozenset({"mig", "mig-mps", "mig-timeslice"})  # need MIG mode on
+DEFAULT_KINDS: frozenset[DeviceKind] = frozenset({"whole", "mig", "mps", "timeslice"})
 
 
 class SharingConfigError(ValueError):
@@ -21,8 +24,8 @@ class SharingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SharingConfig:
-    default: frozenset[SharingKind] = DEFAULT_KINDS
-    per_gpu: dict[int, frozenset[SharingKind]] = field(default_factory=dict)
+    default: frozenset[DeviceKind] = DEFAULT_KINDS
+    per_gpu: dict[int, frozenset[DeviceKind]] = field(default_factory=dict)
     # Counter sets that keep one GPU's devices apart (the cluster's DRAPartitionableDevices).
     shared_counters: bool = True
     # The MIG profiles whose partitions offer shares (mig-mps, mig-timeslice); None: every profile.
@@ -30,7 +33,7 @@ class SharingConfig:
     mig_share_profiles: frozenset[str] | None = None
     per_gpu_mig_share_profiles: dict[int, frozenset[str]] = field(default_factory=dict)
 
-    def offered(self, gpu_index: int) -> frozenset[SharingKind]:
+    def offered(self, gpu_index: int) -> frozenset[DeviceKind]:
         return self.per_gpu.get(gpu_index, self.default)
 
     def shares_mig_profile(self, gpu_index: int, profile: str) -> bool:
@@ -38,7 +41,7 @@ class SharingConfig:
         return profiles is None or profile in profiles
 
 
-def parse_kinds(value: object, where: str) -> frozenset[SharingKind]:
+def parse_kinds(value: object, where: str) -> frozenset[DeviceKind]:
     """A comma list (`--offer`) or a YAML list of kinds."""
     if isinstance(value, str):
         items = [v.strip() for v in value.split(",")]

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from driver.devices import CounterSet, Device, Inventory
+from driver.devices import CounterSet, Inventory, PublishedDevice
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_WITH_COUNTERS = 64  # a slice where any device consumes counters
@@ -23,7 +23,7 @@ def format_quantity(value: int) -> str:
     return str(value)
 
 
-def device_json(device: Device) -> dict[str, Any]:
+def device_json(device: PublishedDevice) -> dict[str, Any]:
     body: dict[str, Any] = {"name": device.name}
     if device.attributes:
         body["attributes"] = {name: {attr.kind: attr.value} for name, attr in sorted(device.attributes.items())}
@@ -43,7 +43,7 @@ def device_json(device: Device) -> dict[str, Any]:
     return body
 
 
-def _capacity_json(device: Device, name: str) -> dict[str, Any]:
+def _capacity_json(device: PublishedDevice, name: str) -> dict[str, Any]:
     capacity: dict[str, Any] = {"value": format_quantity(device.capacity[name])}
     policy = device.request_policies.get(name)
     if policy is not None:
@@ -62,7 +62,7 @@ def counter_set_json(counter_set: CounterSet) -> dict[str, Any]:
     return {"name": counter_set.name, "counters": _counters_json(counter_set.counters)}
 
 
-def chunk_devices(devices: list[Device], limit: int = MAX_DEVICES_PER_SLICE) -> list[list[Device]]:
+def chunk_devices(devices: list[PublishedDevice], limit: int = MAX_DEVICES_PER_SLICE) -> list[list[PublishedDevice]]:
     return [devices[i : i + limit] for i in range(0, len(devices), limit)] or [[]]
 
 

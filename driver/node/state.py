@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from driver.node.cdi import CdiDevice
 from driver.node.checkpoint import Checkpoint, CheckpointData
-from driver.sharing import SharingKind
+from driver.sharing import DeviceKind
 
 ClaimState = Literal["PrepareStarted", "PrepareCompleted", "UnprepareStarted"]
 
@@ -27,7 +27,7 @@ class PreparedDevice:
     device: str
     cdi_ids: tuple[str, ...]
     share_id: str | None = None
-    kind: SharingKind = "whole"
+    kind: DeviceKind = "whole"
     gpu_index: int = 0
     gpu_uuid: str = ""
     mig_profile_id: int | None = None

@@ -1,4 +1,8 @@
-"""Machine profiles for the NVML mock: bundled YAML files (machines/) or a user-supplied one."""
+"""Machine profiles: bundled YAML files (machines/) or a user-supplied one, for the NVML mock,
+which simulates the machine a profile describes. Real discovery reads them too: MigProfileSpec is
+its MIG profile record, MIG_MODE_NEEDS_RESET says which architectures switch MIG mode only at a
+GPU reset, and known_mig_profiles gives a product's MIG profiles from the bundled profiles while
+MIG mode is off (NVML lists none then)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from driver.devices import Attribute, Device, Inventory
+from driver.devices import Attribute, Inventory, PublishedDevice
 from driver.discovery import cuda_version, discover_gpus, pci_bus_id, semver
 from driver.nvml.machine import bundled_machines
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
@@ -59,7 +59,7 @@ def test_quantities_are_canonical():
 
 
 def test_slices_split_within_the_device_limit_and_share_a_generation():
-    devices = [Device(name=f"d-{i}", capacity={"memory": 1}) for i in range(2 * MAX_DEVICES_PER_SLICE + 5)]
+    devices = [PublishedDevice(name=f"d-{i}", capacity={"memory": 1}) for i in range(2 * MAX_DEVICES_PER_SLICE + 5)]
     owner = node_owner({"metadata": {"name": "n1", "uid": "u1"}})
     slices = build_slices("gpu.fgpu.dev", "n1", Inventory(devices, []), generation=4, owner=owner)
     assert [len(s["spec"]["devices"]) for s in slices] == [128, 128, 5]

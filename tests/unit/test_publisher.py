@@ -1,6 +1,6 @@
 import time
 
-from driver.devices import Device, Inventory
+from driver.devices import Inventory, PublishedDevice
 from driver.node import metrics
 from driver.node.publisher import SlicePublisher
 from testbed.fakes import InMemoryKubeApi, node_object
@@ -10,7 +10,7 @@ DRIVER = "gpu.fgpu.dev"
 
 def devices(count: int) -> Inventory:
     return Inventory(
-        devices=[Device(name=f"gpu-{i}", capacity={"memory": 2**30}) for i in range(count)], counter_sets=[]
+        devices=[PublishedDevice(name=f"gpu-{i}", capacity={"memory": 2**30}) for i in range(count)], counter_sets=[]
     )
 
 
