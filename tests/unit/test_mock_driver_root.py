@@ -13,8 +13,9 @@ import pytest
 
 from driver.claims.refs import ClaimRef
 from driver.cli import build_parser
+from driver.flags import SettingsError
 from driver.node.server import PluginProcess
-from driver.node.settings import PluginSettings, SettingsError, plugin_settings
+from driver.node.settings import PluginSettings, plugin_settings
 from driver.nvml import mock_driver_root
 from driver.nvml.mock_driver_root import MockDriverRootError
 from partitioner.mps import DEFAULT_SHM_BYTES

@@ -17,6 +17,7 @@ import pytest
 
 from driver.claims.refs import ClaimRef
 from driver.cli import build_parser
+from driver.flags import SettingsError
 from driver.node.checkpoint import Checkpoint
 from driver.node.kubelet.sockets import (
     BoundSocket,
@@ -26,7 +27,7 @@ from driver.node.kubelet.sockets import (
 from driver.node.node_lock import NodeClaimLock
 from driver.node.ownership import InstanceLock
 from driver.node.server import PluginProcess
-from driver.node.settings import PluginSettings, SettingsError, plugin_settings
+from driver.node.settings import PluginSettings, plugin_settings
 from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object, result
 
 UID = "0b7c4c1e-9a52-4c8e-8f54-6a3f1d2e5b77"
