@@ -11,11 +11,11 @@ and the spec says exactly what the container gets.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from driver.files import atomic_write
 
 CDI_VERSION = "0.6.0"
 CDI_CLASS = "claim"
@@ -118,14 +118,9 @@ class CdiWriter:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         path = self.spec_path(claim_uid)
         data = json.dumps(self.spec(claim_uid, devices), indent=2).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.cdi_dir, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.rename(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # Not durable: after a reboot kubelet prepares the claim again, which rewrites a missing spec.
+        # Readable by root only (the container runtime).
+        atomic_write(path, data, durable=False, mode=0o600)
         return path
 
     def remove(self, claim_uid: str) -> None:

@@ -11,17 +11,18 @@ and the plugin starts empty: it never crash-loops on its own state.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from driver.files import atomic_write, locked
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,9 @@ class Checkpoint:
         self._cache: tuple[bytes, CheckpointData] | None = None  # the file's bytes and their parse
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    @contextlib.contextmanager
-    def _file_lock(self, exclusive: bool) -> Iterator[None]:
-        with open(self._lock_path, "a") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
-
     def read(self) -> CheckpointData:
         """The current data. Do not mutate it: use apply()."""
-        with self._file_lock(exclusive=False):
+        with locked(self._lock_path, exclusive=False):
             return self._load()
 
     def apply(self, mutate: Callable[[CheckpointData], None]) -> None:
@@ -99,7 +94,7 @@ class Checkpoint:
 
     def _write(self, batch: list[_Change]) -> None:
         try:
-            with self._file_lock(exclusive=True):
+            with locked(self._lock_path, exclusive=True):
                 current = self._load()
                 data = CheckpointData(boot_id=current.boot_id, claims=dict(current.claims))
                 for change in batch:
@@ -165,15 +160,5 @@ class Checkpoint:
         payload = {"version": CHECKPOINT_VERSION, "bootId": data.boot_id, "claims": data.claims}
         document = {**payload, "checksum": _checksum(payload)}
         raw = json.dumps(document, sort_keys=True).encode()
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as handle:
-            handle.write(raw)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        atomic_write(self.path, raw, durable=True)
         self._cache = (raw, data)

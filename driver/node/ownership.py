@@ -17,6 +17,7 @@ import os
 import uuid
 from pathlib import Path
 
+from driver.files import atomic_write
 from driver.node.kubelet.sockets import BoundSocket, accepts_connections
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,7 @@ class InstanceLock:
         """Name the socket files this instance bound (with their inodes: a later instance of the same
         pod binds the same paths, and those must stay)."""
         entries = [{"path": str(s.path), "device": s.device, "inode": s.inode} for s in sockets]
-        staging = self._dir / f"{self.id}.sockets.tmp"
-        staging.write_text(json.dumps(entries))
-        os.replace(staging, self._sockets_record(self.id))
+        atomic_write(self._sockets_record(self.id), json.dumps(entries).encode(), durable=False)
 
     def remove_dead_instances_sockets(self) -> list[Path]:
         """Remove the sockets of instances that no longer run, where the files are still theirs: the

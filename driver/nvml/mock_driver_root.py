@@ -11,11 +11,11 @@ container runtime fails the container otherwise) and a container sees what a GPU
 
 from __future__ import annotations
 
-import os
 import platform
-import tempfile
 from importlib import resources
 from pathlib import Path
+
+from driver.files import atomic_write
 
 MARKER = ".fgpu-mock-driver-root"  # says the tree is ours to rewrite
 FAKE_TOOLS = ("nvidia-smi", "nvidia-cuda-mps-control")
@@ -63,12 +63,4 @@ def _install(path: Path, content: bytes, mode: int) -> None:
     if path.is_file() and path.read_bytes() == content and (path.stat().st_mode & 0o777) == mode:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-        os.chmod(tmp, mode)
-        os.rename(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, content, durable=False, mode=mode)

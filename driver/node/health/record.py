@@ -5,14 +5,14 @@ ones, and `fgpu health clear` edits them while the plugin runs."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
+
+from driver.files import atomic_write, locked
 
 log = logging.getLogger(__name__)
 FaultKind = Literal["xid", "ecc", "lost"]
@@ -50,8 +50,7 @@ class HealthRecord:
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        with locked(self.path.with_suffix(".lock"), exclusive=exclusive):
             yield
 
     def read(self) -> list[GpuFault]:
@@ -61,9 +60,8 @@ class HealthRecord:
     def update(self, change: Callable[[list[GpuFault]], list[GpuFault]]) -> list[GpuFault]:
         with self._locked(exclusive=True):
             faults = change(self._load())
-            staging = self.path.with_suffix(".tmp")
-            staging.write_text(json.dumps([asdict(f) for f in faults], sort_keys=True))
-            os.replace(staging, self.path)
+            data = json.dumps([asdict(f) for f in faults], sort_keys=True).encode()
+            atomic_write(self.path, data, durable=False)
             return faults
 
     def record(self, fault: GpuFault) -> list[GpuFault]:
