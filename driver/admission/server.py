@@ -113,6 +113,10 @@ class _Handler(BaseHTTPRequestHandler):
     server: WebhookServer
     protocol_version = "HTTP/1.1"  # kube-apiserver keeps connections open between reviews
 
+    def setup(self) -> None:
+        super().setup()
+        self.certificate = self.server.connection_certificate()
+
     def do_GET(self) -> None:
         if self.path == "/healthz":
             self._reply(HTTPStatus.OK, b"ok\n", "text/plain")
@@ -147,6 +151,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self.certificate != self.server.certificate:
+            # Made with a certificate since replaced: the client's next request opens a connection
+            # with the new one, so a renewal reaches kube-apiserver's kept-alive connections too.
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 
@@ -159,17 +168,29 @@ class WebhookServer(ThreadingHTTPServer):
 
     def __init__(self, settings: WebhookSettings, tls: ssl.SSLContext) -> None:
         self.driver_name = settings.driver_name
-        self.tls = tls
+        self._tls = (0, tls)  # (the certificate's number, its context): swapped as one
+        self._connection = threading.local()  # each connection has a thread of its own
         super().__init__((settings.bind_address, settings.port), _Handler)
 
+    @property
+    def certificate(self) -> int:
+        """The number of the certificate served now: 0, then 1 after the first set_certificate ..."""
+        return self._tls[0]
+
+    def connection_certificate(self) -> int:
+        """The number of the certificate the calling connection's handshake used."""
+        return self._connection.certificate
+
     def set_certificate(self, cert: bytes, key: bytes) -> None:
-        """Serve this certificate from the next handshake on (open connections keep theirs)."""
-        self.tls = tls_context(cert, key)
+        """Serve this certificate from the next handshake on; connections made with the old one
+        close after their next answer."""
+        self._tls = (self._tls[0] + 1, tls_context(cert, key))
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # The TLS handshake in the connection's own thread: a slow client cannot hold up accept().
         request.settimeout(HANDSHAKE_TIMEOUT_S)
-        with self.tls.wrap_socket(request, server_side=True) as connection:  # the context of this moment
+        self._connection.certificate, tls = self._tls
+        with tls.wrap_socket(request, server_side=True) as connection:
             connection.settimeout(None)
             super().finish_request(connection, client_address)
 

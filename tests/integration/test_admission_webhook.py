@@ -3,12 +3,17 @@ ValidatingWebhookConfiguration (its rules and matchConditions; only the address 
 URL on this host instead of the in-cluster Service, which tests/e2e/test_install.py uses).
 A bad gpu.fgpu.dev config is refused at create with its field named; good ones, other drivers'
 and updates of claims pass; with the webhook down, failurePolicy Ignore admits and Fail refuses
-only objects that carry a gpu.fgpu.dev config."""
+only objects that carry a gpu.fgpu.dev config. Self-managed certificates (the chart's default):
+two webhooks started at once agree on one Secret; short-lived certificates renewed under load
+keep every bad claim refused, without a restart; the configuration applied again as GitOps tools
+do (server-side apply keeps the caBundle, a replace wipes it and the webhook writes it again)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import socket
 import ssl
 import subprocess
 import sys
@@ -20,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes.client import AdmissionregistrationV1Api, ApiException, ResourceV1Api
+from kubernetes.client import AdmissionregistrationV1Api, ApiException, CoreV1Api, ResourceV1Api
+from kubernetes.dynamic import DynamicClient
 
 from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
@@ -196,3 +202,191 @@ def test_an_outage_admits_with_ignore_and_with_fail_refuses_only_our_configs(web
     unconfigured = claim_with()  # no gpu.fgpu.dev config: not sent to the webhook at all
     resource_api.create_namespaced_resource_claim(NS, unconfigured)
     resource_api.delete_namespaced_resource_claim(unconfigured["metadata"]["name"], NS)
+    webhook.set_failure_policy("Ignore")  # the stopped webhook refuses nothing of the tests below
+
+
+# --- self-managed certificates (the chart's default) ----------------------------------------------
+
+
+@dataclass
+class SelfManaged:
+    """`fgpu webhook --tls-secret`: its own CA and serving certificate, in a Secret of the test cluster."""
+
+    cluster: Cluster
+    secret: str
+    config_name: str
+    processes: list[subprocess.Popen[bytes]]
+    ports: list[int]
+    logs: list[Path]
+
+    def stored(self) -> dict[str, bytes]:
+        secret = CoreV1Api(self.cluster.api_client()).read_namespaced_secret(self.secret, NS)
+        return {key: base64.b64decode(value) for key, value in secret.data.items()}
+
+    def served(self, port: int) -> bytes:
+        """The certificate a new connection to `port` gets (PEM), verified against the Secret's CA."""
+        return served_certificate(port, self.stored()["ca.crt"])
+
+    def ca_bundles(self) -> set[str]:
+        admission = AdmissionregistrationV1Api(self.cluster.api_client())
+        configuration = admission.read_validating_webhook_configuration(self.config_name)
+        return {w.client_config.ca_bundle for w in configuration.webhooks}
+
+    def made_lines(self) -> list[str]:
+        return [line for log in self.logs for line in log.read_text().splitlines() if "made: a new CA" in line]
+
+
+def served_certificate(port: int, ca_bundle: bytes) -> bytes:
+    context = ssl.create_default_context(cadata=ca_bundle.decode())
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(
+        raw, server_hostname="127.0.0.1"
+    ) as tls:  # fmt: skip
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+def wait_serving(process: subprocess.Popen[bytes], port: int) -> None:
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # its CA is in a Secret not read yet
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2) as answer:
+                assert answer.read() == b"ok\n"
+                return
+        except OSError:
+            assert process.poll() is None, f"fgpu webhook exited {process.returncode}"
+            assert time.monotonic() < deadline, "fgpu webhook did not serve"
+            time.sleep(0.2)
+
+
+def self_managed_configuration(port: int, name: str) -> dict[str, Any]:
+    """The chart's configuration at this host's webhook, failurePolicy Fail (a call that fails, e.g.
+    on an untrusted certificate, is refused as such, never mistaken for an admission), no caBundle:
+    the webhook writes it."""
+    config = find(render({"webhook.failurePolicy": "Fail"}), "ValidatingWebhookConfiguration")
+    config["metadata"] = {"name": name}
+    for webhook in config["webhooks"]:
+        webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/validate"}
+    return config
+
+
+def wait_refusing(resource: ResourceV1Api, timeout_s: float = 30) -> None:
+    """Until a bad claim is refused by the webhook (not by a failed call, nor admitted while the
+    apiserver has not seen the configuration yet)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        bad = claim_with(BAD_SHARE)
+        try:
+            resource.create_namespaced_resource_claim(NS, bad)
+            resource.delete_namespaced_resource_claim(bad["metadata"]["name"], NS)
+            last = "admitted"
+        except ApiException as err:
+            last = json.loads(err.body)["message"]
+            if "denied the request" in last:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"the webhook never refused a bad claim; last: {last}")
+
+
+@pytest.fixture
+def self_managed(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., SelfManaged]]:
+    started: list[SelfManaged] = []
+    admission = AdmissionregistrationV1Api(cluster.api_client())
+    core = CoreV1Api(cluster.api_client())
+
+    def start(count: int = 1, *flags: str) -> SelfManaged:
+        ports = [free_port() for _ in range(count)]
+        name, secret = unique("fgpu-webhook-selfmanaged"), unique("fgpu-webhook-certs")
+        admission.create_validating_webhook_configuration(self_managed_configuration(ports[0], name))
+        handle = SelfManaged(cluster, secret, name, [], ports, [tmp_path / f"webhook-{p}.log" for p in ports])
+        started.append(handle)
+        for port, log in zip(ports, handle.logs, strict=True):  # at once: neither waits for the other
+            command = [sys.executable, "-m", "driver.cli", "webhook", "--bind-address=127.0.0.1", f"--port={port}",
+                       f"--tls-secret={secret}", f"--namespace={NS}", "--service-name=fgpu-webhook",
+                       "--extra-san=127.0.0.1", f"--webhook-configuration={name}",
+                       f"--kubeconfig={cluster.kubeconfig}", *flags]  # fmt: skip
+            with log.open("wb") as out:
+                handle.processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+        for process, port in zip(handle.processes, ports, strict=True):
+            wait_serving(process, port)
+        return handle
+
+    yield start
+    for handle in started:
+        for process in handle.processes:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=10)
+        admission.delete_validating_webhook_configuration(handle.config_name)
+        with contextlib.suppress(ApiException):
+            core.delete_namespaced_secret(handle.secret, NS)
+
+
+def test_two_self_managed_webhooks_started_at_once_agree_on_one_secret(self_managed, resource_api) -> None:
+    webhooks = self_managed(2)
+    stored = webhooks.stored()
+    assert set(stored) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}
+    assert len(webhooks.made_lines()) == 1, [log.read_text() for log in webhooks.logs]  # one made, one read
+    for port in webhooks.ports:
+        assert webhooks.served(port) == stored["tls.crt"]
+    # Each wrote (or found) the caBundle: every webhook of the configuration trusts the Secret's CA.
+    wait_until_equal = time.monotonic() + 10
+    while webhooks.ca_bundles() != {base64.b64encode(stored["ca.crt"]).decode()}:
+        assert time.monotonic() < wait_until_equal, webhooks.ca_bundles()
+        time.sleep(0.2)
+    wait_refusing(resource_api)
+    message = refusal(lambda: resource_api.create_namespaced_resource_claim(NS, claim_with(BAD_SHARE)))
+    assert message.startswith('admission webhook "resourceclaims.gpu.fgpu.dev" denied the request:')
+
+
+def test_self_managed_renewal_keeps_refusing_without_a_restart(self_managed, resource_api) -> None:
+    # 24 s certificates renewed with 14 s left: a new one about every 10 s, checked every 3.5 s.
+    webhook = self_managed(1, "--cert-validity=24s", "--cert-renew-before=14s")
+    (process,), (port,) = webhook.processes, webhook.ports
+    wait_refusing(resource_api)
+    first = webhook.stored()
+    served = {webhook.served(port)}
+    deadline = time.monotonic() + 40  # past the first certificate's expiry
+    refused = 0
+    while time.monotonic() < deadline:
+        # Every bad claim refused by the webhook itself: with failurePolicy Fail a call that failed
+        # (an untrusted or expired certificate) would say "failed calling webhook" instead.
+        message = refusal(lambda: resource_api.create_namespaced_resource_claim(NS, claim_with(BAD_SHARE)))
+        assert "denied the request" in message and BAD_FIELD in message, message
+        refused += 1
+        served.add(webhook.served(port))
+        time.sleep(0.5)
+    assert process.poll() is None and len(served) >= 3, (refused, len(served))
+    last = webhook.stored()
+    assert last["tls.crt"] != first["tls.crt"] and last["ca.crt"] == first["ca.crt"]  # the CA stays
+    assert webhook.served(port) == last["tls.crt"]
+    assert sum("Secret" in line and "renewed" in line for line in webhook.logs[0].read_text().splitlines()) >= 2
+
+
+def test_applied_again_by_a_gitops_tool_the_configuration_keeps_or_regains_its_caBundle(
+    cluster, self_managed, resource_api
+) -> None:
+    webhook = self_managed(1)
+    wait_refusing(resource_api)
+    client = DynamicClient(cluster.api_client())
+    resource = client.resources.get(
+        api_version="admissionregistration.k8s.io/v1", kind="ValidatingWebhookConfiguration"
+    )
+    desired = self_managed_configuration(webhook.ports[0], webhook.config_name)
+    desired = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", **desired}
+    # Server-side apply (Flux, Argo CD with ServerSideApply): caBundle is the webhook's field, kept.
+    for _ in range(2):
+        client.server_side_apply(resource, body=desired, name=webhook.config_name, field_manager="gitops",
+                                 force_conflicts=True)  # fmt: skip
+        message = refusal(lambda: resource_api.create_namespaced_resource_claim(NS, claim_with(BAD_SHARE)))
+        assert "denied the request" in message, message
+    # A replace (PUT) of the rendered object wipes the caBundle: the webhook writes it again.
+    live = client.get(resource, name=webhook.config_name)
+    replaced = {**desired, "metadata": {"name": webhook.config_name, "resourceVersion": live.metadata.resourceVersion}}
+    client.replace(resource, body=replaced)
+    assert not any(webhook.ca_bundles())
+    wait_refusing(resource_api, timeout_s=20)
+    assert webhook.ca_bundles() == {base64.b64encode(webhook.stored()["ca.crt"]).decode()}

@@ -10,6 +10,7 @@ import argparse
 import base64
 import copy
 import datetime
+import http.client
 import socket
 import ssl
 import threading
@@ -304,3 +305,24 @@ def test_the_rotator_swaps_the_served_certificate_in_place(server: WebhookServer
     assert second.cert != first.cert
     assert cert_of(peer_certificate(port, second.ca_bundle, tmp_path)) == cert_of(second.cert)
     assert server.socket.fileno() >= 0  # the same listening socket throughout
+
+
+def test_a_kept_alive_connection_closes_after_a_renewal(server: WebhookServer, tmp_path: Path) -> None:
+    # kube-apiserver keeps connections open: one made with the old certificate is closed after its
+    # next answer, so the next review comes over a new handshake with the new certificate.
+    api, clock = FakeApi(), [datetime.datetime.now(datetime.UTC)]
+    rotator = Rotator(manager(api, clock), server.set_certificate, interval_s=3600, settle_s=0)
+    rotator.first()
+    first = api.secret_bundle()
+    (tmp_path / "ca.crt").write_bytes(first.ca_bundle)
+    context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    connection = http.client.HTTPSConnection("127.0.0.1", server.server_address[1], context=context, timeout=5)
+    connection.request("GET", "/healthz")
+    answer = connection.getresponse()
+    assert answer.read() == b"ok\n" and answer.getheader("Connection") is None
+    clock[0] += datetime.timedelta(seconds=45)
+    rotator._round()
+    connection.request("GET", "/healthz")
+    answer = connection.getresponse()
+    assert answer.read() == b"ok\n" and answer.getheader("Connection") == "close"
+    connection.close()
