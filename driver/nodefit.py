@@ -245,15 +245,26 @@ class NodeRoom:
     of them does with the ones before it counted; a pod counted on a node already (it uses
     another claim placed there) is not counted twice."""
 
-    def __init__(self, nodes: Iterable[NodeFacts], pods_of: Mapping[str, Sequence[PodNeeds]]) -> None:
+    def __init__(
+        self,
+        nodes: Iterable[NodeFacts],
+        pods_of: Mapping[str, Sequence[PodNeeds]],
+        running: Iterable[tuple[str, PodNeeds]] = (),
+    ) -> None:
+        """`running`: pods already on (or on their way to) a node, by node name."""
         self.nodes = {node.name: node for node in nodes}
         self.pods_of = pods_of
         self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
         self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
+        for node, pod in running:
+            if node in self.nodes:
+                self._count(node, pod)
 
     def reasons(self, pods: Sequence[PodNeeds], node: str) -> list[str]:
         """Why the pods cannot all run on the node (empty: they can). A node without facts (no
         Node object) is not one a pod can be placed on."""
+        if not pods:
+            return []  # no pod uses the claim yet: nothing to check (kube-scheduler checks its pods)
         facts = self.nodes.get(node)
         if facts is None:
             return ["node(s) not found"]
@@ -272,9 +283,13 @@ class NodeRoom:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
 
     def take(self, placement: Placement) -> None:
-        for pod in self._new_here(placement):
-            _add(self.requested[placement.node], pod.requests)
-            self.counted[placement.node].add(pod.name)
+        for pod in self.pods_of.get(placement.claim.key, ()):
+            self._count(placement.node, pod)
+
+    def _count(self, node: str, pod: PodNeeds) -> None:
+        if pod.name not in self.counted[node]:
+            _add(self.requested[node], pod.requests)
+            self.counted[node].add(pod.name)
 
     def give_back(self, placement: Placement) -> None:
         for pod in self.pods_of.get(placement.claim.key, ()):
@@ -285,6 +300,3 @@ class NodeRoom:
     def why_not(self, claim: Claim, nodes: Sequence[str]) -> str:
         pods = self.pods_of.get(claim.key, ())
         return summary(len(nodes), (reason for node in nodes for reason in self.reasons(pods, node)))
-
-    def _new_here(self, placement: Placement) -> list[PodNeeds]:
-        return [p for p in self.pods_of.get(placement.claim.key, ()) if p.name not in self.counted[placement.node]]

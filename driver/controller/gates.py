@@ -93,7 +93,8 @@ class Gates:
         metrics.GATES_LIFTED.inc()
 
     def _report(self, obj: dict[str, Any] | None, reason: str, warning: bool = True) -> None:
-        """One Event per claim and reason (not one a pass)."""
+        """One Event per claim and reason (not one a pass), on the claim and on the gated pods that
+        wait for it (where users look: kubectl describe pod)."""
         if obj is None:
             return
         meta = obj["metadata"]
@@ -101,19 +102,31 @@ class Gates:
             return
         self._reported[meta.get("uid", "")] = reason
         log.info("claim %s/%s: %s", meta["namespace"], meta["name"], reason)
+        pods = self._gated_pods_by_claim().get(object_key(obj), [])
+        subjects = [("resource.k8s.io/v1", "ResourceClaim", obj)]
+        subjects += [("v1", "Pod", pod) for key in pods if (pod := self.informers["pods"].get(key)) is not None]
+        why = "FailedAllocation" if warning else "WaitingForGang"
+        for api_version, kind, subject in subjects:
+            message = reason if kind == "ResourceClaim" else f"claim {meta['name']}: {reason}"
+            self._event(api_version, kind, subject, why, message, warning)
+
+    def _event(
+        self, api_version: str, kind: str, subject: dict[str, Any], reason: str, message: str, warning: bool
+    ) -> None:
+        meta = subject["metadata"]
         now = timestamp()
         event = {
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
+                "apiVersion": api_version,
+                "kind": kind,
                 "name": meta["name"],
                 "namespace": meta["namespace"],
                 "uid": meta.get("uid"),
                 "resourceVersion": meta.get("resourceVersion"),
             },
-            "reason": "FailedAllocation" if warning else "WaitingForGang",
-            "message": reason[:1024],
+            "reason": reason,
+            "message": message[:1024],
             "type": "Warning" if warning else "Normal",
             "source": {"component": COMPONENT},
             "reportingComponent": COMPONENT,
@@ -124,4 +137,4 @@ class Gates:
         try:
             self.api.create_event(meta["namespace"], event)
         except KubeError as error:
-            log.warning("cannot record an event for %s/%s: %s", meta["namespace"], meta["name"], error)
+            log.warning("cannot record an event for %s %s/%s: %s", kind, meta["namespace"], meta["name"], error)

@@ -19,8 +19,10 @@ from typing import Any
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
+from driver.controller.fit import node_room
 from driver.controller.informer import Informer, object_key
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
+from driver.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
 ABSORB_S = 2.0  # how long a pass goes on placing lone claims that arrive while its writes are out
@@ -52,7 +54,8 @@ class Placing:
         waiting for the next pass. Gang members that arrive wait for it."""
         started = time.perf_counter()
         handled = {object_key(c) for c in waiting}
-        in_flight = self._submit(allocator, waiting)
+        room = self._room()
+        in_flight = self._submit(allocator, waiting, room)
         version = self.informers["claims"].version
         while time.perf_counter() - started < ABSORB_S and not self.stale.is_set() and self.acting():
             if not wait(in_flight, timeout=0.02, return_when=FIRST_COMPLETED).not_done:
@@ -62,7 +65,8 @@ class Placing:
             version = self.informers["claims"].version
             arrived = [c for c in self._waiting() if object_key(c) not in handled and not gang_label(c)]
             handled.update(object_key(c) for c in arrived)
-            in_flight += self._submit(allocator, arrived)
+            room.pods_of = self._room().pods_of  # pods that came with the claims; what this pass took stays
+            in_flight += self._submit(allocator, arrived, room)
         wait(in_flight)
         log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)
         for future in in_flight:
@@ -70,10 +74,16 @@ class Placing:
                 log.error("writing a unit failed", exc_info=future.exception())
                 self.stale.set()
 
-    def _submit(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> list[Future[None]]:
-        return [self._writers.submit(self._write_unit, unit) for unit in self._units(allocator, waiting)]
+    def _submit(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]], room: NodeRoom) -> list[Future[None]]:
+        return [self._writers.submit(self._write_unit, unit) for unit in self._units(allocator, waiting, room)]
 
-    def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> Iterator[Unit]:
+    def _room(self) -> NodeRoom:
+        """What the nodes have left for the pods of the claims this pass places (fit.py)."""
+        return node_room(
+            self.informers["nodes"].items(), self.informers["pods"].items(), self.informers["claims"].items()
+        )
+
+    def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]], room: NodeRoom) -> Iterator[Unit]:
         """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
         as soon as a write has failed or this replica no longer leads."""
         gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
@@ -88,27 +98,32 @@ class Placing:
             gang = gang_of(claim)
             if gang is not None:
                 gangs[gang].append(claim)
-            elif (placement := self._place_one(allocator, claim, obj)) is not None:
+            elif (placement := self._place_one(allocator, claim, obj, room)) is not None:
                 yield Unit([placement], {claim.key: obj})
         for (name, size), members in gangs.items():
             if self.stale.is_set() or not self.acting():
                 return
-            if (unit := self._place_gang(allocator, name, size, members)) is not None:
+            if (unit := self._place_gang(allocator, name, size, members, room)) is not None:
                 yield unit
 
-    def _place_one(self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any]) -> Placement | None:
+    def _place_one(
+        self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any], room: NodeRoom
+    ) -> Placement | None:
         started = time.perf_counter()
-        outcome = allocator.allocate(claim)
+        outcome = allocator.allocate(claim, room=room)
         metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, Failure):
             metrics.ALLOCATIONS.labels("unschedulable").inc()
             self._report(obj, outcome.reason)
             return None
         allocator.commit(outcome)
+        room.take(outcome)
         self._count([(obj, outcome)])
         return outcome
 
-    def _place_gang(self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim]) -> Unit | None:
+    def _place_gang(
+        self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim], room: NodeRoom
+    ) -> Unit | None:
         objects = {c.key: self.informers["claims"].get(c.key) for c in members}
         if size == 0:
             for obj in objects.values():
@@ -123,7 +138,7 @@ class Placing:
             for obj in objects.values():
                 self._report(obj, f"gang {name} waits for {missing} more claim(s) of {size}", warning=False)
             return None
-        outcome = allocator.allocate_gang(members)
+        outcome = allocator.allocate_gang(members, room)
         if isinstance(outcome, Failure):
             metrics.GANGS.labels("unschedulable").inc()
             for obj in objects.values():

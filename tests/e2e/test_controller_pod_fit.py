@@ -1,0 +1,215 @@
+"""The controller places a claim only where the pods that use it can run (driver/nodefit.py,
+driver/controller/fit.py), on the real control plane: node-a, which first-fit prefers, is made
+unfit for the pod in one way at a time, and the claim must go to node-b by the controller's own
+decision (kube-scheduler never re-allocated it: its field manager is not on the claim's status).
+Where no node fits, the pod gets kube-scheduler's summary of the reasons as an Event."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from testbed.cluster.kubelet_standin import KubeletStandIn
+from testbed.plugin_process import PluginUnderTest
+from testbed.workloads import wait_for
+from tests.support.controller import CONTROLLER, gated_pod
+from tests.support.pools import complete_pool
+
+pytestmark = pytest.mark.cluster
+NS = "default"
+OPT_IN = {"gpu.fgpu.dev/allocator": "fgpu"}
+
+
+@pytest.fixture(scope="module")
+def nodes(cluster) -> Iterator[dict[str, KubeletStandIn]]:
+    """Plugins and kubelet stand-ins on node-a and node-b, and one first-fit controller."""
+    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
+    plugins, kubelets = [], {}
+    for node in ("node-a", "node-b"):
+        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
+        plugins.append(plugin)
+        kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
+    controller = subprocess.Popen(
+        [*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--policy=first-fit"]
+    )
+    try:
+        for node in kubelets:
+            wait_for(lambda n=node: complete_pool(resource_api, n))
+        yield kubelets
+    finally:
+        controller.terminate()
+        controller.wait(timeout=15)
+        for kubelet in kubelets.values():
+            kubelet.stop()
+        for plugin in plugins:
+            plugin.stop()
+            shutil.rmtree(plugin.root, ignore_errors=True)
+
+
+def claim(name: str) -> dict[str, Any]:
+    request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev"}}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "labels": OPT_IN},
+        "spec": {"devices": {"requests": [request]}},
+    }
+
+
+def pod(name: str, claim_name: str, requests: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    body = gated_pod(name, claim_name)
+    body["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "100m", "memory": "64Mi", **(requests or {})}
+    body["spec"].update(spec)
+    return body
+
+
+def filler(node: str, **requests: str) -> dict[str, Any]:
+    """A pod bound to the node (no kubelet runs it): what it requests is taken there."""
+    name = f"filler-{uuid.uuid4().hex[:6]}"
+    container = {"name": "main", "image": "registry.invalid/x:1", "resources": {"requests": requests}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"nodeName": node, "containers": [container]},
+    }
+
+
+def allocated_node(resource_api, name: str) -> str | None:
+    found = resource_api.read_namespaced_resource_claim(name, NS)
+    if found.status is None or found.status.allocation is None:
+        return None
+    return found.status.allocation.devices.results[0].pool
+
+
+def by_kube_scheduler(resource_api, name: str) -> bool:
+    """Whether kube-scheduler owns the claim's allocation (it re-allocated it): it owns the
+    reservation in any case."""
+    found = resource_api.read_namespaced_resource_claim(name, NS)
+    return any(
+        f.manager == "kube-scheduler" and "f:allocation" in ((f.fields_v1 or {}).get("f:status") or {})
+        for f in found.metadata.managed_fields or ()
+    )
+
+
+def running_on(kubelets: dict[str, KubeletStandIn], core_api, name: str, node: str) -> None:
+    """Bound by kube-scheduler to the node and prepared there by its kubelet stand-in."""
+    bound = wait_for(lambda: core_api.read_namespaced_pod(name, NS), timeout=30)
+    assert wait_for(lambda: core_api.read_namespaced_pod(name, NS).spec.node_name, timeout=30) == node
+    wait_for(lambda: bound.metadata.uid in kubelets[node].prepared, timeout=30)
+
+
+def remove(core_api, resource_api, pods: list[str], claim_name: str) -> None:
+    for name in pods:
+        core_api.delete_namespaced_pod(name, NS)
+    wait_for(lambda: not any(p.metadata.name in pods for p in core_api.list_namespaced_pod(NS).items), timeout=60)
+    resource_api.delete_namespaced_resource_claim(claim_name, NS)
+
+
+TAINT = {"key": "dedicated", "value": "x", "effect": "NoSchedule"}
+NO_EXECUTE = {"key": "dedicated", "value": "x", "effect": "NoExecute"}
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+ONLY_B = {"key": "metadata.name", "operator": "In", "values": ["node-b"]}
+
+
+def required(term: dict[str, Any]) -> dict[str, Any]:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+# case -> what makes node-a unfit (a node patch, a status patch, filler pods bound there), and the
+# pod's requests and further spec
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any], list[dict[str, str]], dict[str, str], dict[str, Any]]] = {
+    "cpu": ({}, {}, [{"cpu": "60"}], {"cpu": "8"}, {}),
+    "memory": ({}, {}, [{"memory": "500Gi"}], {"memory": "20Gi"}, {}),
+    "pod count": ({}, {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "1"}}, [{"cpu": "1"}], {}, {}),
+    "taint": ({"taints": [TAINT]}, {}, [], {}, {}),
+    "NoExecute taint": ({"taints": [NO_EXECUTE]}, {}, [], {}, {"tolerations": [{**TAINT, "operator": "Equal"}]}),
+    "nodeSelector": ({}, {}, [], {}, {"nodeSelector": {"kubernetes.io/hostname": "node-b"}}),
+    "node affinity": ({}, {}, [], {}, {"affinity": required({"matchFields": [ONLY_B]})}),
+    "cordoned": ({"unschedulable": True}, {}, [], {}, {}),
+    # What the node lifecycle controller does to a node that stops being Ready.
+    "not ready": ({"taints": [NOT_READY]}, {"conditions": [{"type": "Ready", "status": "False"}]}, [], {}, {}),
+}
+
+
+@pytest.fixture
+def node_a(core_api) -> Iterator[Callable[[dict[str, Any], dict[str, Any], list[dict[str, str]]], None]]:
+    """Makes node-a unfit; puts it back (spec, status, filler pods) afterwards."""
+    before = core_api.read_node("node-a")
+    fillers: list[str] = []
+
+    def unfit(spec: dict[str, Any], status: dict[str, Any], fill: list[dict[str, str]]) -> None:
+        if spec:
+            core_api.patch_node("node-a", {"spec": spec})
+        if status:
+            core_api.patch_node_status("node-a", {"status": status})
+        for requests in fill:
+            fillers.append(core_api.create_namespaced_pod(NS, filler("node-a", **requests)).metadata.name)
+
+    yield unfit
+    for name in fillers:
+        core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+    spec = {"taints": before.spec.taints and [t.to_dict() for t in before.spec.taints], "unschedulable": None}
+    core_api.patch_node("node-a", {"spec": spec})
+    status = kubernetes.client.ApiClient().sanitize_for_serialization(before.status)
+    core_api.patch_node_status(
+        "node-a", {"status": {"allocatable": status["allocatable"], "conditions": status["conditions"]}}
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_claim_goes_where_its_pod_fits(case: str, nodes, node_a, resource_api, core_api):
+    node_spec, node_status, fill, requests, pod_spec = CASES[case]
+    node_a(node_spec, node_status, fill)
+    name = f"fit-{uuid.uuid4().hex[:6]}"
+    core_api.create_namespaced_pod(NS, pod(name, name, requests, **pod_spec))
+    resource_api.create_namespaced_resource_claim(NS, claim(name))
+    try:
+        assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
+        running_on(nodes, core_api, name, "node-b")
+        assert not by_kube_scheduler(resource_api, name), "kube-scheduler re-allocated the claim"
+    finally:
+        remove(core_api, resource_api, [name], name)
+
+
+def test_a_claim_shared_by_two_pods_goes_where_both_fit(nodes, resource_api, core_api):
+    """The claim comes after its pods (a claim placed while only some of its pods exist is placed
+    for those)."""
+    name = f"shared-{uuid.uuid4().hex[:6]}"
+    pods = [f"{name}-1", f"{name}-2"]
+    core_api.create_namespaced_pod(NS, pod(pods[0], name))
+    core_api.create_namespaced_pod(NS, pod(pods[1], name, nodeSelector={"kubernetes.io/hostname": "node-b"}))
+    resource_api.create_namespaced_resource_claim(NS, claim(name))
+    try:
+        assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
+        for pod_name in pods:
+            running_on(nodes, core_api, pod_name, "node-b")
+        assert not by_kube_scheduler(resource_api, name)
+    finally:
+        remove(core_api, resource_api, pods, name)
+
+
+def test_where_nothing_fits_the_pod_is_told_why_in_kube_schedulers_words(nodes, node_a, resource_api, core_api):
+    node_a({"taints": [TAINT]}, {}, [])
+    name = f"nofit-{uuid.uuid4().hex[:6]}"
+    core_api.create_namespaced_pod(NS, pod(name, name, {"cpu": "100"}))
+    resource_api.create_namespaced_resource_claim(NS, claim(name))
+    try:
+
+        def told() -> list[Any]:
+            events = core_api.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+            return [e for e in events if e.involved_object.kind == "Pod" and e.reason == "FailedAllocation"]
+
+        (event, *_) = wait_for(told, timeout=30)
+        reasons = "1 Insufficient cpu, 1 node(s) had untolerated taint {dedicated: x}"
+        assert event.message == f"claim {name}: 0/2 nodes are available: {reasons}."
+        assert allocated_node(resource_api, name) is None
+        assert core_api.read_namespaced_pod(name, NS).spec.scheduling_gates
+    finally:
+        remove(core_api, resource_api, [name], name)
