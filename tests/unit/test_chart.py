@@ -337,6 +337,9 @@ def test_webhook_on_the_nodes_network_reaches_an_explicit_api_server() -> None:
     objects = render({"webhook.hostNetwork": True, "apiServer.host": "127.0.0.1", "apiServer.port": "6443"})
     deployment = find(objects, "Deployment", "webhook")
     assert deployment["spec"]["template"]["spec"]["hostNetwork"] is True
+    # Its port is the node's: a new pod of an update could not start beside the old one.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert "strategy" not in find(render(), "Deployment", "webhook")["spec"]
     env = container_env(deployment)
     assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
 
