@@ -1,4 +1,4 @@
-"""A node's driver wired in-process for unit tests: mock NVML, the mock driver root with the fake
+"""A node's claim preparer wired in-process for unit tests: mock NVML, the mock driver root with the fake
 system tools, a temporary state dir. Integration tests run the same code as a real
 `fgpu kubelet-plugin`."""
 
@@ -17,8 +17,8 @@ from driver.discovery import GpuInfo, discover_gpus
 from driver.kube import KubeApi
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
-from driver.node.ownership import InstanceLock
-from driver.node.prepare import Driver, Partitioners
+from driver.node.instance_lock import InstanceLock
+from driver.node.prepare import ClaimPreparer, Partitioners
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
@@ -74,10 +74,10 @@ class NodeEnv:
     claims: PreparedClaims
     cdi: CdiWriter
     mps: MpsPartitioner
-    driver: Driver
+    preparer: ClaimPreparer
 
     def restart(self, api: KubeApi) -> NodeEnv:
-        """A new driver over the same state, NVML and disks, as after a plugin restart."""
+        """A new preparer over the same state, NVML and disks, as after a plugin restart."""
         return build_node(self.root, api, session=self.session)
 
 
@@ -91,14 +91,14 @@ def build_node(root: Path, api: KubeApi, machine: str = "dgx-h100", session: Nvm
     cdi = CdiWriter(root / "cdi", "gpu.fgpu.dev", DriverFiles.discover(driver_root), mock_device_nodes=True)
     runner = ToolRunner(driver_root)
     mps = MpsPartitioner(session, runner, state_dir)
-    driver = Driver(
-        "gpu.fgpu.dev",
-        "node-a",
-        node_targets(gpus, SharingConfig(default=ALL_KINDS, mig_share_profiles=frozenset({"3g.40gb"}))),
-        api,
-        claims,
-        cdi,
-        Partitioners(mig=MigPartitioner(session), mps=mps, timeslice=TimeSlicer(runner)),
-        InstanceLock(state_dir),
+    preparer = ClaimPreparer(
+        driver_name="gpu.fgpu.dev",
+        node_name="node-a",
+        targets=node_targets(gpus, SharingConfig(default=ALL_KINDS, mig_share_profiles=frozenset({"3g.40gb"}))),
+        api=api,
+        claims=claims,
+        cdi=cdi,
+        partitioners=Partitioners(mig=MigPartitioner(session), mps=mps, timeslice=TimeSlicer(runner)),
+        instance=InstanceLock(state_dir),
     )
-    return NodeEnv(root, session, gpus, claims, cdi, mps, driver)
+    return NodeEnv(root, session, gpus, claims, cdi, mps, preparer)

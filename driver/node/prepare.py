@@ -4,6 +4,11 @@ Independent of gRPC: the plugin services translate messages to and from these ca
 of a batch gets its own result; an error names the claim and the reason and leaves the state of
 every other claim alone.
 
+Locking, outermost first: the node's claim lock (claim_locks.NodeClaimLock: one plugin instance's
+claim operations at a time, during a rolling update), the claim's own lock (one operation on a
+claim at a time: kubelet retries while a call runs), then the locks of the claim's GPUs in index
+order (one GPU's changes at a time; claims on different GPUs run in parallel).
+
 Each step is journaled before its side effect (state.py): the claim's record (PrepareStarted)
 before any MIG instance, MPS daemon or timeslice change; PrepareCompleted after the CDI spec is
 written; UnprepareStarted before anything is undone. `recover()` at start-up rolls back what a
@@ -30,8 +35,9 @@ from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarg
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
+from driver.node.claim_locks import NodeClaimLock
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
-from driver.node.ownership import InstanceLock
+from driver.node.instance_lock import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord
 from driver.sharing import MIG_KINDS
@@ -45,7 +51,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PrepareResult:
+class ClaimResult:
+    """One claim's outcome of prepare or unprepare (unprepare's has no devices)."""
+
     devices: tuple[PreparedDevice, ...] = ()
     error: str = ""
     # What was created or destroyed, for the operator's log line; not part of kubelet's answer.
@@ -60,9 +68,12 @@ class Partitioners:
     timeslice: TimeSlicer
 
 
-class Driver:
+class ClaimPreparer:
+    """Prepares and unprepares the claims kubelet names, on this node's devices (`targets`)."""
+
     def __init__(
         self,
+        *,
         driver_name: str,
         node_name: str,
         targets: list[DeviceTarget],
@@ -71,8 +82,11 @@ class Driver:
         cdi: CdiWriter,
         partitioners: Partitioners,
         instance: InstanceLock,
+        node_lock: NodeClaimLock | None = None,
         proc_root: Path = Path("/proc"),
     ) -> None:
+        """`node_lock`: each claim operation holds it (the plugin process); None where this is the
+        only instance (in-process tests)."""
         self.driver_name = driver_name
         self.pool = node_name
         self._targets = {target.name: target for target in targets}
@@ -81,6 +95,7 @@ class Driver:
         self._cdi = cdi
         self._parts = partitioners
         self._instance = instance
+        self._node_lock = node_lock
         self._proc_root = proc_root
         self.status = ClaimStatusWriter(api, driver_name, node_name)
         # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
@@ -90,10 +105,13 @@ class Driver:
 
     # --- prepare --------------------------------------------------------------------------------
 
-    def prepare(self, refs: list[ClaimRef]) -> dict[str, PrepareResult]:
-        return self._each(refs, self._prepare_one, "prepare")
+    def prepare(self, refs: list[ClaimRef]) -> dict[str, ClaimResult]:
+        if not refs:  # nothing shared: the liveness self-probe must not wait on the other instance
+            return {}
+        with self._node_wide():
+            return self._each(refs, self._prepare_one, "prepare")
 
-    def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
+    def _prepare_one(self, ref: ClaimRef) -> ClaimResult:
         ref.validate()
         existing = self._claims.get(ref.uid)
         if existing is not None and existing.state == "PrepareCompleted":
@@ -101,7 +119,7 @@ class Driver:
             if not self._cdi.spec_path(ref.uid).exists():
                 self._cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
             names = ", ".join(d.device for d in existing.devices)
-            return PrepareResult(devices=existing.devices, summary=f"{names}: already prepared, nothing created")
+            return ClaimResult(devices=existing.devices, summary=f"{names}: already prepared, nothing created")
         if existing is not None:
             self._undo(existing)  # a half-done attempt: roll it back and start afresh
         try:
@@ -127,7 +145,7 @@ class Driver:
             raise
         crash_point("prepare:completed")
         self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
-        return PrepareResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
+        return ClaimResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
 
     def _plan(self, allocation: ClaimAllocation) -> PreparedClaim:
         """Check every allocated device and config, and describe the work, before any side effect."""
@@ -274,28 +292,33 @@ class Driver:
 
     def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
-        errors = {uid: result.error for uid, result in self._each(refs, self._unprepare_one, "unprepare").items()}
-        with self._locks_guard:
-            for ref in refs:
-                if not errors[ref.uid]:
-                    self._locks.pop(f"claim/{ref.uid}", None)
+        if not refs:
+            return {}
+        with self._node_wide():
+            results = self._each(refs, self._unprepare_one, "unprepare")
+            errors = {uid: result.error for uid, result in results.items()}
+            with self._locks_guard:
+                for ref in refs:
+                    if not errors[ref.uid]:
+                        self._locks.pop(f"claim/{ref.uid}", None)
         return errors
 
-    def _unprepare_one(self, ref: ClaimRef) -> PrepareResult:
+    def _unprepare_one(self, ref: ClaimRef) -> ClaimResult:
         if not ref.uid:
             raise ClaimError("malformed request: the claim has no uid")
         existing = self._claims.get(ref.uid)
         if existing is None:
             self._cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
-            return PrepareResult(summary="not prepared on this node, nothing destroyed")
+            return ClaimResult(summary="not prepared on this node, nothing destroyed")
         summary = self._undo(existing)
         self.status.clear(ref)  # best effort: the reconciler retries it
-        return PrepareResult(summary=summary)
+        return ClaimResult(summary=summary)
 
     def refresh_status(self, ref: ClaimRef, claim: JsonObject) -> None:
         """The reconciler's repair: write the status entries of a prepared claim that `claim` (just
-        read) lacks. Under the claim's lock, so an unprepare cannot clear them in between."""
-        with self._lock(f"claim/{ref.uid}"):
+        read) lacks. Under the claim's lock, so an unprepare cannot clear them in between (and the
+        node's: the other instance may be unpreparing it)."""
+        with self._node_wide(), self._lock(f"claim/{ref.uid}"):
             prepared = self._claims.get(ref.uid)
             if prepared is not None and prepared.state == "PrepareCompleted":
                 self.status.ensure(ref, prepared.devices, claim)
@@ -377,7 +400,13 @@ class Driver:
 
     def recover(self) -> None:
         """Roll back half-prepared claims, finish half-unprepared ones (of instances that no longer
-        run), and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns."""
+        run), and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns. Under the
+        node's claim lock: the sweeps act on what the checkpoint did not list, and no other instance
+        may add to it meanwhile."""
+        with self._node_wide():
+            self._recover()
+
+    def _recover(self) -> None:
         for claim in self._claims.all().values():
             if claim.state != "PrepareCompleted" and not self._instance.owner_alive(claim.owner):
                 log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
@@ -444,13 +473,13 @@ class Driver:
     # --- helpers --------------------------------------------------------------------------------
 
     def _each(
-        self, refs: list[ClaimRef], action: Callable[[ClaimRef], PrepareResult], operation: metrics.Operation
-    ) -> dict[str, PrepareResult]:
+        self, refs: list[ClaimRef], action: Callable[[ClaimRef], ClaimResult], operation: metrics.Operation
+    ) -> dict[str, ClaimResult]:
         """Run each claim of a batch under its own lock; claims on different GPUs run in parallel.
         Each claim done is one INFO line (a failure is one WARNING line, from _per_claim, and
         counted by its reason)."""
 
-        def one(ref: ClaimRef) -> PrepareResult:
+        def one(ref: ClaimRef) -> ClaimResult:
             with self._lock(f"claim/{ref.uid}"):
                 started = time.monotonic()
                 result = self._per_claim(ref, lambda: action(ref))
@@ -465,7 +494,7 @@ class Driver:
             return {refs[0].uid: one(refs[0])}
         return dict(zip((r.uid for r in refs), self._pool.map(one, refs), strict=True))
 
-    def _per_claim(self, ref: ClaimRef, action: Callable[[], PrepareResult]) -> PrepareResult:
+    def _per_claim(self, ref: ClaimRef, action: Callable[[], ClaimResult]) -> ClaimResult:
         """Run one claim's work; whatever goes wrong becomes that claim's error, never the batch's."""
         reason: ErrorReason
         try:
@@ -480,7 +509,11 @@ class Driver:
             log.exception("unexpected error for claim %s", ref)
             message, reason = f"claim {ref}: internal error: {err!r}", "internal"
         log.warning("%s", message)
-        return PrepareResult(error=message, reason=reason)
+        return ClaimResult(error=message, reason=reason)
+
+    def _node_wide(self) -> contextlib.AbstractContextManager[None]:
+        """The node's claim lock where there is one: no other plugin instance works on claims meanwhile."""
+        return self._node_lock.held() if self._node_lock is not None else contextlib.nullcontext()
 
     def _lock(self, key: str) -> threading.Lock:
         with self._locks_guard:

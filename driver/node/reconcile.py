@@ -15,7 +15,7 @@ from collections.abc import Callable
 from driver.claims.refs import ClaimRef
 from driver.kube import KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
-from driver.node.prepare import Driver
+from driver.node.prepare import ClaimPreparer
 from driver.node.state import PreparedClaims
 
 log = logging.getLogger(__name__)
@@ -27,14 +27,14 @@ class ClaimReconciler(BackgroundWorker):
     def __init__(
         self,
         api: KubeApi,
-        driver: Driver,
+        preparer: ClaimPreparer,
         claims: PreparedClaims,
         grace_s: float = 300.0,
         interval_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api
-        self._driver = driver
+        self._preparer = preparer
         self._claims = claims
         self._grace_s = grace_s
         self._interval_s = interval_s
@@ -48,7 +48,7 @@ class ClaimReconciler(BackgroundWorker):
         prepared = {uid: c for uid, c in self._claims.all().items() if c.state == "PrepareCompleted"}
         for uid in set(self._missing_since) - set(prepared):
             del self._missing_since[uid]
-        self._driver.status.retry_clears()
+        self._preparer.status.retry_clears()
         unprepared = []
         for uid, claim in prepared.items():
             try:
@@ -61,7 +61,7 @@ class ClaimReconciler(BackgroundWorker):
                 continue
             if not gone:
                 self._missing_since.pop(uid, None)
-                self._driver.refresh_status(ClaimRef(claim.namespace, claim.name, uid), current)
+                self._preparer.refresh_status(ClaimRef(claim.namespace, claim.name, uid), current)
                 continue
             since = self._missing_since.setdefault(uid, now)
             if now - since < self._grace_s:
@@ -73,7 +73,7 @@ class ClaimReconciler(BackgroundWorker):
                 uid,
                 now - since,
             )
-            error = self._driver.unprepare([ClaimRef(claim.namespace, claim.name, uid)])[uid]
+            error = self._preparer.unprepare([ClaimRef(claim.namespace, claim.name, uid)])[uid]
             if not error:
                 unprepared.append(uid)
                 del self._missing_since[uid]

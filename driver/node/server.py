@@ -21,18 +21,18 @@ from driver.kube import ClientKubeApi, KubeApi
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
+from driver.node.claim_locks import NodeClaimLock
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import HealthRecord, MigSlices
 from driver.node.health.service import HEALTH_SERVICES, add_health_services
+from driver.node.instance_lock import InstanceLock
 from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.mig_mode_watch import MigModeWatch
-from driver.node.node_lock import NodeClaimLock, SerializedDriver
-from driver.node.ownership import InstanceLock
-from driver.node.prepare import Partitioners
+from driver.node.prepare import ClaimPreparer, Partitioners
 from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
 from driver.node.settings import PluginSettings
@@ -82,19 +82,19 @@ class PluginProcess:
             timeslice=TimeSlicer(runner),
         )
         targets = node_targets(self.gpus, settings.sharing)
-        self.driver = SerializedDriver(
-            NodeClaimLock(settings.state_dir),
-            settings.driver_name,
-            settings.node_name,
-            targets,
-            self.api,
-            self.claims,
-            self.cdi,
-            partitioners,
-            self.instance,
+        self.preparer = ClaimPreparer(
+            driver_name=settings.driver_name,
+            node_name=settings.node_name,
+            targets=targets,
+            api=self.api,
+            claims=self.claims,
+            cdi=self.cdi,
+            partitioners=partitioners,
+            instance=self.instance,
+            node_lock=NodeClaimLock(settings.state_dir),
         )
         self.reconciler = ClaimReconciler(
-            self.api, self.driver, self.claims, settings.unprepare_grace_s, settings.reconcile_interval_s
+            self.api, self.preparer, self.claims, settings.unprepare_grace_s, settings.reconcile_interval_s
         )
         self.publisher = SlicePublisher(
             self.api, settings.driver_name, settings.node_name, node_inventory(self.gpus, settings.sharing)
@@ -139,7 +139,7 @@ class PluginProcess:
 
     def start(self) -> None:
         settings = self.settings
-        self.driver.recover()
+        self.preparer.recover()
         if settings.health_monitor:
             self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()
@@ -149,7 +149,7 @@ class PluginProcess:
             self.health_monitor.start()
 
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
-        add_dra_services(dra_server, self.driver)
+        add_dra_services(dra_server, self.preparer)
         if settings.health_monitor:
             add_health_services(dra_server, self.device_health, settings.node_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)

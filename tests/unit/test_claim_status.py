@@ -61,7 +61,7 @@ def test_prepare_reports_each_device_and_unprepare_removes_only_ours(node):
             share("gpu-3-ts", "4Gi", request="ts"),
         ],
     )
-    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert env.preparer.prepare([ref])[ref.uid].error == ""
     entries = status_devices(api, ref)
     assert set(entries) == {"gpu-0", "gpu-2-mig-3g40gb-4", "gpu-1-mps", "gpu-3-ts", "eth1"}
     assert entries["eth1"] == NIC_ENTRY
@@ -96,7 +96,7 @@ def test_prepare_reports_each_device_and_unprepare_removes_only_ours(node):
     assert datetime.strptime(ready["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ")
     assert set(api.status_owners[("default", "mixed")]) == {"net-driver", "gpu.fgpu.dev/node-a"}
 
-    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.preparer.unprepare([ref]) == {ref.uid: ""}
     assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
 
 
@@ -116,11 +116,11 @@ def test_a_refused_write_is_reported_once_and_tried_again_only_when_the_claim_ch
 ):
     api, env = node
     ref = add_claim(api, "refused", [result("gpu-4")])
-    reconciler = ClaimReconciler(api, env.driver, env.claims)
+    reconciler = ClaimReconciler(api, env.preparer, env.claims)
     api.status_refusal = "forbidden: cannot associated-node:update resourceclaims/driver"
     before = refusals("forbidden")
     with caplog.at_level(logging.WARNING):
-        prepared = env.driver.prepare([ref])[ref.uid]
+        prepared = env.preparer.prepare([ref])[ref.uid]
     assert prepared.error == "" and env.cdi.spec_path(ref.uid).exists()
     (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "default/refused (uid uid-refused): writing its status.devices was refused" in line
@@ -146,7 +146,7 @@ def test_a_refused_write_is_reported_once_and_tried_again_only_when_the_claim_ch
     api.status_refusal = ""
     reconciler.reconcile_once()
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
-    assert env.driver.status.refusal(ref.uid) is None
+    assert env.preparer.status.refusal(ref.uid) is None
 
 
 def test_the_same_cause_after_a_change_counts_but_makes_no_second_event(node):
@@ -154,21 +154,21 @@ def test_the_same_cause_after_a_change_counts_but_makes_no_second_event(node):
     ref = add_claim(api, "again", [result("gpu-4")])
     api.status_refusal, api.status_refusal_code = "spec: field is immutable", 422
     before = refusals("invalid")
-    env.driver.prepare([ref])
+    env.preparer.prepare([ref])
     change(api, ref)
-    ClaimReconciler(api, env.driver, env.claims).reconcile_once()
+    ClaimReconciler(api, env.preparer, env.claims).reconcile_once()
     assert refusals("invalid") == before + 2 and len(api.events) == 1
 
 
 def test_a_refused_clear_waits_for_a_change_and_an_unreachable_server_for_nothing(node):
     api, env = node
     ref = add_claim(api, "cleared", [result("gpu-4")])
-    reconciler = ClaimReconciler(api, env.driver, env.claims)
-    env.driver.prepare([ref])
+    reconciler = ClaimReconciler(api, env.preparer, env.claims)
+    env.preparer.prepare([ref])
     api.status_refusal = "forbidden"
-    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.preparer.unprepare([ref]) == {ref.uid: ""}
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
-    assert env.driver.status.pending_clears() == [ref]
+    assert env.preparer.status.pending_clears() == [ref]
     api.status_refusal = ""
     reconciler.reconcile_once()  # unchanged claim: the clear waits
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"}
@@ -178,17 +178,17 @@ def test_a_refused_clear_waits_for_a_change_and_an_unreachable_server_for_nothin
     change(api, ref)
     reconciler.reconcile_once()
     assert status_devices(api, ref) == {"eth1": NIC_ENTRY}
-    assert env.driver.status.pending_clears() == []
+    assert env.preparer.status.pending_clears() == []
 
 
 def test_a_write_that_loses_a_race_is_redone_on_a_fresh_read(node, caplog: pytest.LogCaptureFixture):
     api, env = node
     ref = add_claim(api, "raced", [result("gpu-4")])
     api.status_conflicts = 2  # e.g. kube-scheduler and another driver wrote the claim in between
-    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert env.preparer.prepare([ref])[ref.uid].error == ""
     assert set(status_devices(api, ref)) == {"eth1", "gpu-4"} and api.status_conflicts == 0
 
-    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.preparer.unprepare([ref]) == {ref.uid: ""}
     api.status_conflicts = CONFLICT_ATTEMPTS  # every attempt lost: left to the reconciler, not parked
     writer = ClaimStatusWriter(api, DRIVER, "node-a")
     device = PreparedDevice(("gpu",), "node-a", "gpu-4", ())
@@ -201,8 +201,8 @@ def test_a_write_that_loses_a_race_is_redone_on_a_fresh_read(node, caplog: pytes
 def test_the_reconciler_restores_lost_entries_and_leaves_current_ones(node):
     api, env = node
     ref = add_claim(api, "wiped", [result("gpu-5")])
-    env.driver.prepare([ref])
-    reconciler = ClaimReconciler(api, env.driver, env.claims)
+    env.preparer.prepare([ref])
+    reconciler = ClaimReconciler(api, env.preparer, env.claims)
     version = api.claims[("default", "wiped")]["metadata"]["resourceVersion"]
     reconciler.reconcile_once()
     assert api.claims[("default", "wiped")]["metadata"]["resourceVersion"] == version  # up to date: no write
@@ -214,15 +214,15 @@ def test_the_reconciler_restores_lost_entries_and_leaves_current_ones(node):
 def test_writes_never_reach_a_claim_recreated_under_the_same_name(node):
     api, env = node
     ref = add_claim(api, "reborn", [result("gpu-6")])
-    env.driver.prepare([ref])
+    env.preparer.prepare([ref])
     api.status_refusal = "forbidden"
-    env.driver.unprepare([ref])
+    env.preparer.unprepare([ref])
     api.status_refusal = ""
     add_claim(api, "reborn-new", [result("gpu-6")])
     api.claims[("default", "reborn")] = api.claims.pop(("default", "reborn-new"))
     api.status_owners[("default", "reborn")] = api.status_owners.pop(("default", "reborn-new"))
-    env.driver.status.retry_clears()
-    assert env.driver.status.pending_clears() == []  # the old claim is gone: nothing left to remove
+    env.preparer.status.retry_clears()
+    assert env.preparer.status.pending_clears() == []  # the old claim is gone: nothing left to remove
     writer = ClaimStatusWriter(api, DRIVER, "node-a")
     assert writer.publish(ref, [PreparedDevice(("gpu",), "node-a", "gpu-6", ())], 1)  # ours is gone: done
     assert set(status_devices(api, ref)) == {"eth1"}

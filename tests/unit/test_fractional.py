@@ -45,7 +45,7 @@ def spec(env, uid: str) -> dict:
 def test_mig_placements_are_created_and_destroyed(node):
     api, env = node
     ref = claim(api, "mig", [result("gpu-2-mig-3g40gb-4", request="a"), result("gpu-2-mig-1g10gb-1", request="b")])
-    outcome = env.driver.prepare([ref])[ref.uid]
+    outcome = env.preparer.prepare([ref])[ref.uid]
     assert outcome.error == ""
     instances = {(r.profile_id, r.start): r for r in env.session.gpu_instances(2)}
     assert set(instances) == {(9, 4), (19, 1)}
@@ -55,7 +55,7 @@ def test_mig_placements_are_created_and_destroyed(node):
     big = nodes["uid-mig-gpu-2-mig-3g40gb-4"]
     assert big[0] == "/dev/nvidia2" and all(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in big[1:])
     assert len(set(big[1:]) | set(nodes["uid-mig-gpu-2-mig-1g10gb-1"][1:])) == 4  # distinct capabilities
-    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.preparer.unprepare([ref]) == {ref.uid: ""}
     assert env.session.gpu_instances(2) == []
 
 
@@ -65,7 +65,7 @@ def test_mig_on_an_a100_with_mig_off_is_a_clear_error(tmp_path: Path, monkeypatc
     api = InMemoryKubeApi()
     env = build_node(tmp_path, api, machine="dgx-a100-40gb")
     ref = claim(api, "mig", [result("gpu-0-mig-1g5gb-0")])
-    error = env.driver.prepare([ref])[ref.uid].error
+    error = env.preparer.prepare([ref])[ref.uid].error
     assert "needs a GPU reset" in error and "uid-mig" in error
     assert env.session.nvml.nvmlDeviceGetMigMode(env.session.handle(0)) == [0, 0]  # nothing left pending
     assert env.claims.all() == {}
@@ -77,13 +77,13 @@ def test_a_share_switches_off_the_mig_mode_a_mig_device_left_on(node, device: st
     """Whole-GPU use needs MIG mode off; an H100 switches at once, so a share may follow MIG."""
     api, env = node
     mig = claim(api, "mig", [result("gpu-4-mig-1g10gb-0")])
-    assert env.driver.prepare([mig])[mig.uid].error == ""
-    assert env.driver.unprepare([mig]) == {mig.uid: ""}
+    assert env.preparer.prepare([mig])[mig.uid].error == ""
+    assert env.preparer.unprepare([mig]) == {mig.uid: ""}
     assert env.session.mig_enabled(4)  # unprepare leaves MIG mode as it is
     ref = claim(api, "share", [share(device, memory="1Gi")])
-    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert env.preparer.prepare([ref])[ref.uid].error == ""
     assert not env.session.mig_enabled(4)
-    assert env.driver.unprepare([ref]) == {ref.uid: ""}
+    assert env.preparer.unprepare([ref]) == {ref.uid: ""}
 
 
 @pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
@@ -104,9 +104,9 @@ def test_mps_shares_share_one_daemon_with_their_own_limits(node):
             )
         ],
     )
-    assert env.driver.prepare([first, second]) == {
-        first.uid: env.driver.prepare([first])[first.uid],
-        second.uid: env.driver.prepare([second])[second.uid],
+    assert env.preparer.prepare([first, second]) == {
+        first.uid: env.preparer.prepare([first])[first.uid],
+        second.uid: env.preparer.prepare([second])[second.uid],
     }
     uuid = env.gpus[1].uuid
     assert env.mps.running(uuid)
@@ -123,10 +123,10 @@ def test_mps_shares_share_one_daemon_with_their_own_limits(node):
         ]
     # The container's /dev/shm is the tmpfs the daemon has as its /dev/shm: the daemon's file is there.
     assert (Path(mounts[1]["hostPath"]) / f"cuda.shm.fgpu-mps-{uuid}").exists()
-    env.driver.unprepare([first])
+    env.preparer.unprepare([first])
     assert env.mps.running(uuid)  # the other share still uses it
     assert tmpfs.is_mounted(env.mps.shm_dir(uuid))
-    env.driver.unprepare([second])
+    env.preparer.unprepare([second])
     assert not env.mps.running(uuid)
     assert env.session.compute_mode(1) == pynvml.NVML_COMPUTEMODE_DEFAULT
     assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
@@ -145,10 +145,10 @@ def test_time_slicing_interval_follows_the_shares(node, tmp_path: Path):
         )
     ]
     ref = claim(api, "ts", [share("gpu-3-ts", memory="4Gi")], config=config)
-    assert env.driver.prepare([ref])[ref.uid].error == ""
+    assert env.preparer.prepare([ref])[ref.uid].error == ""
     state = json.loads((tmp_path / "fake-smi.json").read_text())
     assert state[env.gpus[3].uuid]["timeslice"] == 3
-    env.driver.unprepare([ref])
+    env.preparer.unprepare([ref])
     assert json.loads((tmp_path / "fake-smi.json").read_text())[env.gpus[3].uuid]["timeslice"] == 0
 
 
@@ -182,7 +182,7 @@ def test_time_slicing_interval_follows_the_shares(node, tmp_path: Path):
 def test_bad_config_is_a_per_claim_error_naming_the_field(node, parameters, reason):
     api, env = node
     ref = claim(api, "bad", [share("gpu-4-mps", memory="8Gi", compute="20")], config=[opaque(parameters)])
-    error = env.driver.prepare([ref])[ref.uid].error
+    error = env.preparer.prepare([ref])[ref.uid].error
     assert reason in error and "uid-bad" in error
     assert env.claims.all() == {}
     assert not env.mps.running(env.gpus[4].uuid)
@@ -197,7 +197,7 @@ def test_class_config_comes_before_claim_config(node):
     )
     from_claim = opaque({**base, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 30}}})
     ref = claim(api, "cfg", [share("gpu-5-mps", memory="8Gi", compute="50")], config=[from_claim, from_class])
-    env.driver.prepare([ref])
+    env.preparer.prepare([ref])
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in spec(env, ref.uid)["devices"][0]["containerEdits"]["env"]
 
 
@@ -205,15 +205,15 @@ def test_class_config_comes_before_claim_config(node):
 def test_restart_sweeps_orphans_and_keeps_what_claims_own(node):
     api, env = node
     kept = claim(api, "kept", [result("gpu-6-mig-2g20gb-0"), share("gpu-7-mps", memory="4Gi", compute="10")])
-    assert env.driver.prepare([kept])[kept.uid].error == ""
+    assert env.preparer.prepare([kept])[kept.uid].error == ""
     env.session.create_mig_instance(6, 9, 4, 4)  # made behind fgpu's back: no claim owns it
     env.cdi.write("uid-ghost", [])
     restarted = env.restart(api)
-    restarted.driver.recover()
+    restarted.preparer.recover()
     assert [(r.profile_id, r.start) for r in env.session.gpu_instances(6)] == [(14, 0)]
     assert env.cdi.claim_uids_on_disk() == {kept.uid}
     assert restarted.mps.running(env.gpus[7].uuid)
-    assert restarted.driver.prepare([kept])[kept.uid].error == ""
+    assert restarted.preparer.prepare([kept])[kept.uid].error == ""
 
 
 def test_claims_on_different_gpus_run_in_parallel_and_one_gpu_is_serialised(node, monkeypatch):
@@ -245,7 +245,7 @@ def test_claims_on_different_gpus_run_in_parallel_and_one_gpu_is_serialised(node
         claim(api, "on-gpu-2-a", [result("gpu-2-mig-1g10gb-0")]),
         claim(api, "on-gpu-2-b", [result("gpu-2-mig-1g10gb-1")]),
     ]
-    results = env.driver.prepare(refs)
+    results = env.preparer.prepare(refs)
     assert [r.error for r in results.values()] == [""] * 4
     assert overlaps == []  # two claims on GPU 2 never changed it at the same time
 
@@ -263,10 +263,10 @@ def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_
     user = claim(api, "user", [share("gpu-1-mps", memory="10Gi", compute="25")])
     mig_user = claim(api, "mig-user", [result("gpu-2-mig-3g40gb-4")])
     monitor = claim(api, "monitor", [admin("gpu-1-mps"), admin("gpu-2-mig-3g40gb-4"), admin("gpu-3")])
-    assert env.driver.prepare([user, mig_user])[user.uid].error == ""
+    assert env.preparer.prepare([user, mig_user])[user.uid].error == ""
     instances = env.session.gpu_instances(2)
 
-    outcome = env.driver.prepare([monitor])[monitor.uid]
+    outcome = env.preparer.prepare([monitor])[monitor.uid]
     assert outcome.error == "" and outcome.summary.count("admin access, nothing created") == 3
     edits = {d["name"]: d["containerEdits"] for d in spec(env, monitor.uid)["devices"]}
     assert [n["path"] for n in edits["uid-monitor-gpu-1-mps"]["deviceNodes"]] == ["/dev/nvidia1"]
@@ -274,11 +274,11 @@ def test_admin_access_reaches_devices_in_use_without_making_changing_or_holding_
     assert env.session.gpu_instances(2) == instances  # the user's instance, nothing more
     assert not env.session.mig_enabled(3)  # a whole GPU: nothing switched
 
-    env.driver.unprepare([user])  # the monitor does not keep the user's MPS daemon
+    env.preparer.unprepare([user])  # the monitor does not keep the user's MPS daemon
     assert not env.mps.running(uuid)
-    assert env.driver.unprepare([monitor]) == {monitor.uid: ""}
+    assert env.preparer.unprepare([monitor]) == {monitor.uid: ""}
     assert env.session.gpu_instances(2) == instances  # the monitor's end destroys nothing of others
-    env.driver.unprepare([mig_user])
+    env.preparer.unprepare([mig_user])
     assert env.session.gpu_instances(2) == []
 
 
@@ -288,12 +288,12 @@ def test_mps_shares_inside_a_mig_partition_share_its_daemon_and_the_last_destroy
     device = "gpu-3-mig-3g40gb-4-mps"
     first = claim(api, "a", [share(device, memory="10Gi", compute="25")])
     second = claim(api, "b", [share(device, memory="20Gi", compute="50")])
-    outcome = env.driver.prepare([first])[first.uid]
+    outcome = env.preparer.prepare([first])[first.uid]
     assert outcome.error == "" and "MIG 3g.40gb gi" in outcome.summary and "daemon started" in outcome.summary
     [instance] = env.session.gpu_instances(3)
     assert (instance.profile_id, instance.start) == (9, 4)
     mig_uuid = instance.compute_instances[0][1]
-    joined = env.driver.prepare([second])[second.uid]
+    joined = env.preparer.prepare([second])[second.uid]
     assert joined.error == "" and "joined" in joined.summary and "daemon already running" in joined.summary
     assert len(env.session.gpu_instances(3)) == 1  # one partition, two shares
     assert env.mps.running(mig_uuid) and not env.mps.running(env.gpus[3].uuid)
@@ -309,9 +309,9 @@ def test_mps_shares_inside_a_mig_partition_share_its_daemon_and_the_last_destroy
             str(env.mps.shm_dir(mig_uuid)),
         ]
     assert {d.mig_uuid for r in (first, second) for d in env.claims.get(r.uid).devices} == {mig_uuid}
-    assert env.driver.unprepare([first]) == {first.uid: ""}
+    assert env.preparer.unprepare([first]) == {first.uid: ""}
     assert env.mps.running(mig_uuid) and len(env.session.gpu_instances(3)) == 1
-    assert env.driver.unprepare([second]) == {second.uid: ""}
+    assert env.preparer.unprepare([second]) == {second.uid: ""}
     assert not env.mps.running(mig_uuid) and env.session.gpu_instances(3) == []
     assert not env.mps.pipe_dir(mig_uuid).parent.exists()
 
@@ -321,9 +321,9 @@ def test_time_sliced_shares_inside_a_mig_partition(node):
     device = "gpu-2-mig-3g40gb-0-ts"
     first = claim(api, "a", [share(device, memory="4Gi")])
     second = claim(api, "b", [share(device, memory="8Gi")])
-    assert env.driver.prepare([first, second]) == {
-        first.uid: env.driver.prepare([first])[first.uid],
-        second.uid: env.driver.prepare([second])[second.uid],
+    assert env.preparer.prepare([first, second]) == {
+        first.uid: env.preparer.prepare([first])[first.uid],
+        second.uid: env.preparer.prepare([second])[second.uid],
     }
     [instance] = env.session.gpu_instances(2)
     nodes = {
@@ -331,8 +331,8 @@ def test_time_sliced_shares_inside_a_mig_partition(node):
         for r in (first, second)
     }
     assert len(nodes) == 1  # both containers get the same MIG device
-    assert env.driver.unprepare([first]) == {first.uid: ""} and env.session.gpu_instances(2) == [instance]
-    assert env.driver.unprepare([second]) == {second.uid: ""} and env.session.gpu_instances(2) == []
+    assert env.preparer.unprepare([first]) == {first.uid: ""} and env.session.gpu_instances(2) == [instance]
+    assert env.preparer.unprepare([second]) == {second.uid: ""} and env.session.gpu_instances(2) == []
     interval = opaque(
         {
             "apiVersion": CONFIG,
@@ -341,7 +341,7 @@ def test_time_sliced_shares_inside_a_mig_partition(node):
         }
     )
     ref = claim(api, "long", [share(device, memory="4Gi")], config=[interval])
-    error = env.driver.prepare([ref])[ref.uid].error
+    error = env.preparer.prepare([ref])[ref.uid].error
     assert "interval cannot be set (it is the GPU's)" in error and env.session.gpu_instances(2) == []
 
 
@@ -350,12 +350,12 @@ def test_restart_keeps_a_partitions_daemon_and_sweeps_an_orphaned_one(node):
     api, env = node
     kept = claim(api, "kept", [share("gpu-5-mig-3g40gb-4-mps", memory="4Gi")])
     gone = claim(api, "gone", [share("gpu-6-mig-3g40gb-0-mps", memory="4Gi")])
-    assert env.driver.prepare([kept, gone])[gone.uid].error == ""
+    assert env.preparer.prepare([kept, gone])[gone.uid].error == ""
     kept_uuid = env.claims.get(kept.uid).devices[0].mig_uuid
     gone_uuid = env.claims.get(gone.uid).devices[0].mig_uuid
     env.claims.commit(removed=[gone.uid])  # as if its unprepare were lost with the plugin
     restarted = env.restart(api)
-    restarted.driver.recover()
+    restarted.preparer.recover()
     assert restarted.mps.running(kept_uuid) and not restarted.mps.running(gone_uuid)
     assert env.session.gpu_instances(6) == [] and len(env.session.gpu_instances(5)) == 1
-    assert restarted.driver.unprepare([kept]) == {kept.uid: ""} and env.session.gpu_instances(5) == []
+    assert restarted.preparer.unprepare([kept]) == {kept.uid: ""} and env.session.gpu_instances(5) == []

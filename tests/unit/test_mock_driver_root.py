@@ -84,7 +84,7 @@ def test_the_tools_run_from_the_driver_root_with_their_state_under_the_state_dir
     process = PluginProcess(settings(tmp_path, "--nvml=mock:dgx-h100"), api=api)
     try:
         api.claims[("default", "ts")] = allocated_claim("default", "ts", "uid-ts", [result("gpu-4-ts")])
-        assert process.driver.prepare([ClaimRef("default", "ts", "uid-ts")])["uid-ts"].error == ""
+        assert process.preparer.prepare([ClaimRef("default", "ts", "uid-ts")])["uid-ts"].error == ""
     finally:
         process.stop()
     state = tmp_path / "plugin" / "mock-tools"

@@ -128,12 +128,12 @@ def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
     api.claims[("default", "kept")] = allocated_claim(
         "default", "kept", "uid-kept", [{**result("gpu-3-mps"), "consumedCapacity": {"memory": "1Gi"}}]
     )
-    assert env.driver.prepare([ClaimRef("default", "kept", "uid-kept")])["uid-kept"].error == ""
+    assert env.preparer.prepare([ClaimRef("default", "kept", "uid-kept")])["uid-kept"].error == ""
     env.mps.start(4, orphan)  # a daemon and tmpfs whose share's record is gone
     env.mps.shm_dir(bare).mkdir(parents=True)
     tmpfs.mount_tmpfs(ToolRunner(), env.mps.shm_dir(bare), 2**20, "leftover")  # a tmpfs left without a daemon
     kept_pid = env.mps.daemon_pid(kept)
-    env.restart(InMemoryKubeApi()).driver.recover()
+    env.restart(InMemoryKubeApi()).preparer.recover()
     assert env.mps.daemon_pid(kept) == kept_pid and tmpfs.is_mounted(env.mps.shm_dir(kept))
     for uuid in (orphan, bare):
         assert not env.mps.running(uuid)

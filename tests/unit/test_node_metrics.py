@@ -78,7 +78,7 @@ class Samples:
 def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
     api, env = node
     collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
-    return api, env, DraV1Service(env.driver), Samples(node_registry(collector))
+    return api, env, DraV1Service(env.preparer), Samples(node_registry(collector))
 
 
 def test_requests_latency_and_errors_by_reason(plugin):

@@ -19,13 +19,13 @@ from driver.claims.refs import ClaimRef
 from driver.cli import build_parser
 from driver.flags import SettingsError
 from driver.node.checkpoint import Checkpoint
+from driver.node.claim_locks import NodeClaimLock
+from driver.node.instance_lock import InstanceLock
 from driver.node.kubelet.sockets import (
     BoundSocket,
     rolling_update_dra_socket_file,
     rolling_update_registrar_socket_file,
 )
-from driver.node.node_lock import NodeClaimLock
-from driver.node.ownership import InstanceLock
 from driver.node.server import PluginProcess
 from driver.node.settings import PluginSettings, plugin_settings
 from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object, result
@@ -114,7 +114,7 @@ def test_a_bound_socket_knows_its_file(tmp_path: Path):
 DIES_HOLDING_SOCKETS = """
 import os, socket, sys
 from pathlib import Path
-from driver.node.ownership import InstanceLock
+from driver.node.instance_lock import InstanceLock
 from driver.node.kubelet.sockets import BoundSocket
 instance = InstanceLock(Path(sys.argv[1]))
 bound = []
@@ -212,10 +212,10 @@ def test_claim_operations_wait_for_the_other_instance_and_empty_calls_do_not(tmp
     process = PluginProcess(settings(tmp_path), api=api)
     try:
         with held_by_another_process(tmp_path / "plugin" / "claims.lock"):
-            probe, probe_out = run_in_thread(lambda: process.driver.prepare([]))
+            probe, probe_out = run_in_thread(lambda: process.preparer.prepare([]))
             probe.join(10)
             assert probe_out == [{}]  # the liveness self-probe's call: no claim, no wait
-            prepare, prepare_out = run_in_thread(lambda: process.driver.prepare([ClaimRef("default", "c", "uid-c")]))
+            prepare, prepare_out = run_in_thread(lambda: process.preparer.prepare([ClaimRef("default", "c", "uid-c")]))
             prepare.join(0.5)
             assert prepare.is_alive() and not (tmp_path / "plugin" / "checkpoint.json").exists()
         prepare.join(10)

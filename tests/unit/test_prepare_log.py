@@ -45,7 +45,7 @@ def test_prepare_and_unprepare_each_log_one_line_with_what_changed(node, caplog:
     ref = ClaimRef("team-a", "mixed", "uid-mixed")
     caplog.set_level(logging.DEBUG)
 
-    assert env.driver.prepare([ref])["uid-mixed"].error == ""
+    assert env.preparer.prepare([ref])["uid-mixed"].error == ""
     (line,) = info_lines(caplog)
     gi = env.session.gpu_instances(1)[0].gi_id
     assert re.fullmatch(
@@ -57,11 +57,11 @@ def test_prepare_and_unprepare_each_log_one_line_with_what_changed(node, caplog:
         line,
     ), line
 
-    assert env.driver.prepare([ref])["uid-mixed"].error == ""  # kubelet's retry: nothing new
+    assert env.preparer.prepare([ref])["uid-mixed"].error == ""  # kubelet's retry: nothing new
     (line,) = info_lines(caplog)
     assert line.endswith("gpu-0, gpu-1-mig-3g40gb-4, gpu-2-mps, gpu-3-ts: already prepared, nothing created")
 
-    assert env.driver.unprepare([ref]) == {"uid-mixed": ""}
+    assert env.preparer.unprepare([ref]) == {"uid-mixed": ""}
     (line,) = info_lines(caplog)
     assert re.fullmatch(
         r"unprepared claim team-a/mixed \(uid uid-mixed\) in \d+ ms: "
@@ -81,15 +81,15 @@ def test_a_share_that_others_still_use_says_so(node, caplog: pytest.LogCaptureFi
         share = {**result("gpu-5-mps"), "shareID": name, "consumedCapacity": {"memory": "2Gi", "compute": "10"}}
         api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", [share])
         refs.append(ClaimRef("default", name, f"uid-{name}"))
-    env.driver.prepare(refs[:1])
+    env.preparer.prepare(refs[:1])
     caplog.set_level(logging.INFO)
-    env.driver.prepare(refs[1:])
+    env.preparer.prepare(refs[1:])
     assert info_lines(caplog)[0].endswith(
         "gpu-5-mps: MPS share 10% threads, 2048Mi pinned memory, daemon already running"
     )
-    env.driver.unprepare(refs[:1])
+    env.preparer.unprepare(refs[:1])
     assert info_lines(caplog)[0].endswith("daemon kept for other shares")
-    env.driver.unprepare([ClaimRef("default", "ghost", "uid-ghost")])
+    env.preparer.unprepare([ClaimRef("default", "ghost", "uid-ghost")])
     (line,) = info_lines(caplog)
     assert re.fullmatch(
         r"unprepared claim default/ghost \(uid uid-ghost\) in \d+ ms: not prepared on this node, nothing destroyed",

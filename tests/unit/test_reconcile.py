@@ -15,11 +15,11 @@ def test_claims_gone_from_the_api_server_are_unprepared_after_the_grace_period(n
     api, env = node
     for name, device in (("deleted", "gpu-0-mig-1g10gb-0"), ("recreated", "gpu-1"), ("alive", "gpu-2")):
         api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", [result(device)])
-        assert env.driver.prepare([_ref(name)])[f"uid-{name}"].error == ""
+        assert env.preparer.prepare([_ref(name)])[f"uid-{name}"].error == ""
     del api.claims[("default", "deleted")]
     api.claims[("default", "recreated")]["metadata"]["uid"] = "uid-new"
     clock = Clock()
-    reconciler = ClaimReconciler(api, env.driver, env.claims, grace_s=60, clock=clock)
+    reconciler = ClaimReconciler(api, env.preparer, env.claims, grace_s=60, clock=clock)
     assert reconciler.reconcile_once() == []  # first seen missing
     clock.now += 30
     api.unavailable = True
@@ -35,10 +35,10 @@ def test_claims_gone_from_the_api_server_are_unprepared_after_the_grace_period(n
 def test_a_claim_that_comes_back_is_kept(node):
     api, env = node
     api.claims[("default", "flaky")] = allocated_claim("default", "flaky", "uid-flaky", [result("gpu-3")])
-    env.driver.prepare([_ref("flaky")])
+    env.preparer.prepare([_ref("flaky")])
     saved = api.claims.pop(("default", "flaky"))
     clock = Clock()
-    reconciler = ClaimReconciler(api, env.driver, env.claims, grace_s=60, clock=clock)
+    reconciler = ClaimReconciler(api, env.preparer, env.claims, grace_s=60, clock=clock)
     reconciler.reconcile_once()
     api.claims[("default", "flaky")] = saved
     clock.now += 30

@@ -1,4 +1,4 @@
-"""The DRAPlugin gRPC service, v1 and v1beta1, translating messages to Driver calls."""
+"""The DRAPlugin gRPC service, v1 and v1beta1, translating messages to ClaimPreparer calls."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 from driver.claims.refs import ClaimRef
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.node import metrics
-from driver.node.prepare import Driver
+from driver.node.prepare import ClaimPreparer
 
 
 def _refs(claims: Any) -> list[ClaimRef]:
@@ -22,13 +22,13 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
     in v1's share_id field."""
 
     class Servicer(base):  # type: ignore[misc, valid-type]
-        def __init__(self, driver: Driver) -> None:
-            self._driver = driver
+        def __init__(self, preparer: ClaimPreparer) -> None:
+            self._preparer = preparer
 
         def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
             response = messages.NodePrepareResourcesResponse()
             with metrics.observed_request("NodePrepareResources", len(request.claims)) as outcome:
-                results = self._driver.prepare(_refs(request.claims))
+                results = self._preparer.prepare(_refs(request.claims))
                 outcome.failed = any(result.error for result in results.values())
             for uid, result in results.items():
                 entry = response.claims[uid]
@@ -50,7 +50,7 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
         def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
             response = messages.NodeUnprepareResourcesResponse()
             with metrics.observed_request("NodeUnprepareResources", len(request.claims)) as outcome:
-                errors = self._driver.unprepare(_refs(request.claims))
+                errors = self._preparer.unprepare(_refs(request.claims))
                 outcome.failed = any(errors.values())
             for uid, error in errors.items():
                 response.claims[uid].error = error
@@ -63,6 +63,6 @@ DraV1Service = _make_servicer(dra_v1_pb2_grpc.DRAPluginServicer, dra_v1_pb2, has
 DraV1beta1Service = _make_servicer(dra_v1beta1_pb2_grpc.DRAPluginServicer, dra_v1beta1_pb2, has_share_id=False)
 
 
-def add_dra_services(server: grpc.Server, driver: Driver) -> None:
-    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1Service(driver), server)
-    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(driver), server)
+def add_dra_services(server: grpc.Server, preparer: ClaimPreparer) -> None:
+    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1Service(preparer), server)
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(preparer), server)

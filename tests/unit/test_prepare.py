@@ -14,7 +14,7 @@ NODE = "node-a"
 @pytest.fixture
 def env(node):
     api, env = node
-    return api, env.driver, env.cdi, env.claims
+    return api, env.preparer, env.cdi, env.claims
 
 
 def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "default") -> ClaimRef:
@@ -23,9 +23,9 @@ def add_claim(api: InMemoryKubeApi, name: str, uid: str, results, ns: str = "def
 
 
 def test_prepare_writes_cdi_and_is_idempotent(env):
-    api, driver, cdi, _ = env
+    api, preparer, cdi, _ = env
     ref = add_claim(api, "c1", "uid-1", [result("gpu-3", request="gpus"), result("gpu-5", request="gpus/h100")])
-    first = driver.prepare([ref])["uid-1"]
+    first = preparer.prepare([ref])["uid-1"]
     assert first.error == ""
     assert [(d.device, d.request_names) for d in first.devices] == [("gpu-3", ("gpus",)), ("gpu-5", ("gpus",))]
     assert first.devices[0].cdi_ids == ("k8s.gpu.fgpu.dev/claim=uid-1-gpu-3",)
@@ -35,15 +35,15 @@ def test_prepare_writes_cdi_and_is_idempotent(env):
     assert nodes == {"uid-1-gpu-3": ["/dev/nvidia3"], "uid-1-gpu-5": ["/dev/nvidia5"]}
     assert {"path": "/dev/nvidiactl", "hostPath": "/dev/null"} in spec["containerEdits"]["deviceNodes"]
     gets = api.claim_gets
-    assert driver.prepare([ref])["uid-1"] == first
+    assert preparer.prepare([ref])["uid-1"] == first
     assert api.claim_gets == gets  # answered from the checkpoint
     cdi.spec_path("uid-1").unlink()
-    assert driver.prepare([ref])["uid-1"] == first
+    assert preparer.prepare([ref])["uid-1"] == first
     assert cdi.spec_path("uid-1").exists()  # a lost spec is rewritten
 
 
 def test_bad_claims_fail_alone_and_change_nothing(env):
-    api, driver, cdi, claims = env
+    api, preparer, cdi, claims = env
     good = add_claim(api, "good", "uid-good", [result("gpu-0")])
     mismatch = add_claim(api, "recreated", "uid-new", [result("gpu-1")])
     other_node = add_claim(api, "elsewhere", "uid-far", [result("gpu-2", pool="node-b")])
@@ -53,7 +53,7 @@ def test_bad_claims_fail_alone_and_change_nothing(env):
     pending = ClaimRef("default", "pending", "uid-pending")
     missing = ClaimRef("default", "missing", "uid-missing")
     batch = [good, ClaimRef("default", "recreated", "uid-old"), other_node, other_driver, unknown, pending, missing]
-    results = driver.prepare(batch)
+    results = preparer.prepare(batch)
     assert results["uid-good"].error == ""
     expectations = {
         "uid-old": "UID mismatch",
@@ -72,26 +72,26 @@ def test_bad_claims_fail_alone_and_change_nothing(env):
 
 
 def test_api_server_unreachable_is_a_per_claim_error(env):
-    api, driver, _, claims = env
+    api, preparer, _, claims = env
     ref = add_claim(api, "c1", "uid-1", [result("gpu-0")])
     api.unavailable = True
-    outcome = driver.prepare([ref])["uid-1"]
+    outcome = preparer.prepare([ref])["uid-1"]
     assert "cannot read the claim from the API server" in outcome.error
     assert claims.all() == {}
     api.unavailable = False
-    assert driver.prepare([ref])["uid-1"].error == ""
+    assert preparer.prepare([ref])["uid-1"].error == ""
 
 
 def test_unprepare_removes_only_that_claim_and_unknown_succeeds(env):
-    api, driver, cdi, claims = env
+    api, preparer, cdi, claims = env
     a = add_claim(api, "a", "uid-a", [result("gpu-0")])
     b = add_claim(api, "b", "uid-b", [result("gpu-1")])
-    driver.prepare([a, b])
-    errors = driver.unprepare([a, ClaimRef("default", "ghost", "uid-ghost")])
+    preparer.prepare([a, b])
+    errors = preparer.unprepare([a, ClaimRef("default", "ghost", "uid-ghost")])
     assert errors == {"uid-a": "", "uid-ghost": ""}
     assert set(claims.all()) == {"uid-b"}
     assert cdi.claim_uids_on_disk() == {"uid-b"}
-    assert driver.unprepare([a]) == {"uid-a": ""}
+    assert preparer.unprepare([a]) == {"uid-a": ""}
 
 
 def test_driver_libraries_are_mounted_from_the_driver_root(tmp_path: Path):
@@ -129,7 +129,7 @@ def test_device_nodes_stand_on_dev_null_only_for_mock_gpus(tmp_path: Path):
 
 
 def test_malformed_references_and_refused_reads_are_per_claim_errors(env):
-    api, driver, _, claims = env
+    api, preparer, _, claims = env
     good = add_claim(api, "good", "uid-good", [result("gpu-0")])
 
     def forbidden(namespace: str, name: str):
@@ -138,7 +138,7 @@ def test_malformed_references_and_refused_reads_are_per_claim_errors(env):
         return InMemoryKubeApi.get_claim(api, namespace, name)
 
     api.get_claim = forbidden
-    results = driver.prepare([ClaimRef("default", "", "uid-noname"), ClaimRef("default", "secret", "uid-s"), good])
+    results = preparer.prepare([ClaimRef("default", "", "uid-noname"), ClaimRef("default", "secret", "uid-s"), good])
     assert "malformed request: the claim has no name" in results["uid-noname"].error
     assert "403 Forbidden" in results["uid-s"].error
     assert results["uid-good"].error == ""
