@@ -20,12 +20,14 @@ class ControllerApi(ClientKubeApi):
         self._client.configuration.connection_pool_maxsize = connections
         self._client.rest_client = kubernetes.client.rest.RESTClientObject(self._client.configuration)
         self._coordination = kubernetes.client.CoordinationV1Api(self._client)
+        scheduling = kubernetes.client.SchedulingV1beta1Api(self._client)  # PodGroups: Kubernetes 1.37+
         self.listers: dict[str, Callable[..., Any]] = {
             "slices": self._resource.list_resource_slice,
             "classes": self._resource.list_device_class,
             "claims": self._resource.list_resource_claim_for_all_namespaces,
             "pods": self._core.list_pod_for_all_namespaces,
             "nodes": self._core.list_node,
+            "podgroups": scheduling.list_pod_group_for_all_namespaces,
         }
         self.namespaced_listers: dict[str, Callable[..., Any]] = {"ledgers": self._core.list_namespaced_config_map}
 

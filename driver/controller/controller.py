@@ -61,6 +61,8 @@ class Controller(Placing, Writes, Gates):
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
         self.informers["slices"] = Informer(api, "slices", self.changed, transform=_readable_slice, long_lived=True)
+        # Upstream gangs (groups.py); a cluster without the GenericWorkload API has none.
+        self.informers["podgroups"] = Informer(api, "podgroups", self.changed, optional=True)
         self.informers["ledgers"] = Informer(
             api, "ledgers", self.changed, f"{LEDGER_LABEL}=true", namespace=lease_namespace
         )

@@ -1,5 +1,6 @@
 """Gates and events: pods' scheduling gates lifted once their claims are allocated (and their gang
-is whole), and one Event per claim and reason when a claim waits or cannot be placed."""
+is whole: our labelled gang, or the pod's PodGroup, groups.py), and one Event per claim and reason
+when a claim waits or cannot be placed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from driver.controller import metrics
 from driver.controller.clock import timestamp
+from driver.controller.groups import Groups, group_name
 from driver.controller.informer import Informer, object_key
 from driver.controller.labels import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
 from driver.kube import KubeError
@@ -22,7 +24,7 @@ COMPONENT = "fgpu-controller"
 
 class Gates:
     """The Controller's gates and events (controller.py builds the state named here). Uses its
-    acting() (controller.py)."""
+    acting() (controller.py) and _groups() (placing.py)."""
 
     api: Any
     informers: dict[str, Informer]
@@ -62,19 +64,24 @@ class Gates:
         pods = [p for key in keys if (p := self.informers["pods"].get(key)) is not None]
         if pods:
             whole = self._whole_gangs()
+            groups = self._groups() if any(group_name(p) for p in pods) else None
             for pod in pods:
-                self._lift(pod, whole)
+                self._lift(pod, whole, groups)
 
     def _lift_gates(self) -> None:
         """Every gated pod whose claims are allocated, the patches sent concurrently."""
         whole = self._whole_gangs()
         pods = [p for p in self.informers["pods"].items() if gated(p)]
         if pods and self.acting():
-            wait([self._writers.submit(self._lift, pod, whole) for pod in pods])
+            groups = self._groups()
+            wait([self._writers.submit(self._lift, pod, whole, groups) for pod in pods])
 
-    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool]) -> None:
-        """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole."""
+    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool], groups: Groups | None) -> None:
+        """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole (its
+        labelled gang, and its PodGroup's: minCount pods with every opt-in claim allocated)."""
         if not gated(pod) or (names := pod_claim_names(pod)) is None:
+            return
+        if groups is not None and (group := groups.of_pod(pod)) is not None and not groups.state(group).whole:
             return
         namespace = pod["metadata"]["namespace"]
         used = [self.informers["claims"].get(f"{namespace}/{name}") for name in names]
@@ -109,6 +116,22 @@ class Gates:
         for api_version, kind, subject in subjects:
             message = reason if kind == "ResourceClaim" else f"claim {meta['name']}: {reason}"
             self._event(api_version, kind, subject, why, message, warning)
+
+    def _report_group(
+        self,
+        podgroup: dict[str, Any] | None,
+        claims: Iterable[dict[str, Any] | None],
+        reason: str,
+        warning: bool = True,
+    ) -> None:
+        """As _report, for each claim of a PodGroup's gang, and once on the PodGroup itself."""
+        for obj in claims:
+            self._report(obj, reason, warning)
+        if podgroup is None or self._reported.get(uid := podgroup["metadata"].get("uid", "")) == reason:
+            return
+        self._reported[uid] = reason
+        why = "FailedAllocation" if warning else "WaitingForGang"
+        self._event("scheduling.k8s.io/v1beta1", "PodGroup", podgroup, why, reason, warning)
 
     def _event(
         self, api_version: str, kind: str, subject: dict[str, Any], reason: str, message: str, warning: bool

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from driver.kube import KubeError
+from driver.kube import KubeError, NotFoundError, RefusedError
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 300
 LIST_PAGE_SIZE = 500  # as client-go's reflector: bounded responses, and memory, at any cluster size
+ABSENT_RETRY_S = 60.0  # how often an optional kind the API server does not serve is listed again
 
 Transform = Callable[[dict[str, Any]], Any]  # the API object -> what is kept (None: nothing is)
 
@@ -41,14 +42,21 @@ class Informer:
         namespace: str = "",
         transform: Transform = _identity,
         long_lived: bool = False,
+        optional: bool = False,
     ) -> None:
         """`long_lived`: what is kept lives as long as the process (the parsed slices, millions of
         objects at 5,000 nodes): each listed page is moved out of the cyclic GC's way (gc.freeze),
         which would otherwise scan the growing heap again and again while the list is read (4 of
         10 s at 1,000 nodes). What is freed later is freed all the same (by reference counts: the
-        parsed slices hold no cycles)."""
+        parsed slices hold no cycles).
+
+        `optional`: a kind a cluster may not serve (an API behind a feature gate) or this replica
+        may not be allowed to read: a list the API server refuses (not found, forbidden) counts as
+        synced with nothing in it, and is tried again every ABSENT_RETRY_S."""
         self.api, self.kind, self.changed, self.label_selector = api, kind, changed, label_selector
         self.namespace, self.transform, self.long_lived = namespace, transform, long_lived
+        self.optional = optional
+        self.absent: str | None = None  # why an optional kind is not there (None: it is listed)
         self._objects: dict[str, tuple[int | None, Any]] = {}  # key -> (resourceVersion, kept form)
         self._lock = threading.Lock()
         self.synced = threading.Event()
@@ -130,10 +138,32 @@ class Informer:
             self.version += 1
         self.changed.set()
 
+    def _absent_now(self, error: KubeError) -> None:
+        """An optional kind the API server does not serve (or lets us read): synced, and empty."""
+        if self.absent != str(error):
+            log.warning("%s: cannot be listed (%s); none, listed again every %.0f s", self.kind, error, ABSENT_RETRY_S)
+        self.absent = str(error)
+        with self._lock:
+            if self._objects:
+                self._objects = {}
+                self.version += 1
+        if self.sync_seconds is None:
+            self.sync_seconds = time.monotonic() - self._started
+        self.synced.set()
+        self.changed.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                listed, resource_version = self._list()
+                try:
+                    listed, resource_version = self._list()
+                except (NotFoundError, RefusedError) as error:
+                    if not self.optional:
+                        raise
+                    self._absent_now(error)
+                    self._stop.wait(ABSENT_RETRY_S)
+                    continue
+                self.absent = None
                 with self._lock:
                     self._objects = listed
                     self.version += 1

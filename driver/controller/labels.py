@@ -33,16 +33,22 @@ def pending(claim: dict[str, Any]) -> bool:
 
 def pod_claim_names(pod: dict[str, Any]) -> list[str] | None:
     """The claims a pod uses, or None while one made from a template has no name yet."""
+    names = _claim_names(pod)
+    return None if None in names else [name for name in names if name is not None]
+
+
+def known_claim_names(pod: dict[str, Any]) -> list[str]:
+    """The claims a pod uses that have a name so far (one made from a template once the pod's
+    status names it)."""
+    return [name for name in _claim_names(pod) if name is not None]
+
+
+def _claim_names(pod: dict[str, Any]) -> list[str | None]:
     statuses = {
         s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()
     }
-    names = []
-    for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
-        name = ref.get("resourceClaimName") or statuses.get(ref.get("name"))
-        if not name:
-            return None
-        names.append(name)
-    return names
+    refs = (pod.get("spec") or {}).get("resourceClaims") or ()
+    return [ref.get("resourceClaimName") or statuses.get(ref.get("name")) or None for ref in refs]
 
 
 def gang_of(claim: Claim) -> tuple[str, int] | None:

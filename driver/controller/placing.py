@@ -2,8 +2,9 @@
 
 A pass computes placements one unit at a time and hands each to a pool of writers (writes.py), so
 writes overlap with the search and with each other (at most MAX_IN_FLIGHT units, controller.py).
-Lone claims go first, in creation order, then gangs, all or none once every member exists. A
-claim that cannot be placed gets an Event (gates.py) and waits for the next pass."""
+Lone claims go first, in creation order, then gangs, all or none once every member exists: our
+labelled gangs (labels.py), then PodGroups with a gang policy (groups.py). A claim that cannot be
+placed gets an Event (gates.py) and waits for the next pass."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from driver.allocator.cluster import ClusterAllocator, Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
 from driver.controller.fit import node_room
+from driver.controller.groups import Groups
 from driver.controller.informer import Informer, object_key
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
 from driver.nodefit import NodeRoom
@@ -41,8 +43,8 @@ class Unit:
 
 class Placing:
     """The Controller's placing (controller.py builds the state named here). Uses its acting(),
-    _waiting() and _count() (controller.py), _write_unit() and _take_back() (writes.py) and
-    _report() (gates.py)."""
+    _waiting() and _count() (controller.py), _write_unit() and _take_back() (writes.py),
+    _report() and _report_group() (gates.py)."""
 
     informers: dict[str, Informer]
     stale: threading.Event
@@ -63,7 +65,12 @@ class Placing:
             if self.informers["claims"].version == version:
                 continue
             version = self.informers["claims"].version
-            arrived = [c for c in self._waiting() if object_key(c) not in handled and not gang_label(c)]
+            groups = self._groups()
+            arrived = [
+                c
+                for c in self._waiting()
+                if object_key(c) not in handled and not gang_label(c) and groups.of_claim(c) is None
+            ]
             handled.update(object_key(c) for c in arrived)
             room.pods_of = self._room().pods_of  # pods that came with the claims; what this pass took stays
             in_flight += self._submit(allocator, arrived, room)
@@ -83,10 +90,17 @@ class Placing:
             self.informers["nodes"].items(), self.informers["pods"].items(), self.informers["claims"].items()
         )
 
+    def _groups(self) -> Groups:
+        """The PodGroups with a gang policy, their pods and claims, as the caches have them now."""
+        claims = self.informers["claims"]
+        return Groups(self.informers["podgroups"].items(), self.informers["pods"].items(), claims.get)
+
     def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]], room: NodeRoom) -> Iterator[Unit]:
         """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
         as soon as a write has failed or this replica no longer leads."""
         gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
+        groups = self._groups()
+        grouped: dict[str, list[Claim]] = defaultdict(list)
         for obj in waiting:
             if self.stale.is_set() or not self.acting():
                 return
@@ -98,12 +112,19 @@ class Placing:
             gang = gang_of(claim)
             if gang is not None:
                 gangs[gang].append(claim)
+            elif (group := groups.of_claim(obj)) is not None:
+                grouped[group].append(claim)
             elif (placement := self._place_one(allocator, claim, obj, room)) is not None:
                 yield Unit([placement], {claim.key: obj})
         for (name, size), members in gangs.items():
             if self.stale.is_set() or not self.acting():
                 return
             if (unit := self._place_gang(allocator, name, size, members, room)) is not None:
+                yield unit
+        for group, members in grouped.items():
+            if self.stale.is_set() or not self.acting():
+                return
+            if (unit := self._place_group(allocator, groups, group, members, room)) is not None:
                 yield unit
 
     def _place_one(
@@ -149,6 +170,39 @@ class Placing:
             return None
         self._count((present[p.claim.key], p) for p in outcome)
         return Unit(outcome, present, kept=allocated)
+
+    def _place_group(
+        self, allocator: ClusterAllocator, groups: Groups, group: str, members: list[Claim], room: NodeRoom
+    ) -> Unit | None:
+        """A PodGroup's gang (groups.py): the opt-in claims of its members (pods with every claim
+        made), all or none, once minCount members exist; nothing placed before."""
+        state, podgroup = groups.state(group), groups.podgroup(group)
+        objects = {c.key: self.informers["claims"].get(c.key) for c in members}
+        if podgroup is None or state.present < state.size:
+            if podgroup is None:
+                absent = self.informers["podgroups"].absent
+                reason = f"pod group {group} waits: no PodGroup {group} (scheduling.k8s.io/v1beta1) to read"
+                reason += f": {absent}" if absent else ""
+            else:
+                reason = f"pod group {group} waits for {state.size - state.present} more pod(s) of {state.size}"
+            self._report_group(podgroup, objects.values(), reason, warning=False)
+            return None
+        placing = [c for c in members if c.key in state.pending]
+        present = {c.key: obj for c in placing if (obj := objects[c.key]) is not None}
+        if not placing or len(present) < len(placing):
+            return None  # its pods' other claims are not made yet, or a claim was deleted since
+        outcome = allocator.allocate_gang(placing, room)
+        if isinstance(outcome, Failure):
+            metrics.GANGS.labels("unschedulable").inc()
+            reason = f"pod group {group} (gang of {state.size} pods): {outcome.reason}"
+            self._report_group(podgroup, present.values(), reason)
+            if state.allocated and not state.whole and not state.released:
+                # Members left allocated by an interrupted pass, none let go: all or none.
+                self._take_back(state.allocated)
+            return None
+        self._count((present[p.claim.key], p) for p in outcome)
+        # Members written earlier are fenced first (writes.py) while the group's pods wait for them.
+        return Unit(outcome, present, kept=[] if state.released else state.allocated)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)
