@@ -1,4 +1,9 @@
-"""Claim operations of all plugin instances on a node, one instance at a time (NodeClaimLock).
+"""How claim operations are kept apart: within the plugin, one operation per claim and one per GPU
+at a time (KeyedLocks); across the plugin instances of a node, one instance at a time (NodeClaimLock).
+
+A claim's lock stays while any thread holds or waits for it, and goes when none does: were it
+dropped earlier, a thread waiting on the old lock and a newcomer with a new one could work on the
+same claim at once.
 
 During a rolling update two instances share the state dir and kubelet may call either one: a
 claim prepared through one can be unprepared through the other, or both may work on one GPU at
@@ -20,10 +25,52 @@ import contextlib
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LOCK_FILE = "claims.lock"
+
+
+@dataclass
+class _Entry:
+    lock: AbstractContextManager[Any]
+    users: int = 0  # threads that hold the lock or wait for it
+
+
+class KeyedLocks:
+    """A lock per key ("claim/<uid>", "gpu/<index>"), made when a thread first wants it and dropped
+    once no thread holds or waits for it, so that all threads working on one key at one time share
+    one lock and the table keeps only keys in use."""
+
+    def __init__(self, new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock) -> None:
+        """`new_lock`: makes each key's lock (a test passes one that reports a thread waiting)."""
+        self._guard = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._new_lock = new_lock
+
+    @contextlib.contextmanager
+    def held(self, key: str) -> Iterator[None]:
+        with self._guard:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry(self._new_lock())
+            entry.users += 1  # counted before it waits: the entry cannot go while this thread waits
+        try:
+            with entry.lock:
+                yield
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._entries[key]
+
+    def in_use(self) -> set[str]:
+        """The keys some thread holds or waits for."""
+        with self._guard:
+            return set(self._entries)
 
 
 class NodeClaimLock:

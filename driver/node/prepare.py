@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarg
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
-from driver.node.claim_locks import NodeClaimLock
+from driver.node.claim_locks import KeyedLocks, NodeClaimLock
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
 from driver.node.instance_lock import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
@@ -99,8 +98,7 @@ class ClaimPreparer:
         self._proc_root = proc_root
         self.status = ClaimStatusWriter(api, driver_name, node_name)
         # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
+        self.locks = KeyedLocks()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="claims")
 
     # --- prepare --------------------------------------------------------------------------------
@@ -296,12 +294,7 @@ class ClaimPreparer:
             return {}
         with self._node_wide():
             results = self._each(refs, self._unprepare_one, "unprepare")
-            errors = {uid: result.error for uid, result in results.items()}
-            with self._locks_guard:
-                for ref in refs:
-                    if not errors[ref.uid]:
-                        self._locks.pop(f"claim/{ref.uid}", None)
-        return errors
+        return {uid: result.error for uid, result in results.items()}
 
     def _unprepare_one(self, ref: ClaimRef) -> ClaimResult:
         if not ref.uid:
@@ -318,7 +311,7 @@ class ClaimPreparer:
         """The reconciler's repair: write the status entries of a prepared claim that `claim` (just
         read) lacks. Under the claim's lock, so an unprepare cannot clear them in between (and the
         node's: the other instance may be unpreparing it)."""
-        with self._node_wide(), self._lock(f"claim/{ref.uid}"):
+        with self._node_wide(), self.locks.held(f"claim/{ref.uid}"):
             prepared = self._claims.get(ref.uid)
             if prepared is not None and prepared.state == "PrepareCompleted":
                 self.status.ensure(ref, prepared.devices, claim)
@@ -428,7 +421,7 @@ class ClaimPreparer:
             if d.kind in MIG_KINDS and d.holds
         }
         for index in sorted({t.gpu.index for t in self._targets.values() if t.kind in MIG_KINDS}):
-            with self._lock(f"gpu/{index}"):
+            with self.locks.held(f"gpu/{index}"):
                 for record in self._parts.mig.instances(index):
                     if (index, record.profile_id, record.start) not in owned:
                         log.warning("destroying orphaned MIG instance %d on GPU %d", record.gi_id, index)
@@ -443,7 +436,7 @@ class ClaimPreparer:
             if d.kind in ("mps", "mig-mps") and d.holds and (d.kind == "mps" or d.mig_uuid)
         }
         for index, uuid, exclusive in sorted(shares):
-            with self._lock(f"gpu/{index}"):
+            with self.locks.held(f"gpu/{index}"):
                 # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
                 started = self._parts.mps.start(index, uuid, exclusive_gpu=exclusive)
             log.info("MPS daemon of %s %s", uuid, "started" if started else "adopted")
@@ -460,7 +453,7 @@ class ClaimPreparer:
             if uuid in gpus or uuid.startswith("MIG-"):
                 index = gpus.get(uuid, partitions.get(uuid, -1))
                 log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
-                with self._lock(f"gpu/{index}"):
+                with self.locks.held(f"gpu/{index}"):
                     self._parts.mps.stop(index, uuid, exclusive_gpu=uuid in gpus)
 
     def _sweep_cdi(self, prepared: dict[str, PreparedClaim]) -> None:
@@ -480,7 +473,7 @@ class ClaimPreparer:
         counted by its reason)."""
 
         def one(ref: ClaimRef) -> ClaimResult:
-            with self._lock(f"claim/{ref.uid}"):
+            with self.locks.held(f"claim/{ref.uid}"):
                 started = time.monotonic()
                 result = self._per_claim(ref, lambda: action(ref))
             if result.reason is not None:
@@ -515,17 +508,13 @@ class ClaimPreparer:
         """The node's claim lock where there is one: no other plugin instance works on claims meanwhile."""
         return self._node_lock.held() if self._node_lock is not None else contextlib.nullcontext()
 
-    def _lock(self, key: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault(key, threading.Lock())
-
     @contextlib.contextmanager
     def _gpu_locks(self, devices: tuple[PreparedDevice, ...]) -> Iterator[None]:
         """Changes on one GPU are serialised; claims on different GPUs run in parallel. Locks are
         taken in GPU order, so two claims spanning the same GPUs cannot deadlock."""
         with contextlib.ExitStack() as stack:
             for index in sorted({d.gpu_index for d in devices}):
-                stack.enter_context(self._lock(f"gpu/{index}"))
+                stack.enter_context(self.locks.held(f"gpu/{index}"))
             yield
 
 

@@ -1,11 +1,15 @@
 import json
+import queue
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from driver.claims.refs import ClaimRef
 from driver.kube import KubeError
 from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
+from driver.node.claim_locks import KeyedLocks
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
 NODE = "node-a"
@@ -143,3 +147,68 @@ def test_malformed_references_and_refused_reads_are_per_claim_errors(env):
     assert "403 Forbidden" in results["uid-s"].error
     assert results["uid-good"].error == ""
     assert set(claims.all()) == {"uid-good"}
+
+
+class ReportingLock:
+    """A lock that reports each thread that finds it taken and has to wait."""
+
+    def __init__(self, events: queue.Queue[tuple[str, str]]) -> None:
+        self._lock = threading.Lock()
+        self._events = events
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._events.put(("waits", threading.current_thread().name))
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_after_an_unprepare_its_waiter_and_a_newcomer_take_turns_on_the_claim(env, monkeypatch: pytest.MonkeyPatch):
+    """Three unprepares of one claim (kubelet's retries, the reconciler): the first holds the claim's
+    lock, the second waits for it; the first succeeds; a third arrives while the second works. The
+    third must wait too: a claim's lock is not dropped while a thread waits for it (it once was
+    dropped after a successful unprepare, and the third got a new lock and ran beside the second)."""
+    api, preparer, cdi, _ = env
+    ref = add_claim(api, "c", "uid-c", [result("gpu-0")])
+    assert preparer.prepare([ref])[ref.uid].error == ""
+    events: queue.Queue[tuple[str, str]] = queue.Queue()
+    preparer.locks = KeyedLocks(new_lock=lambda: ReportingLock(events))
+    go = {name: threading.Event() for name in ("first", "waiter", "newcomer")}
+    remove = cdi.remove
+
+    def held_in_remove(uid: str) -> None:  # every unprepare removes the spec, under the claim's lock
+        name = threading.current_thread().name
+        events.put(("in", name))
+        assert go[name].wait(10)
+        remove(uid)
+
+    monkeypatch.setattr(cdi, "remove", held_in_remove)
+    errors: dict[str, Any] = {}
+
+    def start(name: str) -> threading.Thread:
+        thread = threading.Thread(name=name, target=lambda: errors.update({name: preparer.unprepare([ref])}))
+        thread.start()
+        return thread
+
+    def next_event() -> tuple[str, str]:
+        return events.get(timeout=10)
+
+    threads = [start("first")]
+    assert next_event() == ("in", "first")
+    threads.append(start("waiter"))
+    assert next_event() == ("waits", "waiter")
+    go["first"].set()
+    threads[0].join(10)
+    assert errors["first"] == {ref.uid: ""}  # the first unprepare succeeded
+    assert next_event() == ("in", "waiter")
+    threads.append(start("newcomer"))
+    assert next_event() == ("waits", "newcomer")  # not ("in", "newcomer"): one operation at a time
+    go["waiter"].set()
+    assert next_event() == ("in", "newcomer")
+    go["newcomer"].set()
+    for thread in threads:
+        thread.join(10)
+    assert errors == {name: {ref.uid: ""} for name in go}
+    assert preparer.locks.in_use() == set()  # and the table keeps no lock nobody uses
