@@ -36,8 +36,13 @@ FEATURE_GATES = ",".join(
         "DRAConsumableCapacity",
         "DRAPartitionableDevices",
         "DRADeviceBindingConditions",
+        # Workload and PodGroup (scheduling.k8s.io/v1beta1) and kube-scheduler's GangScheduling:
+        # upstream gangs, which fgpu's controller places as gangs (driver/controller/groups.py).
+        "GenericWorkload",
     )
 )
+# A beta API group version is served only when asked for (GenericWorkload is beta in 1.37).
+RUNTIME_CONFIG = "scheduling.k8s.io/v1beta1=true"
 RUN_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fgpu" / "cluster-run"
 START_TIMEOUT_S = 60
 
@@ -273,7 +278,7 @@ class Cluster:
             # No kube-proxy here: webhooks (fgpu's admission webhook) are called at their Service's
             # endpoint addresses, the pods' own, which the host reaches through the node's bridge.
             "--enable-aggregator-routing=true",
-            f"--feature-gates={FEATURE_GATES}",
+            f"--feature-gates={FEATURE_GATES}", f"--runtime-config={RUNTIME_CONFIG}",
             # As kubeadm and managed clusters do: DRA drivers (fgpu's DaemonSet) run privileged.
             "--allow-privileged=true",
             "--enable-priority-and-fairness=false", "--profiling=false", "--endpoint-reconciler-type=none",
