@@ -11,8 +11,11 @@ order (one GPU's changes at a time; claims on different GPUs run in parallel).
 
 Each step is journaled before its side effect (state.py): the claim's record (PrepareStarted)
 before any MIG instance, MPS daemon or timeslice change; PrepareCompleted after the CDI spec is
-written; UnprepareStarted before anything is undone. `recover()` at start-up rolls back what a
+written; UnprepareStarted before anything is undone. At start-up, recovery.py rolls back what a
 crash left half-prepared, finishes half-done unprepares, and sweeps what no claim owns.
+
+What each kind of device needs (a MIG instance, an MPS daemon, a time-slice setting) comes from its
+traits (driver/device_kinds.py), never from its name.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kubernetes.utils import parse_quantity
 from driver.claims.allocation import AllocatedDevice, ClaimAllocation, allocation_for_node
 from driver.claims.config import config_for_request
 from driver.claims.refs import ClaimError, ClaimRef, ErrorReason
+from driver.device_kinds import KIND_TRAITS
 from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
@@ -39,7 +43,6 @@ from driver.node.claim_status import ClaimStatusWriter, claim_generation
 from driver.node.instance_lock import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord
-from driver.sharing import MIG_KINDS
 from driver.testhooks import crash_point
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
@@ -88,12 +91,13 @@ class ClaimPreparer:
         only instance (in-process tests)."""
         self.driver_name = driver_name
         self.pool = node_name
-        self._targets = {target.name: target for target in targets}
+        # What the preparer works with; start-up recovery (recovery.py) works with the same.
+        self.targets = {target.name: target for target in targets}
         self._api = api
-        self._claims = claims
-        self._cdi = cdi
-        self._parts = partitioners
-        self._instance = instance
+        self.claims = claims
+        self.cdi = cdi
+        self.partitioners = partitioners
+        self.instance = instance
         self._node_lock = node_lock
         self._proc_root = proc_root
         self.status = ClaimStatusWriter(api, driver_name, node_name)
@@ -106,16 +110,16 @@ class ClaimPreparer:
     def prepare(self, refs: list[ClaimRef]) -> dict[str, ClaimResult]:
         if not refs:  # nothing shared: the liveness self-probe must not wait on the other instance
             return {}
-        with self._node_wide():
+        with self.node_wide():
             return self._each(refs, self._prepare_one, "prepare")
 
     def _prepare_one(self, ref: ClaimRef) -> ClaimResult:
         ref.validate()
-        existing = self._claims.get(ref.uid)
+        existing = self.claims.get(ref.uid)
         if existing is not None and existing.state == "PrepareCompleted":
             # Idempotent: the same answer; the spec is rewritten if it went missing (e.g. a reboot).
-            if not self._cdi.spec_path(ref.uid).exists():
-                self._cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
+            if not self.cdi.spec_path(ref.uid).exists():
+                self.cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
             names = ", ".join(d.device for d in existing.devices)
             return ClaimResult(devices=existing.devices, summary=f"{names}: already prepared, nothing created")
         if existing is not None:
@@ -126,18 +130,18 @@ class ClaimPreparer:
             raise ClaimError("the claim does not exist in the API server", reason="not_found") from err
         planned = self._plan(allocation_for_node(claim, ref, self.driver_name, self.pool))
         if _needs_journal(planned):
-            self._claims.commit(prepared=[planned])
+            self.claims.commit(prepared=[planned])
         crash_point("prepare:journaled")
         try:
             with self._gpu_locks(planned.devices):
                 made = [self._make_real(ref, device) for device in planned.devices]
             devices = tuple(device for device, _ in made)
-            self._cdi.write(ref.uid, [d.cdi_device() for d in devices])
+            self.cdi.write(ref.uid, [d.cdi_device() for d in devices])
             crash_point("prepare:cdi-written")
-            self._claims.commit(prepared=[replace(planned, devices=devices, state="PrepareCompleted")])
+            self.claims.commit(prepared=[replace(planned, devices=devices, state="PrepareCompleted")])
         except BaseException as err:
             try:
-                self._undo(self._claims.get(ref.uid) or planned)
+                self._undo(self.claims.get(ref.uid) or planned)
             except Exception:  # the claim's error stays the original one; recovery retries the undo
                 log.exception("rolling back claim %s after %r failed", ref, err)
             raise
@@ -150,7 +154,7 @@ class ClaimPreparer:
         ref = allocation.claim
         by_device: dict[str, list[AllocatedDevice]] = {}
         for allocated in allocation.devices:
-            if allocated.device not in self._targets:
+            if allocated.device not in self.targets:
                 raise ClaimError(
                     f"device {allocated.device!r} is not a device of this node's pool {self.pool}",
                     reason="not_allocated",
@@ -158,13 +162,13 @@ class ClaimPreparer:
             by_device.setdefault(allocated.device, []).append(allocated)
         devices = []
         for name, results in by_device.items():
-            target = self._targets[name]
+            target = self.targets[name]
             requests = tuple(dict.fromkeys(r.request for r in results))
             device = PreparedDevice(
                 request_names=requests,
                 pool=self.pool,
                 device=name,
-                cdi_ids=(self._cdi.qualified_id(ref.uid, name),),
+                cdi_ids=(self.cdi.qualified_id(ref.uid, name),),
                 share_id=results[0].share_id,
                 kind=target.kind,
                 gpu_index=target.gpu.index,
@@ -173,13 +177,14 @@ class ClaimPreparer:
             )
             devices.append(device if device.admin_access else self._configure(device, target, results, allocation))
         return PreparedClaim(
-            ref.uid, ref.namespace, ref.name, tuple(devices), state="PrepareStarted", owner=self._instance.id
+            ref.uid, ref.namespace, ref.name, tuple(devices), state="PrepareStarted", owner=self.instance.id
         )
 
     def _configure(
         self, device: PreparedDevice, target: DeviceTarget, results: list[AllocatedDevice], allocation: ClaimAllocation
     ) -> PreparedDevice:
         config = config_for_request(allocation.configs, device.request_names[0])
+        kind = KIND_TRAITS[target.kind]
         if target.placement is not None:  # a MIG partition, or a share inside one
             device = replace(
                 device,
@@ -188,7 +193,7 @@ class ClaimPreparer:
                 mig_start=target.placement.start,
                 mig_size=target.placement.size,
             )
-        if target.kind in ("mps", "mig-mps"):
+        if kind.mps:
             if config.strategy not in (None, "MPS"):
                 raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")
             memory = sum(_quantity(r.consumed_capacity.get("memory"), SHARE_DEFAULT_MEMORY) for r in results)
@@ -196,12 +201,12 @@ class ClaimPreparer:
             memory = _within(config.pinned_memory_bytes, memory, "sharing.mps.pinnedMemoryLimit", "memory")
             threads = _within(config.thread_percentage, threads, "sharing.mps.activeThreadPercentage", "compute")
             return replace(device, mps_memory_bytes=memory, mps_thread_percentage=min(threads, 100))
-        if target.kind in ("timeslice", "mig-timeslice"):
+        if kind.time_sliced:
             if config.strategy not in (None, "TimeSlicing"):
                 raise ClaimError(
                     f"device {device.device} is a time-sliced share; its config asks for {config.strategy}"
                 )
-            if target.kind == "mig-timeslice" and config.interval not in (None, "Default"):
+            if kind.in_partition and config.interval not in (None, "Default"):
                 # The interval is a setting of the whole GPU, which other partitions share.
                 raise ClaimError(
                     f"device {device.device} is a time-sliced share of a MIG partition, whose interval cannot be "
@@ -212,16 +217,16 @@ class ClaimPreparer:
 
     def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
         """Create what the device needs on the GPU; returns it with its CDI edits, and what was done."""
-        gpu = self._targets[device.device].gpu
+        gpu = self.targets[device.device].gpu
         gpu_node = f"/dev/nvidia{gpu.minor}"
         if device.admin_access:  # the GPU's node, for monitoring; nothing made or changed on it
             return replace(device, device_nodes=(gpu_node,)), "admin access, nothing created"
         try:
-            if device.kind in MIG_KINDS:
+            if device.traits.in_partition:
                 device, done = self._make_partition(device, gpu.minor)
             else:
                 # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
-                released = gpu.mig_capable and self._parts.mig.release_mig_mode_if_idle(device.gpu_index)
+                released = gpu.mig_capable and self.partitioners.mig.release_mig_mode_if_idle(device.gpu_index)
                 device, done = self._make_whole_gpu_use(ref, replace(device, device_nodes=(gpu_node,)))
                 done += ", MIG mode disabled" if released else ""
         except (MigError, ToolError) as err:
@@ -233,7 +238,9 @@ class ClaimPreparer:
         """A MIG device, or a share inside one: the instance at the placement (a share joins it when
         an earlier share of the same device made it), and for an MPS share the partition's daemon."""
         assert device.mig_profile_id is not None and device.mig_start is not None and device.mig_size is not None
-        instance = self._parts.mig.create(device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size)
+        instance = self.partitioners.mig.create(
+            device.gpu_index, device.mig_profile_id, device.mig_start, device.mig_size
+        )
         device = replace(
             device,
             mig_uuid=instance.uuid,
@@ -242,37 +249,37 @@ class ClaimPreparer:
             device_nodes=mig_device_nodes(gpu_minor, instance, self._proc_root),
         )
         done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
-        done += " joined" if device.kind != "mig" and not instance.created else ""
+        done += " joined" if device.traits.shared and not instance.created else ""
         done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
-        if device.kind == "mig":
+        if not device.traits.shared:  # the MIG device itself
             return device, done
         crash_point("prepare:partition-made")
-        if device.kind == "mig-timeslice":
+        if device.traits.time_sliced:
             return device, done + ", time-sliced share"
         # The partition's own daemon, bound to its MIG device; the GPU's compute mode is left
         # alone: it is the whole GPU's, and other partitions may not use MPS.
-        started = self._parts.mps.start(device.gpu_index, instance.uuid, exclusive_gpu=False)
+        started = self.partitioners.mps.start(device.gpu_index, instance.uuid, exclusive_gpu=False)
         limits = _mps_limits(device)
-        device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(instance.uuid))
+        device = replace(device, env=limits.env(), mounts=self.partitioners.mps.mounts(instance.uuid))
         return device, done + f", MPS share {limits}, daemon {'started' if started else 'already running'}"
 
     def _make_whole_gpu_use(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
         """A whole GPU (nothing to make), an MPS share (the GPU's daemon) or a time-sliced share."""
-        if device.kind == "mps":
-            started = self._parts.mps.start(device.gpu_index, device.gpu_uuid)
+        if device.traits.mps:
+            started = self.partitioners.mps.start(device.gpu_index, device.gpu_uuid)
             limits = _mps_limits(device)
-            device = replace(device, env=limits.env(), mounts=self._parts.mps.mounts(device.gpu_uuid))
+            device = replace(device, env=limits.env(), mounts=self.partitioners.mps.mounts(device.gpu_uuid))
             return device, f"MPS share {limits}, daemon {'started' if started else 'already running'}"
-        if device.kind == "timeslice":
+        if device.traits.time_sliced:
             interval = device.timeslice_interval or "Default"
             if self._timeslice_already_set(ref.uid, device.gpu_index, interval):
                 return device, f"timeslice {interval} (already set)"
-            self._parts.timeslice.set_interval(device.gpu_uuid, interval)
+            self.partitioners.timeslice.set_interval(device.gpu_uuid, interval)
             return device, f"timeslice {interval}"
         return device, "none"
 
     def _profile_name(self, device: PreparedDevice) -> str:
-        target = self._targets.get(device.device)
+        target = self.targets.get(device.device)
         if target is not None and target.placement is not None:
             return target.placement.profile.name
         return f"profile {device.mig_profile_id}"  # a device the node no longer publishes
@@ -280,10 +287,11 @@ class ClaimPreparer:
     def _timeslice_already_set(self, uid: str, gpu_index: int, interval: str) -> bool:
         """Whether another prepared claim's time-sliced share already set this interval on the GPU."""
         return any(
-            d.kind == "timeslice" and d.holds and d.gpu_index == gpu_index and d.timeslice_interval == interval
-            for other_uid, c in self._claims.all().items()
+            d.holds and d.gpu_index == gpu_index and d.timeslice_interval == interval
+            for other_uid, c in self.claims.all().items()
             if other_uid != uid and c.state == "PrepareCompleted"
             for d in c.devices
+            if d.traits.time_sliced and not d.traits.in_partition  # a whole GPU's time-sliced share
         )
 
     # --- unprepare ------------------------------------------------------------------------------
@@ -292,27 +300,32 @@ class ClaimPreparer:
         """Claim UID -> error ("" on success). Unknown claims succeed and touch nothing."""
         if not refs:
             return {}
-        with self._node_wide():
+        with self.node_wide():
             results = self._each(refs, self._unprepare_one, "unprepare")
         return {uid: result.error for uid, result in results.items()}
 
     def _unprepare_one(self, ref: ClaimRef) -> ClaimResult:
         if not ref.uid:
             raise ClaimError("malformed request: the claim has no uid")
-        existing = self._claims.get(ref.uid)
+        existing = self.claims.get(ref.uid)
         if existing is None:
-            self._cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
+            self.cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
             return ClaimResult(summary="not prepared on this node, nothing destroyed")
         summary = self._undo(existing)
         self.status.clear(ref)  # best effort: the reconciler retries it
         return ClaimResult(summary=summary)
 
+    def undo_left_over(self, ref: ClaimRef) -> ClaimResult:
+        """Start-up recovery's unprepare of a claim a crash left half-prepared or half-unprepared:
+        kubelet is not asking, so its error is logged (and retried at the next start), not raised."""
+        return self._per_claim(ref, lambda: self._unprepare_one(ref))
+
     def refresh_status(self, ref: ClaimRef, claim: JsonObject) -> None:
         """The reconciler's repair: write the status entries of a prepared claim that `claim` (just
         read) lacks. Under the claim's lock, so an unprepare cannot clear them in between (and the
         node's: the other instance may be unpreparing it)."""
-        with self._node_wide(), self.locks.held(f"claim/{ref.uid}"):
-            prepared = self._claims.get(ref.uid)
+        with self.node_wide(), self.locks.held(f"claim/{ref.uid}"):
+            prepared = self.claims.get(ref.uid)
             if prepared is not None and prepared.state == "PrepareCompleted":
                 self.status.ensure(ref, prepared.devices, claim)
 
@@ -320,17 +333,17 @@ class ClaimPreparer:
         """Release everything the claim may hold, then forget it; returns what was released. Safe
         to repeat at any point."""
         if _needs_journal(claim):
-            self._claims.commit(prepared=[replace(claim, state="UnprepareStarted", owner=self._instance.id)])
+            self.claims.commit(prepared=[replace(claim, state="UnprepareStarted", owner=self.instance.id)])
         crash_point("unprepare:journaled")
         with self._gpu_locks(claim.devices):
             # Read under the GPU locks: a claim being unprepared no longer holds its GPU, one being
             # prepared already may (its daemon may be up before it is marked completed).
-            others = [c for uid, c in self._claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"]
+            others = [c for uid, c in self.claims.all().items() if uid != claim.uid and c.state != "UnprepareStarted"]
             released = [f"{device.device}: {self._release_or_fail(device, others)}" for device in claim.devices]
         crash_point("unprepare:devices-released")
-        self._cdi.remove(claim.uid)
+        self.cdi.remove(claim.uid)
         crash_point("unprepare:cdi-removed")
-        self._claims.commit(removed=[claim.uid])
+        self.claims.commit(removed=[claim.uid])
         return "; ".join(released)
 
     def _release_or_fail(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
@@ -343,23 +356,23 @@ class ClaimPreparer:
         """Undo what the device made on the GPU; returns what was destroyed."""
         if device.admin_access:
             return "admin access ended, nothing destroyed"
-        if device.kind in ("mig-mps", "mig-timeslice"):
+        if device.traits.in_partition and device.traits.shared:
             return self._release_partition_share(device, others)
-        if device.kind == "mig":
+        if device.traits.in_partition:
             return self._destroy_partition(device, self._find_partition(device))
         still_used = any(
             d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices
         )
-        if device.kind == "mps":
+        if device.traits.mps:
             share = f"MPS share {_mps_limits(device)} ended"
             if still_used:
                 return f"{share}, daemon kept for other shares"
-            stopped = self._parts.mps.stop(device.gpu_index, device.gpu_uuid)
+            stopped = self.partitioners.mps.stop(device.gpu_index, device.gpu_uuid)
             return f"{share}, daemon {'stopped' if stopped else 'was not running'}, its tmpfs unmounted"
-        if device.kind == "timeslice":
+        if device.traits.time_sliced:
             if still_used:
                 return "timeslice kept for other shares"
-            self._parts.timeslice.reset(device.gpu_uuid)
+            self.partitioners.timeslice.reset(device.gpu_uuid)
             return "timeslice reset to Default"
         return "none"
 
@@ -369,99 +382,25 @@ class ClaimPreparer:
             return "share ended, partition kept for other shares"
         record = self._find_partition(device)
         stopped = ""
-        if device.kind == "mig-mps":
+        if device.traits.mps:
             # A claim a crash left half-prepared has no MIG UUID in its record yet: the instance has.
             mig_uuid = device.mig_uuid or (
                 record.compute_instances[0][1] if record and record.compute_instances else ""
             )
             if mig_uuid:
-                was_running = self._parts.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
+                was_running = self.partitioners.mps.stop(device.gpu_index, mig_uuid, exclusive_gpu=False)
                 stopped = f"MPS daemon {'stopped' if was_running else 'was not running'}, "
         return "last share ended, " + stopped + self._destroy_partition(device, record)
 
     def _find_partition(self, device: PreparedDevice) -> GpuInstanceRecord | None:
-        return self._parts.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
+        return self.partitioners.mig.find(device.gpu_index, device.mig_profile_id or 0, device.mig_start or 0)
 
     def _destroy_partition(self, device: PreparedDevice, record: GpuInstanceRecord | None) -> str:
         if record is None:
             return f"MIG {self._profile_name(device)} already gone"
-        self._parts.mig.destroy(device.gpu_index, record.gi_id)
+        self.partitioners.mig.destroy(device.gpu_index, record.gi_id)
         cis = ",".join(str(ci) for ci, _ in record.compute_instances)
         return f"MIG {self._profile_name(device)} gi {record.gi_id} ci {cis} destroyed"
-
-    # --- start-up recovery ----------------------------------------------------------------------
-
-    def recover(self) -> None:
-        """Roll back half-prepared claims, finish half-unprepared ones (of instances that no longer
-        run), and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns. Under the
-        node's claim lock: the sweeps act on what the checkpoint did not list, and no other instance
-        may add to it meanwhile."""
-        with self._node_wide():
-            self._recover()
-
-    def _recover(self) -> None:
-        for claim in self._claims.all().values():
-            if claim.state != "PrepareCompleted" and not self._instance.owner_alive(claim.owner):
-                log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
-                ref = ClaimRef(claim.namespace, claim.name, claim.uid)
-                self._per_claim(ref, lambda r=ref: self._unprepare_one(r))
-        prepared = self._claims.all()
-        # MPS first: a partition's orphaned daemon goes before its MIG instance.
-        for sweep in (self._sweep_mps, self._sweep_mig, self._sweep_cdi):
-            try:
-                sweep(prepared)
-            except Exception:  # serving kubelet matters more; the next start sweeps again
-                log.exception("start-up sweep %s failed", sweep.__name__)
-
-    def _sweep_mig(self, prepared: dict[str, PreparedClaim]) -> None:
-        owned = {
-            (d.gpu_index, d.mig_profile_id, d.mig_start)
-            for c in prepared.values()
-            for d in c.devices
-            if d.kind in MIG_KINDS and d.holds
-        }
-        for index in sorted({t.gpu.index for t in self._targets.values() if t.kind in MIG_KINDS}):
-            with self.locks.held(f"gpu/{index}"):
-                for record in self._parts.mig.instances(index):
-                    if (index, record.profile_id, record.start) not in owned:
-                        log.warning("destroying orphaned MIG instance %d on GPU %d", record.gi_id, index)
-                        self._parts.mig.destroy(index, record.gi_id)
-
-    def _sweep_mps(self, prepared: dict[str, PreparedClaim]) -> None:
-        """Daemons of GPUs (whole-GPU shares) and of MIG partitions (keyed by the MIG device's UUID)."""
-        shares = {
-            (d.gpu_index, d.mig_uuid if d.kind == "mig-mps" else d.gpu_uuid, d.kind == "mps")
-            for c in prepared.values()
-            for d in c.devices
-            if d.kind in ("mps", "mig-mps") and d.holds and (d.kind == "mps" or d.mig_uuid)
-        }
-        for index, uuid, exclusive in sorted(shares):
-            with self.locks.held(f"gpu/{index}"):
-                # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
-                started = self._parts.mps.start(index, uuid, exclusive_gpu=exclusive)
-            log.info("MPS daemon of %s %s", uuid, "started" if started else "adopted")
-        wanted = {uuid for _, uuid, _ in shares}
-        gpus = {t.gpu.uuid: t.gpu.index for t in self._targets.values()}
-        partitions = {
-            uuid: index
-            for index in sorted({t.gpu.index for t in self._targets.values() if t.kind == "mig-mps"})
-            for record in self._parts.mig.instances(index)
-            for _, uuid in record.compute_instances
-        }
-        for uuid in sorted(self._parts.mps.gpus_with_state() - wanted):
-            # A partition's daemon is known by its MIG UUID, also once its instance is gone (no GPU lock then).
-            if uuid in gpus or uuid.startswith("MIG-"):
-                index = gpus.get(uuid, partitions.get(uuid, -1))
-                log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
-                with self.locks.held(f"gpu/{index}"):
-                    self._parts.mps.stop(index, uuid, exclusive_gpu=uuid in gpus)
-
-    def _sweep_cdi(self, prepared: dict[str, PreparedClaim]) -> None:
-        on_disk = self._cdi.claim_uids_on_disk()  # listed before the records are read again
-        known = set(self._claims.all()) | set(prepared)
-        for uid in sorted(on_disk - known):
-            self._cdi.remove(uid)
-            log.info("removed orphaned CDI spec of claim %s (not prepared)", uid)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -504,7 +443,7 @@ class ClaimPreparer:
         log.warning("%s", message)
         return ClaimResult(error=message, reason=reason)
 
-    def _node_wide(self) -> contextlib.AbstractContextManager[None]:
+    def node_wide(self) -> contextlib.AbstractContextManager[None]:
         """The node's claim lock where there is one: no other plugin instance works on claims meanwhile."""
         return self._node_lock.held() if self._node_lock is not None else contextlib.nullcontext()
 
@@ -518,12 +457,9 @@ class ClaimPreparer:
             yield
 
 
-# The tool that fails for a device of this kind (MIG instances and MIG mode are NVML's, not a tool's).
-_TOOL_STEP: dict[str, ErrorReason] = {"mps": "mps", "timeslice": "timeslice"}
-
-
 def _step_reason(device: PreparedDevice, err: MigError | ToolError) -> ErrorReason:
-    return "mig" if isinstance(err, MigError) else _TOOL_STEP.get(device.kind, "internal")
+    """MIG instances and MIG mode are NVML's; anything else that fails is a tool of the device's kind."""
+    return "mig" if isinstance(err, MigError) else device.traits.tool_error_reason
 
 
 def _mps_limits(device: PreparedDevice) -> MpsLimits:
@@ -543,7 +479,7 @@ def _within(limit: int | None, allocated: int, field: str, capacity: str) -> int
 def _needs_journal(claim: PreparedClaim) -> bool:
     """Whole GPUs change nothing on the node but the CDI spec, which the start-up sweep covers; MIG
     instances, MPS daemons and timeslice settings must be journaled before they are made."""
-    return any(device.kind != "whole" and device.holds for device in claim.devices)
+    return any(device.traits.changes_gpu and device.holds for device in claim.devices)
 
 
 def _quantity(value: str | None, default: int) -> int:

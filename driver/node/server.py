@@ -35,6 +35,7 @@ from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.prepare import ClaimPreparer, Partitioners
 from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
+from driver.node.recovery import recover
 from driver.node.settings import PluginSettings
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
@@ -139,7 +140,7 @@ class PluginProcess:
 
     def start(self) -> None:
         settings = self.settings
-        self.preparer.recover()
+        recover(self.preparer)
         if settings.health_monitor:
             self.health_monitor.refresh()  # taints recorded before a restart are in the first publish
         self.publisher.start()

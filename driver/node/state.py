@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from driver.device_kinds import KIND_TRAITS, KindTraits
 from driver.node.cdi import CdiDevice
 from driver.node.checkpoint import Checkpoint, CheckpointData
 from driver.sharing import DeviceKind
@@ -49,6 +50,11 @@ class PreparedDevice:
     # Admin access (KEP-5018, a monitoring claim): access to the GPU without making, changing or
     # holding anything, so it keeps no MIG instance, MPS daemon or timeslice setting alive.
     admin_access: bool = False
+
+    @property
+    def traits(self) -> KindTraits:
+        """What the device's kind is on the GPU (a MIG partition, an MPS or time-sliced share...)."""
+        return KIND_TRAITS[self.kind]
 
     @property
     def holds(self) -> bool:

@@ -11,6 +11,7 @@ import pynvml
 import pytest
 
 from driver.claims.refs import ClaimRef
+from driver.node.recovery import recover
 from partitioner import tmpfs
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import build_node, fake_tools_env
@@ -209,7 +210,7 @@ def test_restart_sweeps_orphans_and_keeps_what_claims_own(node):
     env.session.create_mig_instance(6, 9, 4, 4)  # made behind fgpu's back: no claim owns it
     env.cdi.write("uid-ghost", [])
     restarted = env.restart(api)
-    restarted.preparer.recover()
+    recover(restarted.preparer)
     assert [(r.profile_id, r.start) for r in env.session.gpu_instances(6)] == [(14, 0)]
     assert env.cdi.claim_uids_on_disk() == {kept.uid}
     assert restarted.mps.running(env.gpus[7].uuid)
@@ -355,7 +356,7 @@ def test_restart_keeps_a_partitions_daemon_and_sweeps_an_orphaned_one(node):
     gone_uuid = env.claims.get(gone.uid).devices[0].mig_uuid
     env.claims.commit(removed=[gone.uid])  # as if its unprepare were lost with the plugin
     restarted = env.restart(api)
-    restarted.preparer.recover()
+    recover(restarted.preparer)
     assert restarted.mps.running(kept_uuid) and not restarted.mps.running(gone_uuid)
     assert env.session.gpu_instances(6) == [] and len(env.session.gpu_instances(5)) == 1
     assert restarted.preparer.unprepare([kept]) == {kept.uid: ""} and env.session.gpu_instances(5) == []

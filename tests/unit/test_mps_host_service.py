@@ -16,6 +16,7 @@ import pynvml
 import pytest
 
 from driver.claims.refs import ClaimRef
+from driver.node.recovery import recover
 from partitioner import tmpfs
 from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner
@@ -133,7 +134,7 @@ def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
     env.mps.shm_dir(bare).mkdir(parents=True)
     tmpfs.mount_tmpfs(ToolRunner(), env.mps.shm_dir(bare), 2**20, "leftover")  # a tmpfs left without a daemon
     kept_pid = env.mps.daemon_pid(kept)
-    env.restart(InMemoryKubeApi()).preparer.recover()
+    recover(env.restart(InMemoryKubeApi()).preparer)
     assert env.mps.daemon_pid(kept) == kept_pid and tmpfs.is_mounted(env.mps.shm_dir(kept))
     for uuid in (orphan, bare):
         assert not env.mps.running(uuid)
