@@ -80,7 +80,7 @@ class Groups:
         self._by_pod_uid: dict[str, str] = {}
         self._by_claim: dict[str, str] = {}  # claim key -> gang group (through the pods that name it)
         self._states: dict[str, GroupState] = {}
-        for pod in sorted(pods, key=object_key):
+        for pod in pods:
             meta = pod["metadata"]
             name = group_name(pod)
             if not name or meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in FINISHED:
@@ -91,7 +91,8 @@ class Groups:
             self._pods[key].append(pod)
             self._by_pod_uid[meta.get("uid", "")] = key
             for claim_name in known_claim_names(pod):
-                self._by_claim.setdefault(f"{meta['namespace']}/{claim_name}", key)
+                claim_key = f"{meta['namespace']}/{claim_name}"
+                self._by_claim[claim_key] = min(key, self._by_claim.get(claim_key, key))  # one, whatever the order
 
     def _gang(self, key: str) -> bool:
         """Whether the group is a gang, or may be one (not found: its pods wait)."""

@@ -65,12 +65,10 @@ class Placing:
             if self.informers["claims"].version == version:
                 continue
             version = self.informers["claims"].version
-            groups = self._groups()
-            arrived = [
-                c
-                for c in self._waiting()
-                if object_key(c) not in handled and not gang_label(c) and groups.of_claim(c) is None
-            ]
+            arrived = [c for c in self._waiting() if object_key(c) not in handled and not gang_label(c)]
+            if arrived:  # a PodGroup's members wait for the next pass too
+                groups = self._groups()
+                arrived = [c for c in arrived if groups.of_claim(c) is None]
             handled.update(object_key(c) for c in arrived)
             room.pods_of = self._room().pods_of  # pods that came with the claims; what this pass took stays
             in_flight += self._submit(allocator, arrived, room)

@@ -6,20 +6,15 @@ capacity frees it places all four, by its own decision, and kube-scheduler binds
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import kubernetes
 import pytest
 
-from testbed.cluster.kubelet_standin import KubeletStandIn
-from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.support.controller import CONTROLLER, gated_pod
-from tests.support.pools import complete_pool
+from tests.e2e import test_controller_pod_fit as pod_fit
+from tests.support.controller import gated_pod
 
 pytestmark = pytest.mark.cluster
 NS = "default"
@@ -27,30 +22,8 @@ OPT_IN = {"gpu.fgpu.dev/allocator": "fgpu"}
 GPUS = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": 4}}
 
 
-@pytest.fixture(scope="module")
-def nodes(cluster) -> Iterator[dict[str, KubeletStandIn]]:
-    """Plugins and kubelet stand-ins on node-a and node-b (8 GPUs each), one first-fit controller."""
-    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
-    plugins, kubelets = [], {}
-    for node in ("node-a", "node-b"):
-        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
-        plugins.append(plugin)
-        kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
-    controller = subprocess.Popen(
-        [*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--policy=first-fit"]
-    )
-    try:
-        for node in kubelets:
-            wait_for(lambda n=node: complete_pool(resource_api, n))
-        yield kubelets
-    finally:
-        controller.terminate()
-        controller.wait(timeout=15)
-        for kubelet in kubelets.values():
-            kubelet.stop()
-        for plugin in plugins:
-            plugin.stop()
-            shutil.rmtree(plugin.root, ignore_errors=True)
+# Plugins and kubelet stand-ins on node-a and node-b (8 GPUs each), one first-fit controller.
+nodes = pod_fit.nodes
 
 
 def member(name: str, group: str, template: str) -> dict[str, Any]:
@@ -70,14 +43,6 @@ def claim_of(core_api, resource_api, pod: str) -> Any:
 def events_on(core_api, kind: str, name: str, reason: str) -> list[Any]:
     events = core_api.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
     return [e for e in events if e.involved_object.kind == kind and e.reason == reason]
-
-
-def by_kube_scheduler(claim: Any) -> bool:
-    """Whether kube-scheduler wrote the claim's allocation (it re-allocated it)."""
-    return any(
-        f.manager == "kube-scheduler" and "f:allocation" in ((f.fields_v1 or {}).get("f:status") or {})
-        for f in claim.metadata.managed_fields or ()
-    )
 
 
 def test_a_podgroup_gang_is_allocated_all_or_nothing(nodes, cluster, resource_api, core_api):
@@ -137,7 +102,7 @@ def test_a_podgroup_gang_is_allocated_all_or_nothing(nodes, cluster, resource_ap
             assert pod.spec.node_name == claim.status.allocation.devices.results[0].pool
             wait_for(lambda p=pod: p.metadata.uid in nodes[p.spec.node_name].prepared, timeout=30)
         claims = [claim_of(core_api, resource_api, name) for name in pods]
-        assert not any(by_kube_scheduler(c) for c in claims), "kube-scheduler re-allocated a member"
+        assert not any(pod_fit.by_kube_scheduler(resource_api, c.metadata.name) for c in claims), "re-allocated"
     finally:
         for name in pods:
             try:
