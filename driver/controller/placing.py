@@ -187,8 +187,8 @@ class Placing:
             return None
         placing = [c for c in members if c.key in state.pending]
         present = {c.key: obj for c in placing if (obj := objects[c.key]) is not None}
-        if not placing or len(present) < len(placing):
-            return None  # its pods' other claims are not made yet, or a claim was deleted since
+        if not placing or len(present) < len(state.pending):
+            return None  # a claim was deleted since, or cannot be read (reported): none then
         outcome = allocator.allocate_gang(placing, room)
         if isinstance(outcome, Failure):
             metrics.GANGS.labels("unschedulable").inc()

@@ -843,8 +843,12 @@ def test_a_claim_with_gang_labels_follows_them_and_its_pod_still_waits_for_its_g
     pod = gated_pod("w", "w0")
     pod["spec"]["schedulingGroup"] = {"podGroupName": "train"}
     api.put("pods", pod)  # the group's second pod; its claim is a labelled gang of 1
-    replicas(api).run_pass()
-    assert sorted(api.status_writes) == ["p0-gpu-x1", "w0"]
+    controller = replicas(api)
+    controller.run_pass()
+    assert api.status_writes == ["w0"]  # the group's other claims wait until it is placed
+    assert gates(api, "w") == ["gpu.fgpu.dev/allocation", "other"]
+    controller.run_pass()
+    assert api.status_writes == ["w0", "p0-gpu-x1"]
     assert gates(api, "w") == gates(api, "p0") == ["other"]  # released together: the group is whole
 
 
