@@ -5,7 +5,8 @@ metadata and every claim made from it carries it). Their pods carry the scheduli
 `gpu.fgpu.dev/allocation`, so kube-scheduler leaves them alone until the controller has written
 every claim's allocation; it then lifts the gate and kube-scheduler binds the pod to the node the
 allocation names. Gangs: claims labelled `gpu.fgpu.dev/gang=<name>` and `gpu.fgpu.dev/gang-size=<n>`
-are allocated together once all n exist, all or none.
+are allocated together once all n exist, all or none (upstream PodGroups with a gang policy are
+gangs too: groups.py).
 
 Read by the controller and by `fgpu plan`, which plans claims as the controller would."""
 
