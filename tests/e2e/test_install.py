@@ -41,7 +41,7 @@ from testbed.workloads import (
     wait_running,
     wait_until,
 )
-from tests.support.chart import CHART, NAMESPACE, ROOT, helm, helm_command, set_flags
+from tests.support.chart import CHART, KUBE_VERSION, NAMESPACE, ROOT, helm, helm_command, set_flags
 from tests.support.pools import complete_pool
 
 # The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
@@ -131,6 +131,10 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         "controller.nodeSelector": on_node,
         "webhook.nodeSelector": on_node,
         "webhook.replicas": 1,
+        # Self-managed certificates: it calls the API server, at the node's loopback like the others;
+        # kube-apiserver calls it at the node's address (aggregator routing), on a port free here.
+        "webhook.hostNetwork": True,
+        "webhook.port": free_port(),
         # The session's cluster fixture already made the DeviceClasses, for every test.
         "deviceClasses.create": False,
     }
@@ -229,29 +233,79 @@ def test_plugin_daemonset_serves_the_real_kubelet(cluster, real_node, release: R
     assert entry.data["gpuUUID"].startswith("GPU-")
 
 
-def test_the_webhook_refuses_a_bad_config_through_its_service(cluster, release: Release) -> None:
+def refused_template(cluster: Cluster) -> str | None:
+    """The message refusing a template with a bad config, or None when it was admitted (then deleted)."""
     resource = kubernetes.client.ResourceV1Api(cluster.api_client())
     parameters = {"apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig", "sharing": {"strategy": "Shared"}}
     config = {"opaque": {"driver": "gpu.fgpu.dev", "parameters": parameters}}
-
-    def refused() -> str | None:
-        template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", config=[config])
-        try:
-            resource.create_namespaced_resource_claim_template(NS, template)
-        except kubernetes.client.ApiException as err:
-            return json.loads(err.body)["message"]
-        # Admitted (failurePolicy Ignore) while the Service has no ready endpoint yet.
-        resource.delete_namespaced_resource_claim_template(template["metadata"]["name"], NS)
-        return None
-
-    message = wait_until("the webhook answering through its Service", refused, timeout_s=60)
-    assert message.startswith('admission webhook "resourceclaimtemplates.gpu.fgpu.dev" denied the request: ')
-    assert "sharing.strategy must be MPS or TimeSlicing, got 'Shared'" in message
+    template = claim_template(unique("tpl"), "mps.gpu.fgpu.dev", config=[config])
+    try:
+        resource.create_namespaced_resource_claim_template(NS, template)
+    except kubernetes.client.ApiException as err:
+        return json.loads(err.body)["message"]
+    # Admitted (failurePolicy Ignore) while the Service has no ready endpoint or caBundle yet.
+    resource.delete_namespaced_resource_claim_template(template["metadata"]["name"], NS)
+    return None
 
 
-def webhook_ca(cluster: Cluster) -> str:
+REFUSAL = 'admission webhook "resourceclaimtemplates.gpu.fgpu.dev" denied the request: '
+BAD_STRATEGY = "sharing.strategy must be MPS or TimeSlicing, got 'Shared'"
+
+
+def test_the_webhook_refuses_a_bad_config_through_its_service(cluster, release: Release) -> None:
+    message = wait_until("the webhook answering through its Service", lambda: refused_template(cluster), timeout_s=90)
+    assert message.startswith(REFUSAL) and BAD_STRATEGY in message
+    # Its certificate is its own: a Secret it made, whose CA it wrote into the configuration.
+    secret = webhook_secret(cluster)
+    admission = kubernetes.client.AdmissionregistrationV1Api(cluster.api_client())
+    configuration = admission.read_validating_webhook_configuration(f"{RELEASE}-webhook")
+    assert {w.client_config.ca_bundle for w in configuration.webhooks} == {secret["ca.crt"]}
+
+
+def webhook_secret(cluster: Cluster) -> dict[str, str]:
     core = kubernetes.client.CoreV1Api(cluster.api_client())
-    return core.read_namespaced_secret(f"{RELEASE}-webhook-tls", NAMESPACE).data["ca.crt"]
+    return core.read_namespaced_secret(f"{RELEASE}-webhook-certs", NAMESPACE).data
+
+
+def workloads_state(cluster: Cluster) -> dict[str, Any]:
+    """What a no-op apply leaves as it is: the workloads' generations, the pods (UID, restarts)."""
+    apps = kubernetes.client.AppsV1Api(cluster.api_client())
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    state: dict[str, Any] = {}
+    for item in [*apps.list_namespaced_deployment(NAMESPACE).items, *apps.list_namespaced_daemon_set(NAMESPACE).items]:
+        state[f"{item.kind or type(item).__name__} {item.metadata.name}"] = item.metadata.generation
+    for item in core.list_namespaced_pod(NAMESPACE).items:
+        restarts = sum(c.restart_count for c in item.status.container_statuses or [])
+        state[f"pod {item.metadata.name}"] = (item.metadata.uid, restarts)
+    return state
+
+
+def test_applied_again_as_gitops_tools_do_the_webhook_keeps_refusing(cluster, release: Release) -> None:
+    """The chart rendered with the release's values (`helm template`, as Argo CD does) and
+    server-side applied twice over the installed objects (Flux, Argo CD with ServerSideApply):
+    nothing changes, nothing restarts, the webhook's certificate and caBundle stay, and a bad config
+    is refused after each apply."""
+    wait_until("the webhook refusing", lambda: refused_template(cluster), timeout_s=90)
+    rendered = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+                    *set_flags(release.values))  # fmt: skip
+    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    assert "PRIVATE KEY" not in rendered and "Secret" not in {d["kind"] for d in documents}
+    (configuration,) = [d for d in documents if d["kind"] == "ValidatingWebhookConfiguration"]
+    assert not [w for w in configuration["webhooks"] if "caBundle" in w["clientConfig"]]  # the webhook's field
+    dynamic = DynamicClient(cluster.api_client())
+    before, secret = workloads_state(cluster), webhook_secret(cluster)
+    for _ in range(2):
+        for document in documents:
+            resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
+            dynamic.server_side_apply(resource, body=document, name=document["metadata"]["name"],
+                                      namespace=document["metadata"].get("namespace") if resource.namespaced else None,
+                                      field_manager="gitops", force_conflicts=True)  # fmt: skip
+        message = refused_template(cluster)  # at once: the caBundle was never touched
+        assert message is not None and message.startswith(REFUSAL) and BAD_STRATEGY in message, message
+        assert workloads_state(cluster) == before and webhook_secret(cluster) == secret
+        admission = kubernetes.client.AdmissionregistrationV1Api(cluster.api_client())
+        live = admission.read_validating_webhook_configuration(f"{RELEASE}-webhook")
+        assert {w.client_config.ca_bundle for w in live.webhooks} == {secret["ca.crt"]}
 
 
 def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None:
@@ -457,7 +511,7 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     daemons = mps_daemons(release)
     assert len(daemons) == 1, daemons
     (old,) = release.plugin_pods()
-    ca = webhook_ca(cluster)
+    certificates = webhook_secret(cluster)
     upgrade = release.start_helm(*release.upgrade_command(TAGS[1]))
     try:
         # During the rollout: a new plugin pod beside the old one, and a claim prepared meanwhile.
@@ -482,7 +536,8 @@ def test_upgrade_to_a_new_tag_keeps_pods_and_prepares_new_claims(cluster, real_n
     container_ids(core, [during, after])
     # The MPS daemon joined the host init's cgroups (hostPID), so it outlived the old plugin's container.
     assert daemons_after == daemons
-    assert webhook_ca(cluster) == ca  # the webhook's certificate is kept: no pod waits on a new one
+    # The webhook's Secret is its own, not the release's: the new pod serves the same certificate.
+    assert webhook_secret(cluster) == certificates
 
 
 def test_uninstall_leaves_prepared_pods_alone(cluster, real_node, release: Release) -> None:
