@@ -19,12 +19,14 @@ from driver.devices import (
     NOT_OFFERED_ATTRIBUTE,
     Attribute,
     CounterSet,
+    DeviceTarget,
     Inventory,
     PublishedDevice,
     counter_set_name,
     device_for,
     gpu_counters,
     gpu_targets,
+    mig_share_targets,
     node_targets,
 )
 from driver.discovery import GpuInfo
@@ -117,19 +119,19 @@ def check_offers(gpus: list[GpuInfo], sharing: SharingConfig) -> None:
             f"--sharing-config names GPU index(es) {missing}, but this node's GPUs are {indices}; remove those entries"
         )
     for gpu in gpus:
-        unable = sorted(kind for kind in sharing.per_gpu.get(gpu.index, ()) if not _can_offer(gpu, kind))
+        unable = sorted(kind for kind in sharing.per_gpu.get(gpu.index, ()) if not _can_offer(gpu, kind, sharing))
         if unable:
             raise SettingsError(
                 f"--sharing-config asks GPU {gpu.index} ({gpu.product_name}) for {', '.join(unable)}, which it "
-                f"cannot offer; it can offer {_offerable(gpu)}"
+                f"cannot offer; it can offer {_offerable(gpu, sharing)}"
             )
     _check_mig_share_profiles(gpus, sharing)
-    idle = [gpu for gpu in gpus if not gpu_targets(gpu, sharing.offered(gpu.index))]
+    idle = [gpu for gpu in gpus if not _targets(gpu, sharing.offered(gpu.index), sharing)]
     if idle:
         first = idle[0]
         raise SettingsError(
             f"GPU(s) {', '.join(str(gpu.index) for gpu in idle)} would offer no device: {first.product_name} cannot "
-            f"offer {', '.join(sorted(sharing.offered(first.index))) or 'nothing'}, only {_offerable(first)}; "
+            f"offer {', '.join(sorted(sharing.offered(first.index))) or 'nothing'}, only {_offerable(first, sharing)}; "
             "change --offer or --sharing-config"
         )
 
@@ -146,9 +148,15 @@ def _check_mig_share_profiles(gpus: list[GpuInfo], sharing: SharingConfig) -> No
         )
 
 
-def _can_offer(gpu: GpuInfo, kind: DeviceKind) -> bool:
-    return bool(gpu_targets(gpu, frozenset({kind})))
+def _targets(gpu: GpuInfo, offered: frozenset[DeviceKind], sharing: SharingConfig) -> list[DeviceTarget]:
+    """Every device the GPU would publish for these kinds: its own, and shares inside its MIG
+    partitions (mig-mps, mig-timeslice) for the profiles the config lets share."""
+    return gpu_targets(gpu, offered) + mig_share_targets(gpu, offered, sharing)
 
 
-def _offerable(gpu: GpuInfo) -> str:
-    return ", ".join(sorted(kind for kind in ALL_KINDS if _can_offer(gpu, kind)))
+def _can_offer(gpu: GpuInfo, kind: DeviceKind, sharing: SharingConfig) -> bool:
+    return bool(_targets(gpu, frozenset({kind}), sharing))
+
+
+def _offerable(gpu: GpuInfo, sharing: SharingConfig) -> str:
+    return ", ".join(sorted(kind for kind in ALL_KINDS if _can_offer(gpu, kind, sharing)))

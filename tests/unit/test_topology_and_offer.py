@@ -19,10 +19,11 @@ from driver.devices import (
     DeviceTaint,
 )
 from driver.discovery import discover_gpus
+from driver.flags import SettingsError
 from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory, shortfall
+from driver.offers import check_offers, node_inventory, shortfall
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from driver.sysfs import PciTopology, SysfsError, numa_node, pci_topology, pcie_root
@@ -173,3 +174,18 @@ def test_a_new_inventory_keeps_the_taints_in_force():
     assert published["gpu-0"] == [
         {"key": "gpu.fgpu.dev/xid", "value": "79", "effect": "NoSchedule", "timeAdded": "2026-01-01T00:00:00Z"}
     ]
+
+
+def test_shares_inside_mig_partitions_are_offerable_per_gpu_and_alone():
+    """mig-mps and mig-timeslice count as what a MIG-capable GPU can offer: asked per GPU (the
+    sharing config's own example) or as the only kinds, they are published, not refused."""
+    gpus = discover_gpus(NvmlSession.open("mock:dgx-h100"))
+    per_gpu = SharingConfig(per_gpu={1: frozenset({"mps", "mig-mps"})}, mig_share_profiles=frozenset({"3g.40gb"}))
+    check_offers(gpus, per_gpu)
+    assert {"mps", "mig-mps"} <= kinds(node_inventory(gpus, per_gpu))[1]
+    alone = SharingConfig(default=frozenset({"mig-timeslice"}))
+    check_offers(gpus, alone)
+    assert kinds(node_inventory(gpus, alone))[0] == {"mig-timeslice"}
+    l4 = discover_gpus(NvmlSession.open("mock:l4x4"))
+    with pytest.raises(SettingsError, match=r"asks GPU 0 \(NVIDIA L4\) for mig-mps, which it cannot offer"):
+        check_offers(l4, SharingConfig(per_gpu={0: frozenset({"mig-mps"})}))
