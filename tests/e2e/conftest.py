@@ -1,15 +1,21 @@
-"""Fixtures of the real-node tests: the plugin on the module's node, and what a test created."""
+"""Fixtures of the end-to-end tests: the plugin on the module's real node, what a test created, and
+two fake nodes with plugins, kubelet stand-ins and a controller."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 
 import kubernetes
 import pytest
 
+from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
-from testbed.workloads import NS, wait_until
+from testbed.plugin_process import PluginUnderTest
+from testbed.workloads import NS, wait_for, wait_until
+from tests.support.controller import CONTROLLER
 from tests.support.pools import complete_pool
 
 
@@ -49,3 +55,30 @@ def workloads(core_api, resource_api, cluster) -> Iterator[list[tuple[str, str]]
 
 def _pods_with_claims(core) -> list:
     return [p for p in core.list_namespaced_pod(NS).items if p.spec.resource_claims]
+
+
+@pytest.fixture(scope="module")
+def controlled_nodes(cluster) -> Iterator[dict[str, KubeletStandIn]]:
+    """Plugins and kubelet stand-ins on node-a and node-b, and one first-fit controller (the
+    controller's choices are then upstream's order: node-a first)."""
+    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
+    plugins, kubelets = [], {}
+    for node in ("node-a", "node-b"):
+        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
+        plugins.append(plugin)
+        kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
+    controller = subprocess.Popen(
+        [*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--policy=first-fit"]
+    )
+    try:
+        for node in kubelets:
+            wait_for(lambda n=node: complete_pool(resource_api, n))
+        yield kubelets
+    finally:
+        controller.terminate()
+        controller.wait(timeout=15)
+        for kubelet in kubelets.values():
+            kubelet.stop()
+        for plugin in plugins:
+            plugin.stop()
+            shutil.rmtree(plugin.root, ignore_errors=True)

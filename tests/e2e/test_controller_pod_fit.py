@@ -6,8 +6,6 @@ Where no node fits, the pod gets kube-scheduler's summary of the reasons as an E
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,40 +14,12 @@ import kubernetes
 import pytest
 
 from testbed.cluster.kubelet_standin import KubeletStandIn
-from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.support.controller import CONTROLLER, gated_pod
-from tests.support.pools import complete_pool
+from tests.support.controller import by_kube_scheduler, gated_pod
 
 pytestmark = pytest.mark.cluster
 NS = "default"
 OPT_IN = {"gpu.fgpu.dev/allocator": "fgpu"}
-
-
-@pytest.fixture(scope="module")
-def nodes(cluster) -> Iterator[dict[str, KubeletStandIn]]:
-    """Plugins and kubelet stand-ins on node-a and node-b, and one first-fit controller."""
-    resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
-    plugins, kubelets = [], {}
-    for node in ("node-a", "node-b"):
-        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
-        plugins.append(plugin)
-        kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
-    controller = subprocess.Popen(
-        [*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--policy=first-fit"]
-    )
-    try:
-        for node in kubelets:
-            wait_for(lambda n=node: complete_pool(resource_api, n))
-        yield kubelets
-    finally:
-        controller.terminate()
-        controller.wait(timeout=15)
-        for kubelet in kubelets.values():
-            kubelet.stop()
-        for plugin in plugins:
-            plugin.stop()
-            shutil.rmtree(plugin.root, ignore_errors=True)
 
 
 def claim(name: str) -> dict[str, Any]:
@@ -86,16 +56,6 @@ def allocated_node(resource_api, name: str) -> str | None:
     if found.status is None or found.status.allocation is None:
         return None
     return found.status.allocation.devices.results[0].pool
-
-
-def by_kube_scheduler(resource_api, name: str) -> bool:
-    """Whether kube-scheduler owns the claim's allocation (it re-allocated it): it owns the
-    reservation in any case."""
-    found = resource_api.read_namespaced_resource_claim(name, NS)
-    return any(
-        f.manager == "kube-scheduler" and "f:allocation" in ((f.fields_v1 or {}).get("f:status") or {})
-        for f in found.metadata.managed_fields or ()
-    )
 
 
 def running_on(kubelets: dict[str, KubeletStandIn], core_api, name: str, node: str) -> None:
@@ -164,7 +124,7 @@ def node_a(core_api) -> Iterator[Callable[[dict[str, Any], dict[str, Any], list[
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_claim_goes_where_its_pod_fits(case: str, nodes, node_a, resource_api, core_api):
+def test_a_claim_goes_where_its_pod_fits(case: str, controlled_nodes, node_a, resource_api, core_api):
     node_spec, node_status, fill, requests, pod_spec = CASES[case]
     node_a(node_spec, node_status, fill)
     name = f"fit-{uuid.uuid4().hex[:6]}"
@@ -172,13 +132,13 @@ def test_a_claim_goes_where_its_pod_fits(case: str, nodes, node_a, resource_api,
     resource_api.create_namespaced_resource_claim(NS, claim(name))
     try:
         assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
-        running_on(nodes, core_api, name, "node-b")
+        running_on(controlled_nodes, core_api, name, "node-b")
         assert not by_kube_scheduler(resource_api, name), "kube-scheduler re-allocated the claim"
     finally:
         remove(core_api, resource_api, [name], name)
 
 
-def test_a_claim_shared_by_two_pods_goes_where_both_fit(nodes, resource_api, core_api):
+def test_a_claim_shared_by_two_pods_goes_where_both_fit(controlled_nodes, resource_api, core_api):
     """The claim comes after its pods (a claim placed while only some of its pods exist is placed
     for those)."""
     name = f"shared-{uuid.uuid4().hex[:6]}"
@@ -189,13 +149,15 @@ def test_a_claim_shared_by_two_pods_goes_where_both_fit(nodes, resource_api, cor
     try:
         assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
         for pod_name in pods:
-            running_on(nodes, core_api, pod_name, "node-b")
+            running_on(controlled_nodes, core_api, pod_name, "node-b")
         assert not by_kube_scheduler(resource_api, name)
     finally:
         remove(core_api, resource_api, pods, name)
 
 
-def test_where_nothing_fits_the_pod_is_told_why_in_kube_schedulers_words(nodes, node_a, resource_api, core_api):
+def test_where_nothing_fits_the_pod_is_told_why_in_kube_schedulers_words(
+    controlled_nodes, node_a, resource_api, core_api
+):
     node_a({"taints": [TAINT]}, {}, [])
     name = f"nofit-{uuid.uuid4().hex[:6]}"
     core_api.create_namespaced_pod(NS, pod(name, name, {"cpu": "100"}))

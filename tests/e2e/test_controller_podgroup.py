@@ -13,8 +13,7 @@ import kubernetes
 import pytest
 
 from testbed.workloads import wait_for
-from tests.e2e import test_controller_pod_fit as pod_fit
-from tests.support.controller import gated_pod
+from tests.support.controller import by_kube_scheduler, gated_pod
 
 pytestmark = pytest.mark.cluster
 NS = "default"
@@ -23,7 +22,6 @@ GPUS = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev", "count": 4
 
 
 # Plugins and kubelet stand-ins on node-a and node-b (8 GPUs each), one first-fit controller.
-nodes = pod_fit.nodes
 
 
 def member(name: str, group: str, template: str) -> dict[str, Any]:
@@ -45,7 +43,7 @@ def events_on(core_api, kind: str, name: str, reason: str) -> list[Any]:
     return [e for e in events if e.involved_object.kind == kind and e.reason == reason]
 
 
-def test_a_podgroup_gang_is_allocated_all_or_nothing(nodes, cluster, resource_api, core_api):
+def test_a_podgroup_gang_is_allocated_all_or_nothing(controlled_nodes, cluster, resource_api, core_api):
     scheduling = kubernetes.client.SchedulingV1beta1Api(cluster.api_client())
     suffix = uuid.uuid4().hex[:6]
     group, template, blocker = f"train-{suffix}", f"four-gpus-{suffix}", f"blocker-{suffix}"
@@ -100,9 +98,9 @@ def test_a_podgroup_gang_is_allocated_all_or_nothing(nodes, cluster, resource_ap
         for name, claim in zip(pods, claims, strict=True):
             pod = wait_for(lambda n=name: (p := core_api.read_namespaced_pod(n, NS)).spec.node_name and p, timeout=60)
             assert pod.spec.node_name == claim.status.allocation.devices.results[0].pool
-            wait_for(lambda p=pod: p.metadata.uid in nodes[p.spec.node_name].prepared, timeout=30)
+            wait_for(lambda p=pod: p.metadata.uid in controlled_nodes[p.spec.node_name].prepared, timeout=30)
         claims = [claim_of(core_api, resource_api, name) for name in pods]
-        assert not any(pod_fit.by_kube_scheduler(resource_api, c.metadata.name) for c in claims), "re-allocated"
+        assert not any(by_kube_scheduler(resource_api, c.metadata.name) for c in claims), "re-allocated"
     finally:
         for name in pods:
             try:
