@@ -247,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="the ValidatingWebhookConfiguration whose caBundle this webhook writes",
     )
+    webhook.add_argument(
+        "--gate-pods",
+        action="store_true",
+        help="POST /mutate: add the scheduling gate gpu.fgpu.dev/allocation to pods that use opt-in claims "
+        "(reads claims and templates)",
+    )
+    webhook.add_argument(
+        "--mutating-webhook-configuration",
+        default="",
+        help="the MutatingWebhookConfiguration whose caBundle this webhook writes too (with --webhook-configuration)",
+    )
     webhook.add_argument("--cert-validity", type=duration, default="8760h", help="serving certificate's lifetime")
     webhook.add_argument("--cert-renew-before", type=duration, default="720h", help="renew it this long before expiry")
     webhook.add_argument("--ca-validity", type=duration, default="87600h", help="the self-managed CA's lifetime")

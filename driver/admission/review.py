@@ -49,8 +49,8 @@ def config_errors(kind: str, obj: dict[str, Any], driver: str) -> list[str]:
     return errors
 
 
-def review(document: Any, driver: str) -> dict[str, Any]:
-    """The AdmissionReview answering `document` (an AdmissionReview with a request)."""
+def admission_request(document: Any) -> dict[str, Any]:
+    """The request of an AdmissionReview; ReviewError when `document` is not one."""
     request = document.get("request") if isinstance(document, dict) else None
     if not isinstance(request, dict) or not request.get("uid"):
         raise ReviewError("not an AdmissionReview with a request uid")
@@ -58,6 +58,12 @@ def review(document: Any, driver: str) -> dict[str, Any]:
         raise ReviewError(
             f"AdmissionReview apiVersion must be {REVIEW_API_VERSION}, got {document.get('apiVersion')!r}"
         )
+    return request
+
+
+def review(document: Any, driver: str) -> dict[str, Any]:
+    """The AdmissionReview answering `document` (an AdmissionReview with a request)."""
+    request = admission_request(document)
     kind = (request.get("kind") or {}).get("kind", "")
     obj = request.get("object") if isinstance(request.get("object"), dict) else {}
     errors = config_errors(kind, obj, driver)

@@ -4,7 +4,8 @@
   makes itself, create-if-absent, so that replicas started together agree (one create wins, the
   others read the winner's); renewed before expiry by whichever replica sees it first (an update
   conditioned on the Secret's resourceVersion: the loser of a race reads the winner's); the CAs
-  copied into the caBundle of every webhook of the ValidatingWebhookConfiguration.
+  copied into the caBundle of every webhook of the ValidatingWebhookConfiguration (and of the
+  MutatingWebhookConfiguration that gates pods, when there is one).
 - `MountedFiles` (cert-manager, or a Secret the operator gives): PEM files read again when they
   change (kubelet updates a mounted Secret in place); optionally a CA file copied into the caBundle.
 
@@ -24,7 +25,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,18 +52,24 @@ ROUNDS = 5
 Serve = Callable[[bytes, bytes], None]  # (certificate PEM, key PEM)
 
 
+VALIDATING = "ValidatingWebhookConfiguration"
+MUTATING = "MutatingWebhookConfiguration"
+
+
 class CertApi(Protocol):
-    """What certificate management needs from the API server: one Secret, one configuration."""
+    """What certificate management needs from the API server: one Secret, its configurations
+    (`kind`: VALIDATING or MUTATING)."""
 
     def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def replace_secret(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
-    def read_webhook_configuration(self, name: str) -> dict[str, Any] | None: ...
-    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes) -> None: ...
+    def read_webhook_configuration(self, name: str, kind: str = VALIDATING) -> dict[str, Any] | None: ...
+    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes, kind: str = VALIDATING) -> None: ...
 
 
 class ClientCertApi:
-    """CertApi over the official client: kubeconfig, or the pod's service account."""
+    """CertApi over the official client: kubeconfig, or the pod's service account. Also the
+    ClaimReader of pod gating (driver/admission/mutate.py)."""
 
     def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
         configuration = kubernetes.client.Configuration()
@@ -78,6 +85,7 @@ class ClientCertApi:
         client = kubernetes.client.ApiClient(configuration)
         self._core = kubernetes.client.CoreV1Api(client)
         self._admission = kubernetes.client.AdmissionregistrationV1Api(client)
+        self._resource = kubernetes.client.ResourceV1Api(client)
         self._timeout = timeout_s
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -97,19 +105,31 @@ class ClientCertApi:
     def replace_secret(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call(self._core.replace_namespaced_secret, name, namespace, body, field_manager=FIELD_MANAGER)
 
-    def read_webhook_configuration(self, name: str) -> dict[str, Any] | None:
+    def _read(self, method: Any, *args: str) -> dict[str, Any] | None:
         try:
-            return self._call(self._admission.read_validating_webhook_configuration, name)
+            return self._call(method, *args)
         except NotFoundError:
             return None
 
-    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes) -> None:
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._read(self._resource.read_namespaced_resource_claim, name, namespace)
+
+    def read_claim_template(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._read(self._resource.read_namespaced_resource_claim_template, name, namespace)
+
+    def read_webhook_configuration(self, name: str, kind: str = VALIDATING) -> dict[str, Any] | None:
+        if kind == MUTATING:
+            return self._read(self._admission.read_mutating_webhook_configuration, name)
+        return self._read(self._admission.read_validating_webhook_configuration, name)
+
+    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes, kind: str = VALIDATING) -> None:
         encoded = base64.b64encode(ca_bundle).decode()
         # Strategic merge: the webhooks list merges by name, so only caBundle is written (and owned
         # by this field manager: a server-side apply of the chart's manifests leaves it alone).
         patch = {"webhooks": [{"name": w, "clientConfig": {"caBundle": encoded}} for w in webhooks]}
-        self._call(self._admission.patch_validating_webhook_configuration, name, patch,
-                   field_manager=FIELD_MANAGER, _content_type=STRATEGIC_MERGE)  # fmt: skip
+        method = (self._admission.patch_mutating_webhook_configuration if kind == MUTATING
+                  else self._admission.patch_validating_webhook_configuration)  # fmt: skip
+        self._call(method, name, patch, field_manager=FIELD_MANAGER, _content_type=STRATEGIC_MERGE)
 
 
 def _decoded(secret: dict[str, Any]) -> dict[str, bytes]:
@@ -128,34 +148,38 @@ def stale_webhooks(configuration: dict[str, Any], ca_bundle: bytes) -> list[str]
 
 @dataclass
 class CaBundlePublisher:
-    """Keeps every webhook of one ValidatingWebhookConfiguration trusting `ca_bundle`."""
+    """Keeps every webhook of the ValidatingWebhookConfiguration `name` trusting `ca_bundle`, and of
+    the MutatingWebhookConfiguration `mutating` when one is named."""
 
     api: CertApi
     name: str
-    _missing_logged: bool = False
+    mutating: str = ""
+    _missing_logged: set[str] = field(default_factory=set)
 
     def publish(self, ca_bundle: bytes) -> bool:
         """Writes the caBundle where it differs; True when it wrote. A failure is logged and tried
         again on the next round: the certificate is served meanwhile."""
-        try:
-            return self._publish(ca_bundle)
-        except KubeError as err:
-            LOG.warning("caBundle of ValidatingWebhookConfiguration %s not written: %s", self.name, err)
-            return False
+        targets = [(VALIDATING, self.name)] + ([(MUTATING, self.mutating)] if self.mutating else [])
+        written = False
+        for kind, name in targets:
+            try:
+                written = self._publish(kind, name, ca_bundle) or written
+            except KubeError as err:
+                LOG.warning("caBundle of %s %s not written: %s", kind, name, err)
+        return written
 
-    def _publish(self, ca_bundle: bytes) -> bool:
-        configuration = self.api.read_webhook_configuration(self.name)
+    def _publish(self, kind: str, name: str, ca_bundle: bytes) -> bool:
+        configuration = self.api.read_webhook_configuration(name, kind)
         if configuration is None:
-            if not self._missing_logged:
-                LOG.warning("ValidatingWebhookConfiguration %s not found: its caBundle is written once it exists",
-                            self.name)  # fmt: skip
-                self._missing_logged = True
+            if kind not in self._missing_logged:
+                LOG.warning("%s %s not found: its caBundle is written once it exists", kind, name)
+                self._missing_logged.add(kind)
             return False
-        self._missing_logged = False
+        self._missing_logged.discard(kind)
         stale = stale_webhooks(configuration, ca_bundle)
         if stale:
-            self.api.patch_ca_bundle(self.name, stale, ca_bundle)
-            LOG.info("caBundle of ValidatingWebhookConfiguration %s written (%s)", self.name, ", ".join(stale))
+            self.api.patch_ca_bundle(name, stale, ca_bundle, kind)
+            LOG.info("caBundle of %s %s written (%s)", kind, name, ", ".join(stale))
         return bool(stale)
 
 
@@ -175,13 +199,14 @@ class SelfManaged:
         lifetimes: certs.Lifetimes,
         configuration: str = "",
         clock: Callable[[], datetime.datetime] | None = None,
+        mutating: str = "",
     ) -> None:
         self.api = api
         self.namespace = namespace
         self.secret = secret
         self.hosts = tuple(hosts)
         self.lifetimes = lifetimes
-        self.publisher = CaBundlePublisher(api, configuration) if configuration else None
+        self.publisher = CaBundlePublisher(api, configuration, mutating) if configuration else None
         self.clock = clock or (lambda: datetime.datetime.now(datetime.UTC))
 
     def _secret_body(self, bundle: certs.Bundle, resource_version: str = "") -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`fgpu webhook`: the validating admission webhook over HTTPS (kube-apiserver calls only HTTPS).
 
-POST /validate answers an AdmissionReview (driver/admission/review.py); GET /healthz is the probes'
-endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
+POST /validate answers an AdmissionReview (driver/admission/review.py); POST /mutate (with
+--gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims (driver/admission/mutate.py);
+GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
 driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
 while serving: new connections get the new one, without a restart.
 """
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from driver.admission import certs
 from driver.admission.lifetimes import DEFAULT_LIFETIMES, Lifetimes
+from driver.admission.mutate import ClaimReader, mutate
 from driver.admission.review import review
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
 
@@ -47,6 +49,8 @@ class WebhookSettings:
     hosts: tuple[str, ...] = ()  # the serving certificate's names (self-managed)
     lifetimes: Lifetimes = DEFAULT_LIFETIMES
     webhook_configuration: str = ""  # the ValidatingWebhookConfiguration whose caBundle it writes
+    gate_pods: bool = False  # POST /mutate: the scheduling gate for pods of opt-in claims
+    mutating_configuration: str = ""  # the MutatingWebhookConfiguration whose caBundle it writes too
     kubeconfig: str | None = None
     check_interval_s: float = 10.0
 
@@ -65,6 +69,8 @@ class WebhookSettings:
                              "(a certificate), or --tls-secret (self-managed)")  # fmt: skip
         if self.ca_file and not self.webhook_configuration:
             raise ValueError("--ca-bundle-file needs --webhook-configuration: whose caBundle to write")
+        if self.mutating_configuration and not self.webhook_configuration:
+            raise ValueError("--mutating-webhook-configuration needs --webhook-configuration (and a CA to write)")
 
 
 def webhook_settings(args: Any) -> WebhookSettings:
@@ -82,6 +88,8 @@ def webhook_settings(args: Any) -> WebhookSettings:
         hosts=certs.service_hosts(args.service_name, args.namespace or "", args.extra_san or ()),
         lifetimes=lifetimes,
         webhook_configuration=args.webhook_configuration,
+        gate_pods=args.gate_pods,
+        mutating_configuration=args.mutating_webhook_configuration,
         kubeconfig=args.kubeconfig,
         # Often enough to renew in time with a margin of seconds (tests); a GET of the Secret and
         # of the configuration every 10 s at most otherwise.
@@ -126,7 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
-        if self.path.split("?", 1)[0] != "/validate":
+        path = self.path.split("?", 1)[0]
+        claims = self.server.claims
+        if path != "/validate" and (path != "/mutate" or claims is None):
             self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
             return
         length = int(self.headers.get("Content-Length") or 0)
@@ -135,14 +145,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             document = json.loads(self.rfile.read(length))
-            answer = review(document, self.server.driver_name)
+            answer = review(document, self.server.driver_name) if path == "/validate" else mutate(document, claims)
         except ValueError as err:  # ReviewError, and malformed JSON
             LOG.warning("bad admission request from %s: %s", self.client_address[0], err)
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")
             return
         response = answer["response"]
         kind = document["request"].get("kind", {}).get("kind", "")
-        REVIEWS.labels(kind=kind, result="allowed" if response["allowed"] else "denied").inc()
+        result = "gated" if "patch" in response else "allowed" if response["allowed"] else "denied"
+        REVIEWS.labels(kind=kind, result=result).inc()
         if not response["allowed"]:
             LOG.info("denied: %s", response["status"]["message"])
         self._reply(HTTPStatus.OK, json.dumps(answer).encode(), "application/json")
@@ -166,8 +177,9 @@ class _Handler(BaseHTTPRequestHandler):
 class WebhookServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, settings: WebhookSettings, tls: ssl.SSLContext) -> None:
+    def __init__(self, settings: WebhookSettings, tls: ssl.SSLContext, claims: ClaimReader | None = None) -> None:
         self.driver_name = settings.driver_name
+        self.claims = claims  # /mutate answers only with a reader (--gate-pods)
         self._tls = (0, tls)  # (the certificate's number, its context): swapped as one
         self._connection = threading.local()  # each connection has a thread of its own
         super().__init__((settings.bind_address, settings.port), _Handler)
@@ -203,9 +215,10 @@ def certificate_source(settings: WebhookSettings) -> SelfManaged | MountedFiles:
         api = ClientCertApi(settings.kubeconfig)
     if settings.tls_secret:
         return SelfManaged(api, settings.namespace, settings.tls_secret, settings.hosts, settings.lifetimes,
-                           settings.webhook_configuration)  # fmt: skip
+                           settings.webhook_configuration, mutating=settings.mutating_configuration)  # fmt: skip
     assert settings.cert_file is not None and settings.key_file is not None
-    publisher = CaBundlePublisher(api, settings.webhook_configuration) if settings.ca_file else None
+    publisher = (CaBundlePublisher(api, settings.webhook_configuration, settings.mutating_configuration)
+                 if settings.ca_file else None)  # fmt: skip
     return MountedFiles(settings.cert_file, settings.key_file, settings.ca_file, publisher)
 
 
@@ -241,11 +254,14 @@ def run_webhook(settings: WebhookSettings) -> None:
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             flags = "--tls-cert-file/--tls-private-key-file"
             raise ValueError(f"{flags}: cannot load {settings.cert_file}: {err}") from err
-    server = WebhookServer(settings, tls[0])
+    claims = ClientCertApi(settings.kubeconfig) if settings.gate_pods else None
+    server = WebhookServer(settings, tls[0], claims)
     if rotator.stopped.is_set():
         return
     rotator.start()
     LOG.info("validating %s configs on https://%s:%d/validate", settings.driver_name, *server.server_address[:2])
+    if claims is not None:
+        LOG.info("gating pods of opt-in claims on https://%s:%d/mutate", *server.server_address[:2])
     try:
         server.serve_forever()
     finally:

@@ -23,7 +23,7 @@ from cryptography import x509
 
 from driver.admission import certs
 from driver.admission.lifetimes import Lifetimes, duration
-from driver.admission.rotation import CaBundlePublisher, MountedFiles, Rotator, SelfManaged
+from driver.admission.rotation import MUTATING, VALIDATING, CaBundlePublisher, MountedFiles, Rotator, SelfManaged
 from driver.admission.server import WebhookServer, WebhookSettings, tls_context
 from driver.kube import ConflictError
 
@@ -46,6 +46,7 @@ class FakeApi:
             "metadata": {"name": "fgpu-webhook"},
             "webhooks": [{"name": name, "clientConfig": {"service": {"name": "s"}}} for name in webhooks],
         }
+        self.mutating: dict[str, Any] | None = None  # a MutatingWebhookConfiguration, when a test adds one
         self.patches: list[list[str]] = []
         self.before_write: list[Any] = []  # callables run before a create or replace lands: races
         self.lock = threading.Lock()
@@ -83,13 +84,14 @@ class FakeApi:
             self.secrets[(namespace, name)] = stored
             return copy.deepcopy(stored)
 
-    def read_webhook_configuration(self, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.configuration)
+    def read_webhook_configuration(self, name: str, kind: str = VALIDATING) -> dict[str, Any] | None:
+        return copy.deepcopy(self.mutating if kind == MUTATING else self.configuration)
 
-    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes) -> None:
-        assert self.configuration is not None
+    def patch_ca_bundle(self, name: str, webhooks: Sequence[str], ca_bundle: bytes, kind: str = VALIDATING) -> None:
+        configuration = self.mutating if kind == MUTATING else self.configuration
+        assert configuration is not None
         self.patches.append(list(webhooks))
-        for webhook in self.configuration["webhooks"]:
+        for webhook in configuration["webhooks"]:
             if webhook["name"] in webhooks:
                 webhook["clientConfig"]["caBundle"] = base64.b64encode(ca_bundle).decode()
 
@@ -250,6 +252,32 @@ def test_a_wiped_caBundle_is_written_again_and_a_missing_configuration_waits() -
     assert managed.sync()[1] and api.patches[-1] == ["b.gpu.fgpu.dev"]
     api.configuration = None
     assert managed.sync()[1] is False
+
+
+def test_the_caBundle_goes_into_the_mutating_configuration_too_which_may_be_absent() -> None:
+    api, clock = FakeApi(), [T0]
+    managed = SelfManaged(api, "fgpu-system", "fgpu-webhook-certs", HOSTS, SHORT, "fgpu-webhook",
+                          clock=lambda: clock[0], mutating="fgpu-webhook")  # fmt: skip
+    bundle, written = managed.sync()  # no MutatingWebhookConfiguration (yet): the validating one is written
+    assert written and api.patches == [["a.gpu.fgpu.dev", "b.gpu.fgpu.dev"]]
+    api.mutating = {
+        "metadata": {"name": "fgpu-webhook"},
+        "webhooks": [{"name": "pods.gpu.fgpu.dev", "clientConfig": {}}],
+    }
+    assert managed.sync()[1] and api.patches[-1] == ["pods.gpu.fgpu.dev"]
+    assert api.mutating["webhooks"][0]["clientConfig"]["caBundle"] == base64.b64encode(bundle.ca_bundle).decode()
+    assert managed.sync()[1] is False  # both current: nothing written
+
+
+def test_mounted_files_publish_their_ca_to_both_configurations(tmp_path: Path) -> None:
+    bundle = certs.issue("x", HOSTS, SHORT)
+    for name, data in bundle.secret_data().items():
+        (tmp_path / name).write_bytes(data)
+    api = FakeApi(("a.gpu.fgpu.dev",))
+    api.mutating = {"metadata": {"name": "m"}, "webhooks": [{"name": "pods.gpu.fgpu.dev", "clientConfig": {}}]}
+    files = MountedFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt",
+                         CaBundlePublisher(api, "fgpu-webhook", "m"))  # fmt: skip
+    assert files.sync()[1] and api.patches == [["a.gpu.fgpu.dev"], ["pods.gpu.fgpu.dev"]]
 
 
 def test_mounted_files_publish_their_ca(tmp_path: Path) -> None:

@@ -1,0 +1,92 @@
+"""Opt-in without editing pods: the scheduling gate added at pod create (POST /mutate).
+
+A pod that uses an opt-in claim (labelled `gpu.fgpu.dev/allocator: fgpu`, driver/controller/labels.py)
+gets the gate `gpu.fgpu.dev/allocation`, so that kube-scheduler leaves it to fgpu's controller, as
+if its author had written the gate. A claim by name (`resourceClaimName`) is read; one made from a
+template (`resourceClaimTemplateName`) does not exist yet at pod create (kube-controller-manager makes
+it afterwards, with the template's `spec.metadata.labels`), so the template is read.
+
+Never a refusal: a pod that uses no opt-in claim, a claim or template not found, or an API server
+that cannot be read is admitted unchanged (logged), and kube-scheduler allocates its claims as it
+would without fgpu's controller. A pod already carrying the gate is left as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any, Protocol
+
+from driver.admission.review import REVIEW_API_VERSION, admission_request
+from driver.controller.labels import SCHEDULING_GATE, gated, opted_in
+from driver.kube import KubeError
+
+LOG = logging.getLogger("fgpu.webhook")
+
+
+class ClaimReader(Protocol):
+    """Reads one claim or template; None when it does not exist, KubeError when it cannot be read."""
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def read_claim_template(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+def gate_patch(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON patch adding fgpu's scheduling gate (none when the pod has it already)."""
+    if gated(pod):
+        return []
+    gate = {"name": SCHEDULING_GATE}
+    if (pod.get("spec") or {}).get("schedulingGates"):
+        return [{"op": "add", "path": "/spec/schedulingGates/-", "value": gate}]
+    return [{"op": "add", "path": "/spec/schedulingGates", "value": [gate]}]
+
+
+def template_opted_in(template: dict[str, Any]) -> bool:
+    """Whether the claims made from this template carry the opt-in label."""
+    return opted_in(template.get("spec") or {})  # its spec.metadata is the claims' metadata
+
+
+def opt_in_reason(pod: dict[str, Any], namespace: str, reader: ClaimReader) -> tuple[str | None, str]:
+    """(the opt-in claim or template that asks for the gate, or None; why not, for the log)."""
+    why = []
+    for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
+        if not isinstance(ref, dict):
+            continue
+        if name := ref.get("resourceClaimName"):
+            what, obj = f"ResourceClaim {namespace}/{name}", reader.read_claim(namespace, name)
+            yes = obj is not None and opted_in(obj)
+        elif name := ref.get("resourceClaimTemplateName"):
+            what, obj = f"ResourceClaimTemplate {namespace}/{name}", reader.read_claim_template(namespace, name)
+            yes = obj is not None and template_opted_in(obj)
+        else:
+            continue
+        if yes:
+            return what, ""
+        why.append(f"{what} {'not found' if obj is None else 'not opted in'}")
+    return None, "; ".join(why) or "no claim named"
+
+
+def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
+    """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
+    request = admission_request(document)
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
+    pod = request.get("object") if isinstance(request.get("object"), dict) else {}
+    kind = (request.get("kind") or {}).get("kind", "")
+    meta = pod.get("metadata") or {}
+    namespace = request.get("namespace") or meta.get("namespace") or ""
+    name = f"{namespace}/{meta.get('name') or meta.get('generateName', '') + '*'}"
+    if kind == "Pod" and request.get("operation", "CREATE") == "CREATE" and not gated(pod):
+        try:
+            source, why = opt_in_reason(pod, namespace, reader)
+        except KubeError as err:  # never a refusal for our own read failure: kube-scheduler allocates
+            LOG.warning("pod %s admitted without the scheduling gate: cannot read its claims: %s", name, err)
+            source, why = None, ""
+        if source is not None:
+            patch = gate_patch(pod)
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+            LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, source)
+        elif why:
+            LOG.info("pod %s not gated: %s", name, why)
+    return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}
