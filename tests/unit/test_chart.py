@@ -284,6 +284,15 @@ def rbac_rules(objects: list[dict[str, Any]], kind: str, name: str) -> set[tuple
     }
 
 
+# Gating pods: one get of the claim or template a pod names, at its create; no list, no watch, no write.
+GATE_READS = {("resource.k8s.io", "resourceclaims", "get"), ("resource.k8s.io", "resourceclaimtemplates", "get")}
+CA_WRITES = {
+    ("admissionregistration.k8s.io", resource, verb, "fgpu-webhook")
+    for resource in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations")
+    for verb in ("get", "patch")
+}
+
+
 def test_self_managed_webhook_keeps_its_own_certificate_with_least_privilege() -> None:
     objects = render({"webhook.failurePolicy": "Fail", "driverName": "gpu.example.com"}, namespace="gpus")
     args = webhook_args(objects)
@@ -291,6 +300,7 @@ def test_self_managed_webhook_keeps_its_own_certificate_with_least_privilege() -
     settings.check()  # the flags go together, as fgpu webhook checks them
     assert (settings.driver_name, settings.port, settings.tls_secret) == ("gpu.example.com", 8443, "fgpu-webhook-certs")
     assert settings.namespace == "gpus" and settings.webhook_configuration == "fgpu-webhook"
+    assert settings.gate_pods and settings.mutating_configuration == "fgpu-webhook"
     service = find(objects, "Service", "webhook")
     assert f"{service['metadata']['name']}.gpus.svc" in settings.hosts  # the name kube-apiserver dials
     assert settings.lifetimes == Lifetimes(8760 * 3600, 720 * 3600, 87600 * 3600)
@@ -312,11 +322,9 @@ def test_self_managed_webhook_keeps_its_own_certificate_with_least_privilege() -
             "name": service["metadata"]["name"], "namespace": "gpus", "path": "/validate", "port": 443
         }  # fmt: skip
         assert '== "gpu.example.com"' in webhook["matchConditions"][0]["expression"]
-    # Its own configuration's caBundle, and its own Secret (create cannot be held to a name).
-    assert rbac_rules(objects, "ClusterRole", "webhook") == {
-        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "fgpu-webhook"),
-        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", "fgpu-webhook"),
-    }
+    # Its own configurations' caBundle, the claims and templates pods name, and its own Secret
+    # (create cannot be held to a name).
+    assert rbac_rules(objects, "ClusterRole", "webhook") == CA_WRITES | GATE_READS
     assert rbac_rules(objects, "Role", "webhook") == {
         ("", "secrets", "get", "fgpu-webhook-certs"),
         ("", "secrets", "update", "fgpu-webhook-certs"),
@@ -346,9 +354,10 @@ def test_webhook_on_the_nodes_network_reaches_an_explicit_api_server() -> None:
 
 def test_cert_manager_mode_issues_the_certificate_and_injects_its_ca() -> None:
     objects = render(WEBHOOK_MODES["cert-manager"], namespace="gpus")
-    configuration = find(objects, "ValidatingWebhookConfiguration")
-    assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "gpus/fgpu-webhook"}
-    assert all("caBundle" not in w["clientConfig"] for w in configuration["webhooks"])
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        configuration = find(objects, kind)
+        assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "gpus/fgpu-webhook"}
+        assert all("caBundle" not in w["clientConfig"] for w in configuration["webhooks"])
     serving = next(o for o in objects if o["kind"] == "Certificate" and o["metadata"]["name"] == "fgpu-webhook")
     assert serving["spec"]["secretName"] == "fgpu-webhook-tls"
     assert serving["spec"]["dnsNames"] == ["fgpu-webhook", "fgpu-webhook.gpus", "fgpu-webhook.gpus.svc"]
@@ -362,17 +371,23 @@ def test_cert_manager_mode_issues_the_certificate_and_injects_its_ca() -> None:
         "fgpu-webhook-ca": {"ca": {"secretName": "fgpu-webhook-ca"}},
     }
     assert serving["spec"]["issuerRef"] == {"name": "fgpu-webhook-ca", "kind": "Issuer", "group": "cert-manager.io"}
-    # The webhook reads the mounted Secret (again when cert-manager renews it) and needs no API access.
+    # The webhook reads the mounted Secret (again when cert-manager renews it); its API access is
+    # only the reads of gating pods (none without them).
     args = webhook_args(objects)
     assert (str(args.tls_cert_file), str(args.tls_private_key_file), args.tls_secret) == (
         "/tls/tls.crt",
         "/tls/tls.key",
         "",
     )
+    assert args.gate_pods and (args.webhook_configuration, args.mutating_webhook_configuration) == ("", "")
     spec = find(objects, "Deployment", "webhook")["spec"]["template"]["spec"]
     assert spec["volumes"] == [{"name": "tls", "secret": {"secretName": "fgpu-webhook-tls"}}]
-    assert spec["automountServiceAccountToken"] is False
-    assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole") and "webhook" in o["metadata"]["name"]]
+    assert spec["automountServiceAccountToken"] is True
+    assert rbac_rules(objects, "ClusterRole", "webhook") == GATE_READS
+    assert not [o for o in objects if o["kind"] == "Role" and "webhook" in o["metadata"]["name"]]
+    ungated = render({**WEBHOOK_MODES["cert-manager"], "webhook.gatePods.enabled": False})
+    assert find(ungated, "Deployment", "webhook")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert not [o for o in ungated if o["kind"] in ("Role", "ClusterRole") and "webhook" in o["metadata"]["name"]]
 
     own = render(WEBHOOK_MODES["cert-manager, own issuer"])
     assert [o["metadata"]["name"] for o in own if o["kind"] in ("Issuer", "Certificate")] == ["fgpu-webhook"]
@@ -385,25 +400,46 @@ def test_cert_manager_mode_issues_the_certificate_and_injects_its_ca() -> None:
 
 def test_an_operators_secret_with_or_without_its_ca() -> None:
     given = render(WEBHOOK_MODES["existing Secret and CA"])
-    assert {w["clientConfig"]["caBundle"] for w in find(given, "ValidatingWebhookConfiguration")["webhooks"]} == {
-        "Q0EK"
-    }
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        assert {w["clientConfig"]["caBundle"] for w in find(given, kind)["webhooks"]} == {"Q0EK"}
     spec = find(given, "Deployment", "webhook")["spec"]["template"]["spec"]
     assert spec["volumes"] == [{"name": "tls", "secret": {"secretName": "corp-tls"}}]
-    assert spec["automountServiceAccountToken"] is False and webhook_args(given).ca_bundle_file is None
-    assert not [
-        o for o in given if o["kind"] in ("Role", "ClusterRole", "Secret") and "webhook" in o["metadata"]["name"]
-    ]
+    assert webhook_args(given).ca_bundle_file is None and webhook_args(given).mutating_webhook_configuration == ""
+    assert rbac_rules(given, "ClusterRole", "webhook") == GATE_READS  # only the reads of gating pods
+    assert not [o for o in given if o["kind"] in ("Role", "Secret") and "webhook" in o["metadata"]["name"]]
     # Without the CA as a value, the webhook copies the Secret's ca.crt into the caBundle itself.
     read = render(WEBHOOK_MODES["existing Secret"])
     args = webhook_args(read)
     assert (str(args.ca_bundle_file), args.webhook_configuration) == ("/tls/ca.crt", "fgpu-webhook")
+    assert args.mutating_webhook_configuration == "fgpu-webhook"
     webhook_settings(args).check()
-    assert rbac_rules(read, "ClusterRole", "webhook") == {
-        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "fgpu-webhook"),
-        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch", "fgpu-webhook"),
-    }
+    assert rbac_rules(read, "ClusterRole", "webhook") == CA_WRITES | GATE_READS
     assert not [o for o in read if o["kind"] == "Role" and "webhook" in o["metadata"]["name"]]  # no Secrets
+
+
+def test_pods_of_opt_in_claims_are_gated_by_a_mutating_webhook_for_pods_with_claims_only() -> None:
+    objects = render({"webhook.gatePods.failurePolicy": "Fail", "webhook.timeoutSeconds": 3}, namespace="gpus")
+    (webhook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert webhook["name"] == "pods.gpu.fgpu.dev" and webhook["sideEffects"] == "None"
+    assert (webhook["failurePolicy"], webhook["timeoutSeconds"], webhook["reinvocationPolicy"]) == ("Fail", 3, "Never")
+    assert webhook["clientConfig"] == {
+        "service": {"name": "fgpu-webhook", "namespace": "gpus", "path": "/mutate", "port": 443}
+    }
+    assert webhook["rules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+    ]
+    assert webhook["matchConditions"] == [{
+        "name": "has-resource-claims",
+        "expression": "has(object.spec.resourceClaims) && size(object.spec.resourceClaims) > 0",
+    }]  # fmt: skip
+    assert find(render(), "MutatingWebhookConfiguration")["webhooks"][0]["failurePolicy"] == "Ignore"
+    # The controller lifts the gate: without it (or with gatePods off) no pod is gated, nothing read.
+    for values in ({"controller.enabled": False}, {"webhook.gatePods.enabled": False}):
+        off = render(values)
+        assert not [o for o in off if o["kind"] == "MutatingWebhookConfiguration"]
+        args = webhook_args(off)
+        assert not args.gate_pods and args.mutating_webhook_configuration == ""
+        assert rbac_rules(off, "ClusterRole", "webhook") == {r for r in CA_WRITES if "validating" in r[1]}
 
 
 def test_webhook_modes_that_do_not_go_together() -> None:

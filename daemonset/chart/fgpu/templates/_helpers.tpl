@@ -84,11 +84,26 @@ self-managed
 {{- end -}}
 {{- end -}}
 
-{{/* Whether the webhook calls the API server: self-managed (its Secret and caBundle), or an
-  existing Secret whose CA it copies into the caBundle. */}}
-{{- define "fgpu.webhookUsesApi" -}}
+{{/* Whether the webhook writes its configurations' caBundle: self-managed (from its Secret), or an
+  existing Secret whose CA it copies. */}}
+{{- define "fgpu.webhookWritesCaBundle" -}}
 {{- $mode := include "fgpu.webhookCertMode" . -}}
 {{- if or (eq $mode "self-managed") (and (eq $mode "existing-secret") (not .Values.webhook.tls.caBundle)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the webhook gates pods of opt-in claims (a MutatingWebhookConfiguration): only where
+  the controller runs, which lifts the gate. */}}
+{{- define "fgpu.webhookGatesPods" -}}
+{{- if and .Values.webhook.gatePods.enabled .Values.controller.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the webhook calls the API server: to write a caBundle, or to read claims and templates. */}}
+{{- define "fgpu.webhookUsesApi" -}}
+{{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookGatesPods" .) -}}
 true
 {{- end -}}
 {{- end -}}
