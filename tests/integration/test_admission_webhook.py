@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes.client import AdmissionregistrationV1Api, ApiException, CoreV1Api, ResourceV1Api
+from kubernetes.client import AdmissionregistrationV1Api, ApiException, BatchV1Api, CoreV1Api, ResourceV1Api
 from kubernetes.dynamic import DynamicClient
 
 from testbed.cluster.harness import Cluster, free_port
@@ -297,8 +297,8 @@ def self_managed(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., Sel
     admission = AdmissionregistrationV1Api(cluster.api_client())
     core = CoreV1Api(cluster.api_client())
 
-    def start(count: int = 1, *flags: str) -> SelfManaged:
-        ports = [free_port() for _ in range(count)]
+    def start(count: int = 1, *flags: str, ports: list[int] | None = None) -> SelfManaged:
+        ports = ports or [free_port() for _ in range(count)]
         name, secret = unique("fgpu-webhook-selfmanaged"), unique("fgpu-webhook-certs")
         admission.create_validating_webhook_configuration(self_managed_configuration(ports[0], name))
         handle = SelfManaged(cluster, secret, name, [], ports, [tmp_path / f"webhook-{p}.log" for p in ports])
@@ -390,3 +390,116 @@ def test_applied_again_by_a_gitops_tool_the_configuration_keeps_or_regains_its_c
     assert not any(webhook.ca_bundles())
     wait_refusing(resource_api, timeout_s=20)
     assert webhook.ca_bundles() == {base64.b64encode(webhook.stored()["ca.crt"]).decode()}
+
+
+# --- opt-in without editing pods: the scheduling gate at pod create ----------------------------------
+
+GATE = "gpu.fgpu.dev/allocation"
+
+
+def gating_configuration(port: int, name: str) -> dict[str, Any]:
+    """The chart's MutatingWebhookConfiguration at this host's webhook, failurePolicy Fail (so that a
+    pod created means the webhook answered or was never asked), no caBundle: the webhook writes it."""
+    config = find(render({"webhook.gatePods.failurePolicy": "Fail"}), "MutatingWebhookConfiguration")
+    config["metadata"] = {"name": name}
+    for webhook in config["webhooks"]:
+        webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate"}
+    return config
+
+
+def claim_template(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev"}}
+    return {
+        "metadata": {"name": name},
+        "spec": {"metadata": {"labels": labels}, "spec": {"devices": {"requests": [request]}}},
+    }
+
+
+def pod_with(template: str | None) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "c", "image": "registry.k8s.io/pause:3.10"}
+    spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
+    if template is not None:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": template}]
+        container["resources"] = {"claims": [{"name": "gpu"}]}
+    return {"metadata": {"name": unique("pod")}, "spec": spec}
+
+
+def gates(pod: Any) -> list[str]:
+    return [g.name for g in pod.spec.scheduling_gates or ()]
+
+
+def test_pods_of_an_opt_in_template_are_gated_at_create_others_are_not_and_pods_without_claims_never_sent(
+    cluster, self_managed, resource_api, core_api
+) -> None:
+    admission = AdmissionregistrationV1Api(cluster.api_client())
+    batch = BatchV1Api(cluster.api_client())
+    port, mutating = free_port(), unique("fgpu-webhook-gating")
+    opt_in, plain = unique("opt-in"), unique("plain")
+    admission.create_mutating_webhook_configuration(gating_configuration(port, mutating))
+    pods: list[str] = []
+    try:
+        resource_api.create_namespaced_resource_claim_template(
+            NS, claim_template(opt_in, {"gpu.fgpu.dev/allocator": "fgpu"})
+        )
+        resource_api.create_namespaced_resource_claim_template(NS, claim_template(plain, {}))
+        webhook = self_managed(1, "--gate-pods", f"--mutating-webhook-configuration={mutating}", ports=[port])
+        # The webhook writes the mutating configuration's caBundle too; until kube-apiserver trusts
+        # it, a pod with claims is refused (failurePolicy Fail): retried.
+        deadline = time.monotonic() + 30
+        while True:
+            body = pod_with(opt_in)
+            try:
+                created = core_api.create_namespaced_pod(NS, body)
+                break
+            except ApiException as err:
+                assert time.monotonic() < deadline, f"the gating webhook never answered: {err.body}"
+                time.sleep(0.3)
+        pods.append(created.metadata.name)
+        assert gates(created) == [GATE]
+        ca = base64.b64encode(webhook.stored()["ca.crt"]).decode()
+        assert {
+            w.client_config.ca_bundle for w in admission.read_mutating_webhook_configuration(mutating).webhooks
+        } == {ca}
+        # The same pod already gated by its author: one gate, not two.
+        gated = pod_with(opt_in)
+        gated["spec"]["schedulingGates"] = [{"name": GATE}]
+        pods.append(gated["metadata"]["name"])
+        assert gates(core_api.create_namespaced_pod(NS, gated)) == [GATE]
+        # A template without the opt-in label, and one that does not exist: admitted ungated.
+        for template in (plain, unique("missing")):
+            body = pod_with(template)
+            pods.append(body["metadata"]["name"])
+            assert gates(core_api.create_namespaced_pod(NS, body)) == []
+        log = webhook.logs[0].read_text()
+        assert f"gated ({GATE}): ResourceClaimTemplate {NS}/{opt_in} opts in" in log
+        assert f"not gated: ResourceClaimTemplate {NS}/{plain} not opted in" in log
+        assert "not found" in log
+        # A Job's pods (made by kube-controller-manager, nobody editing them) are gated too.
+        job = unique("job")
+        template = pod_with(opt_in)
+        template["spec"]["restartPolicy"] = "Never"
+        batch.create_namespaced_job(NS, {"metadata": {"name": job}, "spec": {"template": {"spec": template["spec"]}}})
+        deadline = time.monotonic() + 30
+        while not (made := core_api.list_namespaced_pod(NS, label_selector=f"job-name={job}").items):
+            assert time.monotonic() < deadline, "the Job made no pod"
+            time.sleep(0.3)
+        assert gates(made[0]) == [GATE]
+        batch.delete_namespaced_job(job, NS, propagation_policy="Background")
+        # With the webhook down (failurePolicy Fail): a pod with claims is refused, so a pod without
+        # claims that is created was never sent (matchConditions).
+        for process in webhook.processes:
+            process.terminate()
+            process.wait(timeout=10)
+        message = refusal(lambda: core_api.create_namespaced_pod(NS, pod_with(opt_in)))
+        assert "failed calling webhook" in message, message
+        bare = pod_with(None)
+        pods.append(bare["metadata"]["name"])
+        assert gates(core_api.create_namespaced_pod(NS, bare)) == []
+    finally:
+        admission.delete_mutating_webhook_configuration(mutating)
+        for name in pods:
+            with contextlib.suppress(ApiException):
+                core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+        for name in (opt_in, plain):
+            with contextlib.suppress(ApiException):
+                resource_api.delete_namespaced_resource_claim_template(name, NS)
