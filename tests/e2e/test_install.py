@@ -28,6 +28,7 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
+from driver.controller.labels import OPT_IN_LABEL, OPT_IN_VALUE
 from testbed.cluster.harness import Cluster, free_port
 from testbed.cluster.image_build import build_image
 from testbed.cluster.images import BUSYBOX_IMAGE
@@ -42,6 +43,7 @@ from testbed.workloads import (
     wait_until,
 )
 from tests.support.chart import CHART, KUBE_VERSION, NAMESPACE, ROOT, helm, helm_command, set_flags
+from tests.support.controller import by_kube_scheduler
 from tests.support.pools import complete_pool
 
 # The first run on a machine makes the base (mmdebstrap, about 5 min) and the image (about 80 s),
@@ -391,35 +393,43 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 def on_test_node(document: dict[str, Any], node: str) -> dict[str, Any]:
     """The example as the test runs it: its pods on the real node (the fake ones run nothing) and
     their containers on the test image (the examples name CUDA images this machine has no registry
-    for), all else as users apply it."""
-    if document["kind"] not in ("Pod", "Deployment"):
+    for; a Job's finish after 15 s, the others sleep), all else as users apply it."""
+    if document["kind"] not in WORKLOADS:
         return document
-    spec = document["spec"]["template"]["spec"] if document["kind"] == "Deployment" else document["spec"]
+    spec = document["spec"] if document["kind"] == "Pod" else document["spec"]["template"]["spec"]
     spec.update(nodeSelector={"kubernetes.io/hostname": node}, terminationGracePeriodSeconds=1)
+    command = "sleep 15" if document["kind"] == "Job" else "exec sleep 3600"
     for container in spec["containers"]:
-        container.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", "exec sleep 3600"])
+        container.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", command])
     return document
 
 
+WORKLOADS = ("Pod", "Deployment", "Job")
+
+
 def example_pods(core: kubernetes.client.CoreV1Api, documents: list[dict[str, Any]]) -> list[Any]:
-    """The pods of an example's Pods and Deployments (by the Deployment's selector)."""
+    """The pods of an example's Pods, Deployments (by their selector) and Jobs (by job-name); None
+    for a workload whose pods are not all there yet."""
     found = []
     for document in documents:
         if document["kind"] == "Pod":
             found.append(core.read_namespaced_pod(document["metadata"]["name"], NS))
-        elif document["kind"] == "Deployment":
-            labels = document["spec"]["selector"]["matchLabels"]
+        elif document["kind"] in ("Deployment", "Job"):
+            if document["kind"] == "Deployment":
+                labels, count = document["spec"]["selector"]["matchLabels"], document["spec"]["replicas"]
+            else:
+                labels, count = {"job-name": document["metadata"]["name"]}, document["spec"]["parallelism"]
             selector = ",".join(f"{key}={value}" for key, value in labels.items())
             replicas = core.list_namespaced_pod(NS, label_selector=selector).items
-            found += replicas if len(replicas) == document["spec"]["replicas"] else [None]
+            found += replicas if len(replicas) >= count else [None]
     return found
 
 
 def delete_example(client: kubernetes.client.ApiClient, documents: list[dict[str, Any]]) -> None:
-    """Pods and Deployments first, gone before the claims and templates (kubelet unprepares)."""
+    """Workloads first, their pods gone before the claims and templates (kubelet unprepares)."""
     dynamic = DynamicClient(client)
     core = kubernetes.client.CoreV1Api(client)
-    workloads = [d for d in documents if d["kind"] in ("Pod", "Deployment")]
+    workloads = [d for d in documents if d["kind"] in WORKLOADS]
     for group in (workloads, [d for d in documents if d not in workloads]):
         for document in group:
             resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
@@ -430,10 +440,19 @@ def delete_example(client: kubernetes.client.ApiClient, documents: list[dict[str
 
 def example_pods_left(core: kubernetes.client.CoreV1Api, workloads: list[dict[str, Any]]) -> bool:
     names = {d["metadata"]["name"] for d in workloads if d["kind"] == "Pod"}
-    prefixes = tuple(f"{d['metadata']['name']}-" for d in workloads if d["kind"] == "Deployment")
+    prefixes = tuple(f"{d['metadata']['name']}-" for d in workloads if d["kind"] != "Pod")
     return any(
         p.metadata.name in names or p.metadata.name.startswith(prefixes) for p in core.list_namespaced_pod(NS).items
     )
+
+
+def placed_by_the_controller(resource: kubernetes.client.ResourceV1Api) -> list[str]:
+    """The opt-in claims there are now, each allocated by fgpu's controller (kube-scheduler owns
+    none of their allocations): the pods were held at create by the webhook's gate."""
+    claims = resource.list_namespaced_resource_claim(NS, label_selector=f"{OPT_IN_LABEL}={OPT_IN_VALUE}").items
+    assert all(c.status and c.status.allocation for c in claims), [c.metadata.name for c in claims]
+    assert not [c.metadata.name for c in claims if by_kube_scheduler(resource, c.metadata.name)]
+    return [c.metadata.name for c in claims]
 
 
 def in_plugin_pod(core: kubernetes.client.CoreV1Api, release: Release, *command: str) -> str:
@@ -461,6 +480,8 @@ def test_a_mock_fault_in_the_plugin_pod_taints_and_an_operator_clears_it(cluster
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(cluster, real_node, release: Release, path: Path) -> None:
+    """Every example's pods run (a Job's run to completion); opt-in claims are placed by the
+    controller, with no gate written by the user (examples/gang.yaml)."""
     client = cluster.api_client()
     core = kubernetes.client.CoreV1Api(client)
     documents = [on_test_node(d, real_node.name) for d in yaml.safe_load_all(path.read_text()) if d]
@@ -470,15 +491,28 @@ def test_example_runs(cluster, real_node, release: Release, path: Path) -> None:
 
         def all_running() -> bool:
             pods = example_pods(core, documents)
-            return bool(pods) and all(p is not None and p.status.phase == "Running" for p in pods)
+            return bool(pods) and all(p is not None and p.status.phase in ("Running", "Succeeded") for p in pods)
 
         try:
             wait_until(f"the pods of {path.name} running", all_running, timeout_s=120)
         except AssertionError as err:
             events = [e for p in example_pods(core, documents) if p for e in pod_events(core, p.metadata.name)]
             raise AssertionError(f"{err}; events: {events}") from None
+        jobs = [d for d in documents if d["kind"] == "Job"]
+        if jobs:
+            assert len(placed_by_the_controller(kubernetes.client.ResourceV1Api(client))) == sum(
+                d["spec"]["parallelism"] for d in jobs
+            )
+        batch = kubernetes.client.BatchV1Api(client)
+        for job in jobs:
+            name, completions = job["metadata"]["name"], job["spec"]["completions"]
+            wait_until(f"job {name} complete", lambda n=name, c=completions: read_succeeded(batch, n) == c)
     finally:
         delete_example(client, documents)
+
+
+def read_succeeded(batch: kubernetes.client.BatchV1Api, name: str) -> int:
+    return batch.read_namespaced_job(name, NS).status.succeeded or 0
 
 
 # --- upgrade and uninstall ----------------------------------------------------------------------

@@ -67,7 +67,7 @@ EXAMPLE_CLAIMS: dict[str, list[str]] = {
     "resourceclaim default/timesliced-gpu (used by pod default/timeslice-a, pod default/timeslice-b)": [TS],
     template_claim("pod default/whole-gpu", "whole-h100"): [WHOLE],
 }
-GANG = [f"resourceclaim default/trainer-{i} (used by pod default/trainer-{i})" for i in range(4)]
+GANG = [template_claim(f"job default/trainer replica {i}", "trainer-gpu") for i in range(4)]
 MIG_MPS_PODS = [template_claim(f"pod default/mig-mps-{x}", "mps-8gi-in-3g") for x in "ab"]
 
 
@@ -92,6 +92,7 @@ def test_every_example_on_one_dgx_h100(machines: dict[str, Path]):
     assert len({device.split("-mig")[0] for device in pair}) == 1  # matchAttribute parentUUID: one GPU
     for subject in GANG:  # all or none
         assert claims[subject]["error"].startswith("gang cannot be placed whole: default/trainer-")
+        assert "-gpu-" in claims[subject]["error"]  # the claims kube-controller-manager makes for the pods
         assert "no device of class gpu.fgpu.dev free on any one node" in claims[subject]["error"]
     for subject in MIG_MPS_PODS:
         assert claims[subject]["error"] == (
