@@ -28,6 +28,7 @@ from typing import Any
 
 from driver.allocator.cluster import Placement
 from driver.allocator.model import Claim
+from driver.allocator.pools import Node, selector_matches
 from driver.allocator.quantity import parse_quantity
 
 JsonObject = dict[str, Any]
@@ -168,38 +169,12 @@ def untolerated_taint(pod: PodNeeds, node: NodeFacts) -> JsonObject | None:
     return None
 
 
-def _requirement_matches(requirement: JsonObject, value: str | None) -> bool:
-    operator, values = requirement.get("operator"), requirement.get("values") or []
-    if operator == "In":
-        return value is not None and value in values
-    if operator == "NotIn":
-        return value is None or value not in values
-    if operator == "Exists":
-        return value is not None
-    if operator == "DoesNotExist":
-        return value is None
-    if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
-        mine, bound = _integer(value), _integer(values[0])
-        if mine is None or bound is None:
-            return False
-        return mine > bound if operator == "Gt" else mine < bound
-    return False
-
-
-def _term_matches(term: JsonObject, node: NodeFacts) -> bool:
-    expressions, fields = term.get("matchExpressions") or [], term.get("matchFields") or []
-    if not expressions and not fields:
-        return False  # an empty term matches no objects
-    if not all(_requirement_matches(r, node.labels.get(r.get("key", ""))) for r in expressions):
-        return False
-    node_fields = {"metadata.name": node.name}
-    return all(_requirement_matches(r, node_fields.get(r.get("key", ""))) for r in fields)
-
-
 def affinity_matches(pod: PodNeeds, node: NodeFacts) -> bool:
     if any(node.labels.get(key) != value for key, value in pod.node_selector.items()):
         return False
-    return pod.required_terms is None or any(_term_matches(term, node) for term in pod.required_terms)
+    if pod.required_terms is None:
+        return True
+    return selector_matches({"nodeSelectorTerms": list(pod.required_terms)}, Node(node.name, dict(node.labels)))
 
 
 def insufficient(pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fraction], pods_on_node: int) -> list[str]:

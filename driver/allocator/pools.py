@@ -51,13 +51,24 @@ def _requirement_matches(requirement: dict[str, Any], value: str | None) -> bool
         return value is not None
     if operator == "DoesNotExist":
         return value is None
-    if operator in ("Gt", "Lt") and value is not None and value.lstrip("-").isdigit() and values:
-        return int(value) > int(values[0]) if operator == "Gt" else int(value) < int(values[0])
+    if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
+        mine, bound = _integer(value), _integer(values[0])
+        if mine is None or bound is None:
+            return False
+        return mine > bound if operator == "Gt" else mine < bound
     return False
 
 
+def _integer(value: Any) -> int | None:
+    try:
+        return int(str(value), 10)
+    except ValueError:
+        return None
+
+
 def selector_matches(selector: dict[str, Any], node: Node) -> bool:
-    """A core/v1 NodeSelector: any term matches when all its requirements do."""
+    """A core/v1 NodeSelector (component-helpers nodeaffinity.go): any term matches when all its
+    requirements do; an empty term matches nothing."""
     for term in selector.get("nodeSelectorTerms") or ():
         expressions = term.get("matchExpressions") or ()
         fields = term.get("matchFields") or ()
