@@ -173,7 +173,6 @@ class PluginProcess:
         reg_server.start()
         self._registration_server = reg_server
         log.info("registration service on %s", settings.registration_socket)
-        self.instance.record_sockets(self._sockets)
         self.instance.remove_dead_instances_sockets()  # a killed instance's registration stays otherwise
         if settings.healthcheck_port >= 0:
             self._serve_health_port(settings.healthcheck_port)
@@ -199,9 +198,12 @@ class PluginProcess:
         self._health_server = health_server
 
     def _bind(self, server: grpc.Server, path: Path) -> None:
-        """Listen on `path` (replacing a stale socket of our own name) and remember the file we bound."""
+        """Listen on `path` (replacing a stale socket of our own name) and record the file we bound
+        before anything can connect to it: killed at any point after, this instance leaves a record
+        the next one removes its sockets by."""
         server.add_insecure_port(prepare_socket_path(path))
         self._sockets.append(BoundSocket.at(path))
+        self.instance.record_sockets(self._sockets)
 
     def stop(self) -> None:
         """Withdraw the registration first, so that kubelet turns to another instance (a rolling
