@@ -28,11 +28,11 @@ from typing import Any
 
 from driver.allocator.cluster import Placement
 from driver.allocator.model import Claim
-from driver.allocator.pools import Node, selector_matches
+from driver.allocator.pools import Node, decimal_integer, selector_matches
 from driver.allocator.quantity import parse_quantity
 
 JsonObject = dict[str, Any]
-CPU, MEMORY, EPHEMERAL, PODS = "cpu", "memory", "ephemeral-storage", "pods"
+CPU, MEMORY, PODS = "cpu", "memory", "pods"
 FILTERED_EFFECTS = ("NoSchedule", "NoExecute")
 UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
 # kube-scheduler's reasons, as its FitError message counts them ("0/3 nodes are available: ..."); a taint
@@ -147,18 +147,11 @@ def _tolerates(toleration: JsonObject, taint: JsonObject) -> bool:
     if operator == "Exists":
         return True
     if operator in ("Lt", "Gt"):
-        mine, theirs = _integer(toleration.get("value")), _integer(taint.get("value"))
+        mine, theirs = decimal_integer(toleration.get("value")), decimal_integer(taint.get("value"))
         if mine is None or theirs is None:
             return False
         return theirs < mine if operator == "Lt" else theirs > mine
     return False
-
-
-def _integer(value: Any) -> int | None:
-    try:
-        return int(str(value), 10)
-    except ValueError:
-        return None
 
 
 def untolerated_taint(pod: PodNeeds, node: NodeFacts) -> JsonObject | None:

@@ -52,14 +52,15 @@ def _requirement_matches(requirement: dict[str, Any], value: str | None) -> bool
     if operator == "DoesNotExist":
         return value is None
     if operator in ("Gt", "Lt") and value is not None and len(values) == 1:
-        mine, bound = _integer(value), _integer(values[0])
+        mine, bound = decimal_integer(value), decimal_integer(values[0])
         if mine is None or bound is None:
             return False
         return mine > bound if operator == "Gt" else mine < bound
     return False
 
 
-def _integer(value: Any) -> int | None:
+def decimal_integer(value: Any) -> int | None:
+    """A label or taint value as the integer Kubernetes compares (Gt/Lt), or None."""
     try:
         return int(str(value), 10)
     except ValueError:

@@ -17,7 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from driver.controller.labels import SCHEDULING_GATE, pod_claim_names
+from driver.controller.informer import object_key
+from driver.controller.labels import gated, pod_claim_names
 from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
 
 JsonObject = dict[str, Any]
@@ -25,29 +26,47 @@ FINISHED = ("Succeeded", "Failed")
 
 
 def node_room(nodes: Iterable[JsonObject], pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> NodeRoom:
-    pods = [p for p in pods if (p.get("status") or {}).get("phase") not in FINISHED]
-    claims_by_key = {_key(c): c for c in claims}
+    live = _live(pods)
+    claims_by_key = {object_key(c): c for c in claims}
+    needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
+    running = []
+    for pod in live:
+        used = [claims_by_key.get(f"{pod['metadata']['namespace']}/{name}") for name in _claim_names(pod)]
+        if node := _where(pod, used):
+            running.append((node, needs[pod["metadata"].get("uid")]))
+    return NodeRoom((NodeFacts.from_object(n) for n in nodes), _pods_of(live, needs, claims_by_key), running)
+
+
+def claim_pods(pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> dict[str, list[PodNeeds]]:
+    """Claim key -> the pods that use it (what a room's `pods_of` holds), for claims that arrive
+    while a pass's room is in use."""
+    live = _live(pods)
+    needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
+    return _pods_of(live, needs, {object_key(c): c for c in claims})
+
+
+def _live(pods: Iterable[JsonObject]) -> list[JsonObject]:
+    return [p for p in pods if (p.get("status") or {}).get("phase") not in FINISHED]
+
+
+def _claim_names(pod: JsonObject) -> list[str]:
+    return pod_claim_names(pod) or _named(pod)
+
+
+def _pods_of(
+    pods: list[JsonObject], needs: dict[Any, PodNeeds], claims_by_key: dict[str, JsonObject]
+) -> dict[str, list[PodNeeds]]:
+    """Claim key -> the pods that name it, and the pod that owns it (a template's claim)."""
     pods_of: dict[str, list[PodNeeds]] = defaultdict(list)
-    running: list[tuple[str, PodNeeds]] = []
-    by_uid = {}
     for pod in pods:
-        needs = PodNeeds.from_object(pod)
-        by_uid[pod["metadata"].get("uid")] = needs
-        names = pod_claim_names(pod) or _named(pod)
-        for name in names:
-            pods_of[f"{pod['metadata']['namespace']}/{name}"].append(needs)
-        if node := _where(pod, [claims_by_key.get(f"{pod['metadata']['namespace']}/{n}") for n in names]):
-            running.append((node, needs))
+        for name in _claim_names(pod):
+            pods_of[f"{pod['metadata']['namespace']}/{name}"].append(needs[pod["metadata"].get("uid")])
     for key, claim in claims_by_key.items():
         for owner in claim["metadata"].get("ownerReferences") or ():
-            needs = by_uid.get(owner.get("uid")) if owner.get("kind") == "Pod" else None
-            if needs is not None and needs not in pods_of[key]:
-                pods_of[key].append(needs)
-    return NodeRoom((NodeFacts.from_object(n) for n in nodes), pods_of, running)
-
-
-def _key(obj: JsonObject) -> str:
-    return f"{obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
+            owner_needs = needs.get(owner.get("uid")) if owner.get("kind") == "Pod" else None
+            if owner_needs is not None and owner_needs not in pods_of[key]:
+                pods_of[key].append(owner_needs)
+    return pods_of
 
 
 def _named(pod: JsonObject) -> list[str]:
@@ -63,7 +82,7 @@ def _where(pod: JsonObject, claims: list[JsonObject | None]) -> str:
         return spec["nodeName"]
     if status.get("nominatedNodeName"):
         return status["nominatedNodeName"]
-    if any(g.get("name") == SCHEDULING_GATE for g in spec.get("schedulingGates") or ()):
+    if gated(pod):
         return ""
     nodes = {_allocated_node(c) for c in claims if c is not None}
     return nodes.pop() if len(nodes) == 1 else ""

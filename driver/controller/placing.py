@@ -20,7 +20,7 @@ from typing import Any
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
-from driver.controller.fit import node_room
+from driver.controller.fit import claim_pods, node_room
 from driver.controller.groups import Groups
 from driver.controller.informer import Informer, object_key
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
@@ -69,8 +69,11 @@ class Placing:
             if arrived:  # a PodGroup's members wait for the next pass too
                 groups = self._groups()
                 arrived = [c for c in arrived if groups.of_claim(c) is None]
+            if not arrived:
+                continue
             handled.update(object_key(c) for c in arrived)
-            room.pods_of = self._room().pods_of  # pods that came with the claims; what this pass took stays
+            # The pods that came with the claims; what this pass took of the nodes stays.
+            room.pods_of = claim_pods(self.informers["pods"].items(), self.informers["claims"].items())
             in_flight += self._submit(allocator, arrived, room)
         wait(in_flight)
         log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)
