@@ -254,16 +254,17 @@ def _share_memory_policy(maximum: int) -> PublishedRequestPolicy:
     return PublishedRequestPolicy(SHARE_DEFAULT_MEMORY, SHARE_MEMORY_STEP, SHARE_MEMORY_STEP, maximum)
 
 
-# compute: active thread percentage, default 10, in steps of 5; clients: one per share.
+# compute: active thread percentage, default 10, in steps of 1 (what CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+# takes; coarser steps round shares up and waste a GPU's leftover: BENCHMARKS.md, openb); clients: one per share.
 _MPS_POLICIES = {
-    "compute": PublishedRequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=5, step=5, maximum=100),
+    "compute": PublishedRequestPolicy(default=MPS_DEFAULT_COMPUTE, minimum=1, step=1, maximum=100),
     "clients": PublishedRequestPolicy(default=1, minimum=1, step=1, maximum=1),
 }
 
 
 def mps_device(gpu: GpuInfo) -> PublishedDevice:
     """MPS shares. memory: pinned device memory limit, default 1Gi, in 256Mi steps; compute:
-    active thread percentage, default 10, in steps of 5; clients: one per share, at most 48."""
+    active thread percentage, default 10, in steps of 1; clients: one per share, at most 48."""
     return PublishedDevice(
         name=mps_device_name(gpu),
         attributes={
