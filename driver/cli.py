@@ -1,4 +1,5 @@
-"""The `fgpu` command: discover, kubelet-plugin, controller, webhook, plan, status, health, mock-fault."""
+"""The `fgpu` command: discover, kubelet-plugin, controller, webhook, plan, status, health, mock-fault,
+mock-usage."""
 
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.idle is not None or args.by:
+        return _usage_status(args)
     nodes = {name.strip() for value in args.node or () for name in value.split(",") if name.strip()}
     api = ClientKubeApi(args.kubeconfig)
     try:
@@ -127,6 +130,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         api.close()
     sys.stdout.write(RENDERERS[args.output](cluster_status(slices, claims, DEFAULT_DRIVER_NAME, nodes)))
+    return 0
+
+
+def _usage_status(args: argparse.Namespace) -> int:
+    """`fgpu status --idle` / `--by namespace`: from the node plugins' metrics."""
+    from driver.usage_report import (
+        MetricsReadError,
+        idle_claims,
+        read_metrics,
+        render_by_namespace,
+        render_idle,
+        usage_by_namespace,
+    )
+
+    urls = [url.strip() for value in args.metrics or () for url in value.split(",") if url.strip()]
+    if not urls:
+        raise SettingsError(
+            "--idle and --by read the node plugins' metrics: give --metrics http://<node>:<port>/metrics"
+        )
+    try:
+        texts = [read_metrics(url) for url in urls]
+    except MetricsReadError as err:
+        print(f"fgpu status: {err}", file=sys.stderr)
+        return 2
+    if args.idle is not None:
+        sys.stdout.write(render_idle(idle_claims(texts, args.idle), args.output))
+    if args.by:
+        sys.stdout.write(render_by_namespace(usage_by_namespace(texts), args.output))
     return 0
 
 
@@ -167,6 +198,28 @@ def cmd_mock_fault(args: argparse.Namespace) -> int:
             mock.set_gpu_lost(args.gpu, args.fault == "lost")
     except mock.NVMLError as err:
         raise SettingsError(f"mock-fault on GPU {args.gpu}: {err}") from err
+    return 0
+
+
+def cmd_mock_usage(args: argparse.Namespace) -> int:
+    from driver.nvml.mock import MockNvml, MockProcess
+    from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
+
+    if not is_mock(args.nvml) or not os.environ.get(MOCK_STATE_ENV):
+        raise SettingsError(f"mock-usage needs --nvml mock:<machine> and {MOCK_STATE_ENV} (the plugin's mock state)")
+    if (args.utilization is None) == (args.pid is None):
+        raise SettingsError("mock-usage: give --utilization, or --pid (with --sm, --memory, --gi/--ci, or --end)")
+    mock: MockNvml = open_backend(args.nvml)
+    mock.nvmlInit()
+    try:
+        if args.utilization is not None:
+            mock.set_utilization(args.gpu, None if args.utilization < 0 else args.utilization)
+        elif args.end:
+            mock.end_process(args.gpu, args.pid)
+        else:
+            mock.set_process(args.gpu, MockProcess(args.pid, args.sm, args.memory, args.gi, args.ci))
+    except mock.NVMLError as err:
+        raise SettingsError(f"mock-usage on GPU {args.gpu}: {err}") from err
     return 0
 
 
@@ -213,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     mock_fault.add_argument("--gi", type=int, help="GPU instance id the XID is attributed to (with --ci)")
     mock_fault.add_argument("--ci", type=int, default=0, help="compute instance id (with --gi)")
     mock_fault.set_defaults(func=cmd_mock_fault)
+
+    mock_usage = commands.add_parser(
+        "mock-usage", help="set what a mock GPU's NVML reports as used, for tests and demos (docs/kueue.md)"
+    )
+    mock_usage.add_argument("--nvml", default=env_default("", "NVML"), help="mock:<machine> [NVML]")
+    mock_usage.add_argument("--gpu", type=int, required=True, help="GPU index")
+    mock_usage.add_argument("--utilization", type=int, help="the GPU's utilisation in percent (-1: simulated again)")
+    mock_usage.add_argument("--pid", type=int, help="a compute process on the GPU (or with --gi/--ci its MIG device)")
+    mock_usage.add_argument("--sm", type=int, default=0, help="the process's SM utilisation in percent")
+    mock_usage.add_argument("--memory", type=int, default=0, help="the process's GPU memory in MiB")
+    mock_usage.add_argument("--gi", type=int, help="the GPU instance id of its MIG device (with --ci)")
+    mock_usage.add_argument("--ci", type=int, default=0, help="the compute instance id (with --gi)")
+    mock_usage.add_argument("--end", action="store_true", help="the process --pid ends")
+    mock_usage.set_defaults(func=cmd_mock_usage)
 
     webhook = commands.add_parser("webhook", help="refuse bad gpu.fgpu.dev opaque configs at admission (HTTPS)")
     webhook.add_argument("--driver-name", default=env_default(DEFAULT_DRIVER_NAME, "DRIVER_NAME"),
@@ -294,6 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--node", action="append", help="only these nodes (repeatable, or a comma list)")
     status.add_argument("-o", "--output", choices=list(RENDERERS), default="table")
+    from driver.admission.lifetimes import duration
+
+    status.add_argument(
+        "--idle", type=duration, metavar="DURATION", help="claims held but unused this long or longer (e.g. 30m)"
+    )
+    status.add_argument("--by", choices=["namespace"], help="GPU-hours by namespace since each plugin started")
+    status.add_argument(
+        "--metrics",
+        action="append",
+        help="with --idle/--by: a node plugin's metrics URL, http://<node>:<port>/metrics (repeatable or comma list)",
+    )
     status.set_defaults(func=cmd_status)
     return parser
 

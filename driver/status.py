@@ -318,20 +318,20 @@ def _json_name(name: str) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
-def to_document(status: ClusterStatus) -> dict[str, Any]:
-    """The model as JSON-ready data with the documented field names."""
+def to_document(status: Any) -> dict[str, Any]:
+    """A model (this one, or driver/usage_report's) as JSON-ready data with the documented field names."""
     return asdict(status, dict_factory=lambda items: {_json_name(k): v for k, v in items})
 
 
-def render_json(status: ClusterStatus) -> str:
+def render_json(status: Any) -> str:
     return json.dumps(to_document(status), indent=2) + "\n"
 
 
-def render_yaml(status: ClusterStatus) -> str:
+def render_yaml(status: Any) -> str:
     return yaml.safe_dump(to_document(status), sort_keys=False)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
 
@@ -385,18 +385,18 @@ def render_table(status: ClusterStatus) -> str:
         [node.name, str(gpu.index), gpu.product, "healthy" if gpu.healthy else "unhealthy", gpu.state, _free_text(gpu)]
         for node, gpu in gpus
     ]
-    lines = _table(["NODE", "GPU", "PRODUCT", "HEALTH", "STATE", "FREE"], rows)
+    lines = table(["NODE", "GPU", "PRODUCT", "HEALTH", "STATE", "FREE"], rows)
     lines += [f"{node.name}: {node.problem}" for node in status.nodes if node.problem]
     lines += [f"{node.name} GPU {gpu.index} offers no {gpu.not_offered}" for node, gpu in gpus if gpu.not_offered]
     claims = [_claim_row(h, node.name, str(gpu.index)) for node, gpu in gpus for h in gpu.claims]
     claims += [_claim_row(h, h.pool, "?") for h in status.unpublished]
     if claims:
-        lines += ["", *_table(["CLAIM", "NODE", "GPU", "DEVICE", "HOLDS", "PODS"], claims)]
+        lines += ["", *table(["CLAIM", "NODE", "GPU", "DEVICE", "HOLDS", "PODS"], claims)]
     taints = [
         [node.name, str(gpu.index), _taint_text(t), _devices_text(t.devices)] for node, gpu in gpus for t in gpu.taints
     ]
     if taints:
-        lines += ["", *_table(["NODE", "GPU", "TAINT", "DEVICES"], taints)]
+        lines += ["", *table(["NODE", "GPU", "TAINT", "DEVICES"], taints)]
     return "\n".join(lines) + "\n"
 
 

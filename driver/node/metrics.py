@@ -4,7 +4,10 @@ Two kinds of metric. Events (kubelet's requests, claim errors, publish failures,
 are counters and histograms in REGISTRY, counted where they happen. What the node holds (prepared
 devices, MIG instances, MPS clients, GPU and MIG memory and utilisation by the pod that holds the
 device) is read at scrape time by NodeCollector: from the checkpoint, which both plugin instances
-of a rolling update share, so either one reports the node's truth, and from NVML.
+of a rolling update share, so either one reports the node's truth, and from NVML. What teams
+used over time (GPU-seconds by namespace and kind, each claim's time since last used;
+driver/node/usage.py) is sampled every SAMPLE_S and at each scrape, and counts since this
+instance started.
 """
 
 from __future__ import annotations
@@ -15,19 +18,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 import pynvml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from driver.allocator.quantity import ceil_int, parse_quantity
 from driver.claims.refs import ErrorReason
 from driver.discovery import GpuInfo
 from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
+from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction, is_busy, pod_uid_of_cgroup
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
 from driver.sharing import MIG_KINDS, DeviceKind
 
@@ -48,6 +54,8 @@ REFUSAL_BY_HTTP_STATUS: dict[int, StatusRefusal] = {
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 # Prepares take 1-50 ms on mock GPUs and a first MPS share ~200 ms; a MIG mode change or a slow
 # API server reach seconds.
+# How often held devices are sampled for GPU-seconds and idle time, besides at each scrape.
+SAMPLE_S = 5.0
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 REGISTRY = CollectorRegistry()
@@ -170,28 +178,43 @@ def set_taints_in_force(counts: Mapping[str, int]) -> None:
 
 
 @dataclass(frozen=True)
-class _Pods:
-    names: tuple[str, ...]
+class ClaimReading:
+    """What the API server says of a prepared claim: the pods holding it (names and UIDs) and the
+    memory each share of it was allocated, by (pool, device, shareID)."""
+
+    pods: tuple[str, ...] = ()
+    pod_uids: tuple[str, ...] = ()
+    share_memory: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Reading:
+    reading: ClaimReading
     read_at: float
 
 
 class ClaimHolders:
     """The pods that hold each prepared claim: its status.reservedFor, looked up at scrape time
-    and kept for `refresh_s`. Not recorded at prepare: kubelet prepares a claim once per node,
-    so a second pod sharing it never reaches the plugin, and the checkpoint stays as it is (an
-    older instance of a rolling update reads it too). An unreachable API server keeps what is
+    and kept for `refresh_s`, with the memory its shares were allocated (for GPU-seconds). Not
+    recorded at prepare: kubelet prepares a claim once per node, so a second pod sharing it never
+    reaches the plugin, and the checkpoint stays as it is (an older instance of a rolling update
+    reads it too). An unreachable API server keeps what is
     known and is not asked again for `refresh_s`, so a scrape never waits on it twice."""
 
     def __init__(self, api: KubeApi, refresh_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._api = api
         self._refresh_s = refresh_s
         self._clock = clock
-        self._known: dict[str, _Pods] = {}
+        self._known: dict[str, _Reading] = {}
         self._quiet_until = 0.0
         self._lock = threading.Lock()
 
     def pods(self, claims: Iterable[PreparedClaim]) -> dict[str, tuple[str, ...]]:
         """Claim UID -> names of the pods holding it (empty where unknown)."""
+        return {uid: reading.pods for uid, reading in self.readings(claims).items()}
+
+    def readings(self, claims: Iterable[PreparedClaim]) -> dict[str, ClaimReading]:
+        """Claim UID -> what is known of it (nothing where unknown)."""
         with self._lock:
             claims = list(claims)
             for claim in claims:
@@ -200,7 +223,7 @@ class ClaimHolders:
                 if (known is None or now - known.read_at >= self._refresh_s) and now >= self._quiet_until:
                     self._look_up(claim, now)
             self._known = {c.uid: self._known[c.uid] for c in claims if c.uid in self._known}
-            return {c.uid: self._known[c.uid].names if c.uid in self._known else () for c in claims}
+            return {c.uid: self._known[c.uid].reading if c.uid in self._known else ClaimReading() for c in claims}
 
     def _look_up(self, claim: PreparedClaim, now: float) -> None:
         try:
@@ -211,14 +234,29 @@ class ClaimHolders:
             log.info("cannot read claim %s/%s for the metrics' pod labels: %s", claim.namespace, claim.name, err)
             self._quiet_until = now + self._refresh_s
             return
-        self._known[claim.uid] = _Pods(_reserving_pods(current, claim.uid), now)
+        self._known[claim.uid] = _Reading(_claim_reading(current, claim.uid), now)
 
 
-def _reserving_pods(claim: JsonObject, uid: str) -> tuple[str, ...]:
+def _claim_reading(claim: JsonObject, uid: str) -> ClaimReading:
     if (claim.get("metadata") or {}).get("uid") != uid:  # gone, or re-created: not the claim we hold
-        return ()
-    reserved = (claim.get("status") or {}).get("reservedFor") or []
-    return tuple(sorted(str(r.get("name")) for r in reserved if r.get("resource") == "pods"))
+        return ClaimReading()
+    status = claim.get("status") or {}
+    pods = sorted(
+        (str(r.get("name")), str(r.get("uid", "")))
+        for r in status.get("reservedFor") or ()
+        if r.get("resource") == "pods"
+    )
+    results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or ()
+    share_memory = {
+        (str(r.get("pool")), str(r.get("device")), str(r.get("shareID"))): _bytes(r["consumedCapacity"]["memory"])
+        for r in results
+        if r.get("shareID") and "memory" in (r.get("consumedCapacity") or {})
+    }
+    return ClaimReading(tuple(n for n, _ in pods), tuple(u for _, u in pods), share_memory)
+
+
+def _bytes(quantity: str) -> int:
+    return ceil_int(parse_quantity(quantity))
 
 
 @dataclass(frozen=True)
@@ -237,7 +275,14 @@ MIG_LABELS = [*GPU_LABELS, "mig", "mig_profile"]
 
 class NodeCollector(Collector):
     def __init__(
-        self, node: str, claims: PreparedClaims, nvml: NvmlSession, gpus: list[GpuInfo], holders: ClaimHolders
+        self,
+        node: str,
+        claims: PreparedClaims,
+        nvml: NvmlSession,
+        gpus: list[GpuInfo],
+        holders: ClaimHolders,
+        clock: Callable[[], float] = time.time,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         self._node = node
         self._claims = claims
@@ -245,12 +290,99 @@ class NodeCollector(Collector):
         self._gpus = gpus
         self._holders = holders
         self._profile_names = {p.profile_id: p.name for gpu in gpus for p in gpu.mig_profiles}
+        self._clock = clock
+        self._proc_root = proc_root  # the host's /proc: the plugin runs with hostPID
+        self._ledger = UsageLedger()
+        self._ledger_lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
-        prepared = [c for c in self._claims.all().values() if c.state == "PrepareCompleted"]
+        prepared = self._prepared_claims()
         yield from self._prepared(prepared)
         holders = self._holders_by_device(prepared)
         yield from self._usage(holders)
+        yield from self._team_usage(self.sample_usage())
+
+    def _prepared_claims(self) -> list[PreparedClaim]:
+        return [c for c in self._claims.all().values() if c.state == "PrepareCompleted"]
+
+    # --- GPU-seconds and idle claims (driver/node/usage.py) ---
+
+    def sample_usage(self) -> float:
+        """One sample of what is held and used (MetricsServer takes one every few seconds, and
+        every scrape one more); returns the sample's wall clock time."""
+        prepared = self._prepared_claims()
+        readings = self._holders.readings(prepared)
+        activity = {gpu.uuid: self._activity(gpu) for gpu in self._gpus}
+        memory = {gpu.uuid: gpu.memory_bytes for gpu in self._gpus}
+        held = []
+        for claim in prepared:
+            reading = readings[claim.uid]
+            for device in claim.devices:
+                seen = activity.get(device.gpu_uuid)
+                if not device.holds or seen is None:  # admin access holds nothing; a GPU NVML lost
+                    continue
+                share = reading.share_memory.get((device.pool, device.device, str(device.share_id)))
+                held.append(
+                    HeldDevice(
+                        claim_uid=claim.uid,
+                        namespace=claim.namespace,
+                        claim=claim.name,
+                        pods=reading.pods,
+                        kind=device.kind,
+                        device=device.device,
+                        gpu_fraction=gpu_fraction(device, memory[device.gpu_uuid], share),
+                        busy=is_busy(device, reading.pod_uids, seen),
+                    )
+                )
+        with self._ledger_lock:
+            now = self._clock()
+            self._ledger.observe(now, held)
+            return now
+
+    def _activity(self, gpu: GpuInfo) -> GpuActivity | None:
+        try:
+            percent = self._nvml.usage(gpu.index).gpu_percent
+            processes = tuple(self._nvml.processes(gpu.index))
+        except pynvml.NVMLError as err:
+            log.debug("no activity of GPU %s at this sample: %s", gpu.uuid, err)
+            return None
+        pods = {p.pid: pod for p in processes if (pod := self._pod_of(p.pid))}
+        return GpuActivity(percent, processes, pods)
+
+    def _pod_of(self, pid: int) -> str | None:
+        try:
+            return pod_uid_of_cgroup((self._proc_root / str(pid) / "cgroup").read_text())
+        except OSError:  # ended since NVML listed it
+            return None
+
+    def _team_usage(self, now: float) -> Iterator[Metric]:
+        with self._ledger_lock:
+            seconds = dict(self._ledger.gpu_seconds)
+            idle = self._ledger.idle(now)
+        gpu_seconds = CounterMetricFamily(
+            "fgpu_gpu_seconds",
+            "GPU-seconds held by prepared claims since the plugin started (a whole GPU 1, a MIG partition "
+            "its memory slices / 8, a share its memory / the GPU's)",
+            labels=["node", "claim_namespace", "kind"],
+        )
+        for (namespace, kind), value in sorted(seconds.items()):
+            gpu_seconds.add_metric([self._node, namespace, kind], value)
+        labels = ["node", *HOLDER_LABELS, "kind", "device"]
+        idle_s = GaugeMetricFamily(
+            "fgpu_claim_idle_seconds", "Time since the claim's device was last used (docs/kueue.md)", labels=labels
+        )
+        last_used = GaugeMetricFamily(
+            "fgpu_claim_last_used_timestamp_seconds",
+            "When the claim's device was last used, or first seen held if not since",
+            labels=labels,
+        )
+        for entry in idle:
+            held = entry.held
+            for pod in held.pods or ("",):
+                values = [self._node, held.namespace, pod, held.claim, held.kind, held.device]
+                idle_s.add_metric(values, entry.idle_s)
+                last_used.add_metric(values, entry.last_used)
+        yield from (gpu_seconds, idle_s, last_used)
 
     def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
         devices = [d for c in prepared for d in c.devices if d.holds]  # admin access holds nothing
@@ -347,11 +479,20 @@ class MetricsServer(BackgroundWorker):
 
     thread_name = "metrics"
 
-    def __init__(self, port: int, registry: CollectorRegistry, retry_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        port: int,
+        registry: CollectorRegistry,
+        retry_s: float = 2.0,
+        sample: Callable[[], object] | None = None,
+        sample_s: float = SAMPLE_S,
+    ) -> None:
         super().__init__()
         self._port = port
         self._registry = registry
         self._retry_s = retry_s
+        self._sample = sample
+        self._sample_s = sample_s
 
     def _run(self) -> None:
         waiting = False
@@ -365,7 +506,16 @@ class MetricsServer(BackgroundWorker):
                 self._stop.wait(self._retry_s)
                 continue
             log.info("Prometheus metrics on port %d", self._port)
-            self._stop.wait()
+            while not self._stop.wait(self._sample_s):
+                self._take_sample()
             server.shutdown()
             server.server_close()
             thread.join()
+
+    def _take_sample(self) -> None:
+        if self._sample is None:
+            return
+        try:
+            self._sample()
+        except Exception:  # the next sample tries again; serving must go on
+            log.exception("usage sample failed")

@@ -178,7 +178,8 @@ class PluginProcess:
             self._serve_health_port(settings.healthcheck_port)
         if settings.metrics_port > 0:
             collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
-            self._metrics_server = MetricsServer(settings.metrics_port, node_registry(collector))
+            registry = node_registry(collector)
+            self._metrics_server = MetricsServer(settings.metrics_port, registry, sample=collector.sample_usage)
             self._metrics_server.start()
 
         probe = partial(self_probe, settings.registration_socket, settings.dra_socket)

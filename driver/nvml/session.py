@@ -70,6 +70,16 @@ class DeviceUsage:
     gpu_percent: int | None  # None on MIG devices and GPUs in MIG mode: NVML does not support it
 
 
+@dataclass(frozen=True)
+class NvmlProcess:
+    """A compute process on a GPU: on which MIG device (None: the GPU itself), and its SM
+    utilisation in NVML's latest sample (None where NVML samples no processes: MIG mode)."""
+
+    pid: int
+    mig_uuid: str | None
+    sm_percent: int | None
+
+
 def _unless_absent(call: Any, *args: Any) -> Any:
     """The call's result, or None where NVML says no such instance (NOT_FOUND, or INVALID_ARGUMENT
     for an id it does not hand out)."""
@@ -246,6 +256,29 @@ class NvmlSession:
         if not self.mig_enabled(index):
             return {}
         return {self.nvml.nvmlDeviceGetUUID(mig): self._usage(mig) for mig in self._mig_handles(self.handle(index))}
+
+    def processes(self, index: int) -> list[NvmlProcess]:
+        """The compute processes on the GPU or, in MIG mode, on each of its MIG devices."""
+        handle = self.handle(index)
+        if self.mig_enabled(index):
+            return [
+                NvmlProcess(p.pid, self.nvml.nvmlDeviceGetUUID(mig), None)
+                for mig in self._mig_handles(handle)
+                for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(mig)
+            ]
+        samples: dict[int, int] | None = {}
+        try:
+            samples = {s.pid: s.smUtil for s in self.nvml.nvmlDeviceGetProcessUtilization(handle, 0)}
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                samples = None
+            elif err.value != pynvml.NVML_ERROR_NOT_FOUND:  # NOT_FOUND: no process ran in its window
+                raise
+        # A listed process without a sample did not run on the SMs in NVML's window: 0.
+        return [
+            NvmlProcess(p.pid, None, None if samples is None else samples.get(p.pid, 0))
+            for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        ]
 
     def _usage(self, handle: Any) -> DeviceUsage:
         memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
