@@ -110,6 +110,18 @@ class GpuInstanceState:
 
 
 @dataclass
+class MockProcess:
+    """A compute process a test says runs on the GPU (`set_process`): on the GPU itself, or on the
+    MIG device of GPU instance gi_id / compute instance ci_id; its SM utilisation in percent."""
+
+    pid: int
+    sm_percent: int = 0
+    memory_mib: int = 0
+    gi_id: int | None = None
+    ci_id: int = 0
+
+
+@dataclass
 class GpuState:
     mig_current: int = 0
     mig_pending: int = 0
@@ -117,6 +129,8 @@ class GpuState:
     gpu_instances: dict[int, GpuInstanceState] = field(default_factory=dict)
     lost: bool = False  # fallen off the bus: every call on it fails with GPU_IS_LOST
     ecc_uncorrected: int = 0  # volatile double-bit ECC errors since the last reset
+    utilization_percent: int | None = None  # set by a test (`set_utilization`); None: the simulated load
+    processes: list[MockProcess] = field(default_factory=list)
 
 
 @dataclass
@@ -150,6 +164,7 @@ class MachineState:
                 cis = {int(k): ComputeInstanceState(**v) for k, v in gi.pop("compute_instances").items()}
                 instances[int(gi_id)] = GpuInstanceState(**gi, compute_instances=cis)
             gpu["gpu_instances"] = instances
+            gpu["processes"] = [MockProcess(**process) for process in gpu.get("processes", [])]
             gpus.append(GpuState(**gpu))
         events = [MockEvent(**event) for event in raw.get("events", [])]
         return cls(gpus=gpus, serial=raw["serial"], events=events)
@@ -157,6 +172,10 @@ class MachineState:
 
 def _fail(code: int) -> NVMLError:
     return NVMLError(code)
+
+
+def _on_mig(gpu: GpuState, mig: MockMigDevice) -> list[MockProcess]:
+    return [p for p in gpu.processes if (p.gi_id, p.ci_id) == (mig.gi_id, mig.ci_id)]
 
 
 def _mps_serving(gpu: GpuState) -> bool:
@@ -301,13 +320,14 @@ class MockNvml:
             gpu = machine.gpus[index]
             if isinstance(device, MockMigDevice):
                 total_mib = self._mig_spec_of(gpu, device.gi_id).memory_mib
-                used_mib = SIMULATED_MIG_RESERVED_MIB
+                used_mib = SIMULATED_MIG_RESERVED_MIB + sum(p.memory_mib for p in _on_mig(gpu, device))
             else:
                 total_mib = self.machine.gpu.memory_mib
                 used_mib = SIMULATED_MIG_RESERVED_MIB * sum(
                     len(gi.compute_instances) for gi in gpu.gpu_instances.values()
                 )
                 used_mib += SIMULATED_MPS_SERVER_MIB if _mps_serving(gpu) else 0
+                used_mib += sum(p.memory_mib for p in gpu.processes)
         memory = pynvml.c_nvmlMemory_t()
         memory.total = total_mib * 1024 * 1024
         memory.used = used_mib * 1024 * 1024
@@ -324,9 +344,53 @@ class MockNvml:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         utilization = pynvml.c_nvmlUtilization_t()
         serving = _mps_serving(gpu)
-        utilization.gpu = SIMULATED_MPS_GPU_PERCENT if serving else 0
+        simulated = SIMULATED_MPS_GPU_PERCENT if serving else 0
+        utilization.gpu = simulated if gpu.utilization_percent is None else gpu.utilization_percent
         utilization.memory = SIMULATED_MPS_MEMORY_PERCENT if serving else 0
         return utilization
+
+    def nvmlDeviceGetComputeRunningProcesses(self, device: object) -> list[pynvml.nvmlFriendlyObject]:
+        """The compute processes on a GPU (all of them, with their instance ids, in MIG mode) or on
+        a MIG device (its own), as pynvml returns them."""
+        index = self._gpu_index(device)
+        with self._machine() as machine:
+            gpu = machine.gpus[index]
+            if gpu.lost:
+                raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if isinstance(device, MockMigDevice):
+                self._mig_spec_of(gpu, device.gi_id)
+                processes = _on_mig(gpu, device)
+            else:
+                processes = list(gpu.processes)
+        infos = []
+        for process in processes:
+            info = pynvml.c_nvmlProcessInfo_v3_t()
+            info.pid, info.usedGpuMemory = process.pid, process.memory_mib * 1024 * 1024
+            info.gpuInstanceId = NO_INSTANCE if process.gi_id is None else process.gi_id
+            info.computeInstanceId = NO_INSTANCE if process.gi_id is None else process.ci_id
+            infos.append(pynvml.nvmlStructToFriendlyObject(info))
+        return infos
+
+    def nvmlDeviceGetProcessUtilization(
+        self, device: object, timeStamp: int
+    ) -> list[pynvml.c_nvmlProcessUtilizationSample_t]:
+        """One sample per process on the GPU, now; NOT_FOUND when there is none, NOT_SUPPORTED on
+        MIG devices and GPUs in MIG mode (NVML samples no processes there)."""
+        if isinstance(device, MockMigDevice):
+            self._gpu_index(device)
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._with_gpu(device, lambda state: state)
+        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        now_us = int(time.time() * 1_000_000)
+        if not gpu.processes or now_us <= timeStamp:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        samples = []
+        for process in gpu.processes:
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.timeStamp, sample.smUtil = process.pid, now_us, process.sm_percent
+            samples.append(sample)
+        return samples
 
     def nvmlDeviceGetCudaComputeCapability(self, device: object) -> tuple[int, int]:
         self._gpu_index(device)
@@ -711,6 +775,33 @@ class MockNvml:
             if state.gpu_instances:
                 raise _fail(pynvml.NVML_ERROR_IN_USE)
             state.mig_current, state.lost, state.ecc_uncorrected = state.mig_pending, False, 0
+
+    def set_utilization(self, gpu: int, percent: int | None) -> None:
+        """The GPU's utilisation as NVML will report it (None: the simulated load again)."""
+        if percent is not None and not 0 <= percent <= 100:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._with_gpu(MockDevice(gpu), lambda state: setattr(state, "utilization_percent", percent), write=True)
+
+    def set_process(self, gpu: int, process: MockProcess) -> None:
+        """A compute process runs on the GPU, or on one of its MIG devices (replacing one of the same
+        pid): NOT_FOUND for a MIG device that does not exist."""
+        if not 0 <= process.sm_percent <= 100 or process.memory_mib < 0:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+        def run(state: GpuState) -> None:
+            if process.gi_id is not None:
+                instance = state.gpu_instances.get(process.gi_id)
+                if instance is None or process.ci_id not in instance.compute_instances:
+                    raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+            state.processes = [p for p in state.processes if p.pid != process.pid] + [process]
+
+        self._with_gpu(MockDevice(gpu), run, write=True)
+
+    def end_process(self, gpu: int, pid: int) -> None:
+        def end(state: GpuState) -> None:
+            state.processes = [p for p in state.processes if p.pid != pid]
+
+        self._with_gpu(MockDevice(gpu), end, write=True)
 
     def set_gpu_lost(self, gpu: int, lost: bool) -> None:
         """Off the bus (every call on it fails), or back, as after a successful reset."""
