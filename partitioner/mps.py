@@ -132,6 +132,9 @@ class MpsPartitioner:
         runs (then it is adopted); True when started. `exclusive_gpu`: the GPU goes to EXCLUSIVE_PROCESS
         so that only the MPS server holds a context on it (not for a partition: the mode is the GPU's)."""
         if self.running(gpu_uuid):
+            if exclusive_gpu and self._session.compute_mode(gpu_index) != pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
+                # A GPU reset put the mode back to DEFAULT under a running daemon.
+                self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
             return False
         for directory in (self.pipe_dir(gpu_uuid), self.log_dir(gpu_uuid), self.shm_dir(gpu_uuid)):
             directory.mkdir(parents=True, exist_ok=True)

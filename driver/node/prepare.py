@@ -117,11 +117,7 @@ class ClaimPreparer:
         ref.validate()
         existing = self.claims.get(ref.uid)
         if existing is not None and existing.state == "PrepareCompleted":
-            # Idempotent: the same answer; the spec is rewritten if it went missing (e.g. a reboot).
-            if not self.cdi.spec_path(ref.uid).exists():
-                self.cdi.write(ref.uid, [d.cdi_device() for d in existing.devices])
-            names = ", ".join(d.device for d in existing.devices)
-            return ClaimResult(devices=existing.devices, summary=f"{names}: already prepared, nothing created")
+            return self._prepare_again(ref, existing)
         if existing is not None:
             self._undo(existing)  # a half-done attempt: roll it back and start afresh
         try:
@@ -148,6 +144,78 @@ class ClaimPreparer:
         crash_point("prepare:completed")
         self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
         return ClaimResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
+
+    def check_prepared(self, gpu_index: int | None = None) -> dict[str, ClaimResult]:
+        """What every prepared claim recorded (or each with a device on one GPU) checked, and made
+        again where it is gone, as kubelet's prepare would: at start-up and after a GPU reset, so
+        that it is there before kubelet asks and whatever cannot be made again is released."""
+        with self.node_wide():
+            refs = [
+                ClaimRef(claim.namespace, claim.name, uid)
+                for uid, claim in self.claims.all().items()
+                if claim.state == "PrepareCompleted"
+                and (gpu_index is None or any(d.gpu_index == gpu_index for d in claim.devices))
+            ]
+            return self._each(refs, self._check_one, "prepare")
+
+    def _check_one(self, ref: ClaimRef) -> ClaimResult:
+        existing = self.claims.get(ref.uid)  # again under the claim's lock: kubelet may have unprepared it
+        if existing is None or existing.state != "PrepareCompleted":
+            return ClaimResult(summary="no longer prepared, nothing checked")
+        return self._prepare_again(ref, existing)
+
+    def _prepare_again(self, ref: ClaimRef, existing: PreparedClaim) -> ClaimResult:
+        """A claim prepared before: what it recorded may be gone, since a reboot or a GPU reset
+        destroys MIG instances and clears MPS daemons, compute modes, time-slice settings and CDI
+        specs. Each device is made again where it is gone: its MIG instance at the same placement
+        (a new UUID and new capability device nodes: the old instance ids may be another claim's
+        by now), its MPS daemon, its interval; the record, the CDI spec and the claim's status
+        follow. Where it cannot be, the claim is released whole (nothing half-made stays) and the
+        error says why; kubelet's retry then prepares it afresh from its allocation."""
+        try:
+            with self._gpu_locks(existing.devices):
+                made = [self._make_again(ref, device) for device in existing.devices]
+        except ClaimError as err:
+            released = self._undo(existing)
+            self.status.clear(ref)
+            raise ClaimError(
+                f"it was prepared before, what it was prepared with is gone (a reboot or a GPU reset) and cannot be "
+                f"made again: {err}; released what it held ({released})",
+                reason=err.reason,
+            ) from err
+        devices = tuple(device for device, _ in made)
+        if devices != existing.devices:
+            self.claims.commit(prepared=[replace(existing, devices=devices)])
+        if devices != existing.devices or not self.cdi.spec_path(ref.uid).exists():
+            self.cdi.write(ref.uid, [d.cdi_device() for d in devices])
+        if devices != existing.devices:
+            self._publish_status(ref, devices)
+        checked = "; ".join(f"{device.device}: {done}" for device, done in made)
+        return ClaimResult(devices=devices, summary=f"already prepared, checked: {checked}")
+
+    def _make_again(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
+        target = self.targets.get(device.device)
+        if target is None or target.gpu.uuid != device.gpu_uuid:
+            raise ClaimError(f"device {device.device} of GPU {device.gpu_uuid} is no longer on this node")
+        made, done = self._make_real(ref, device, again=True)
+        if device.traits.mps and device.traits.in_partition and device.mig_uuid and made.mig_uuid != device.mig_uuid:
+            # The old partition's daemon serves a MIG device that no longer exists.
+            try:
+                self.partitioners.mps.stop(device.gpu_index, device.mig_uuid, exclusive_gpu=False)
+            except ToolError as err:
+                raise ClaimError(str(err), reason=_step_reason(device, err)) from err
+        if device.traits.in_partition and made.mig_uuid != device.mig_uuid:
+            done = f"made again (was {device.mig_uuid}): {done}"
+        return made, done
+
+    def _publish_status(self, ref: ClaimRef, devices: tuple[PreparedDevice, ...]) -> None:
+        """The claim's status with what was made again; best effort, the reconciler repairs it."""
+        try:
+            claim = self._api.get_claim(ref.namespace, ref.name)
+        except KubeError as err:
+            log.warning("claim %s: cannot read it to update its status.devices: %s; the reconciler will", ref, err)
+            return
+        self.status.ensure(ref, devices, claim)
 
     def _plan(self, allocation: ClaimAllocation) -> PreparedClaim:
         """Check every allocated device and config, and describe the work, before any side effect."""
@@ -215,8 +283,10 @@ class ClaimPreparer:
             return replace(device, timeslice_interval=config.interval or "Default")
         return device
 
-    def _make_real(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
-        """Create what the device needs on the GPU; returns it with its CDI edits, and what was done."""
+    def _make_real(self, ref: ClaimRef, device: PreparedDevice, again: bool = False) -> tuple[PreparedDevice, str]:
+        """Create what the device needs on the GPU; returns it with its CDI edits, and what was done.
+        What exists already is kept; `again` (a prepared claim's check) sets the time-slice interval
+        even where another claim's record says it is set: it cannot be read back."""
         gpu = self.targets[device.device].gpu
         gpu_node = f"/dev/nvidia{gpu.minor}"
         if device.admin_access:  # the GPU's node, for monitoring; nothing made or changed on it
@@ -227,7 +297,7 @@ class ClaimPreparer:
             else:
                 # Whole-GPU use (whole, MPS, time-slicing) needs MIG mode off: a MIG device left it on.
                 released = gpu.mig_capable and self.partitioners.mig.release_mig_mode_if_idle(device.gpu_index)
-                device, done = self._make_whole_gpu_use(ref, replace(device, device_nodes=(gpu_node,)))
+                device, done = self._make_whole_gpu_use(ref, replace(device, device_nodes=(gpu_node,)), again)
                 done += ", MIG mode disabled" if released else ""
         except (MigError, ToolError) as err:
             raise ClaimError(str(err), reason=_step_reason(device, err)) from err
@@ -249,7 +319,8 @@ class ClaimPreparer:
             device_nodes=mig_device_nodes(gpu_minor, instance, self._proc_root),
         )
         done = f"MIG {self._profile_name(device)} gi {instance.gi_id} ci {instance.ci_id}"
-        done += " joined" if device.traits.shared and not instance.created else ""
+        if not instance.created:  # a later share of the partition, or a prepared claim's check
+            done += " joined" if device.traits.shared else " in place"
         done += ", MIG mode enabled" if instance.enabled_mig_mode else ""
         if not device.traits.shared:  # the MIG device itself
             return device, done
@@ -263,7 +334,7 @@ class ClaimPreparer:
         device = replace(device, env=limits.env(), mounts=self.partitioners.mps.mounts(instance.uuid))
         return device, done + f", MPS share {limits}, daemon {'started' if started else 'already running'}"
 
-    def _make_whole_gpu_use(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
+    def _make_whole_gpu_use(self, ref: ClaimRef, device: PreparedDevice, again: bool) -> tuple[PreparedDevice, str]:
         """A whole GPU (nothing to make), an MPS share (the GPU's daemon) or a time-sliced share."""
         if device.traits.mps:
             started = self.partitioners.mps.start(device.gpu_index, device.gpu_uuid)
@@ -272,7 +343,7 @@ class ClaimPreparer:
             return device, f"MPS share {limits}, daemon {'started' if started else 'already running'}"
         if device.traits.time_sliced:
             interval = device.timeslice_interval or "Default"
-            if self._timeslice_already_set(ref.uid, device.gpu_index, interval):
+            if not again and self._timeslice_already_set(ref.uid, device.gpu_index, interval):
                 return device, f"timeslice {interval} (already set)"
             self.partitioners.timeslice.set_interval(device.gpu_uuid, interval)
             return device, f"timeslice {interval}"

@@ -1,6 +1,10 @@
 """Start-up recovery: what a crash, a kill or a reboot left on the node, put right before the plugin
 serves kubelet.
 
+Prepared claims are checked first (ClaimPreparer.check_prepared): what a reboot or a GPU reset
+destroyed meanwhile (MIG instances, MPS daemons, compute modes, time-slice settings, CDI specs)
+is made again, or the claim released with its error logged, before kubelet prepares them again.
+
 A claim whose record says it was being prepared or unprepared (PrepareStarted, UnprepareStarted)
 by an instance that no longer runs is undone: rolled back if half-prepared, finished if
 half-unprepared (prepare.py journals each step before its side effect, so the record says what
@@ -25,12 +29,15 @@ log = logging.getLogger(__name__)
 
 def recover(preparer: ClaimPreparer) -> None:
     """Roll back half-prepared claims, finish half-unprepared ones (of instances that no longer
-    run), and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns."""
+    run), check prepared ones, and sweep MIG instances, MPS daemons and CDI specs no prepared claim owns."""
     with preparer.node_wide():
         for claim in preparer.claims.all().values():
             if claim.state != "PrepareCompleted" and not preparer.instance.owner_alive(claim.owner):
                 log.warning("claim %s/%s was left %s by a crash; undoing it", claim.namespace, claim.name, claim.state)
                 preparer.undo_left_over(ClaimRef(claim.namespace, claim.name, claim.uid))
+        # Before the sweeps: a reboot or GPU reset since the claims were prepared destroyed their MIG
+        # instances, and those made again have new UUIDs, by which their MPS daemons go.
+        preparer.check_prepared()
         prepared = preparer.claims.all()
         # MPS first: a partition's orphaned daemon goes before its MIG instance.
         for sweep in (_sweep_mps, _sweep_mig, _sweep_cdi):

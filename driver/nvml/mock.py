@@ -174,6 +174,12 @@ def _fail(code: int) -> NVMLError:
     return NVMLError(code)
 
 
+def _clear_volatile(gpu: GpuState) -> None:
+    gpu.gpu_instances.clear()
+    gpu.compute_mode = pynvml.NVML_COMPUTEMODE_DEFAULT
+    gpu.mig_current, gpu.lost, gpu.ecc_uncorrected = gpu.mig_pending, False, 0
+
+
 def _on_mig(gpu: GpuState, mig: MockMigDevice) -> list[MockProcess]:
     return [p for p in gpu.processes if (p.gi_id, p.ci_id) == (mig.gi_id, mig.ci_id)]
 
@@ -767,14 +773,23 @@ class MockNvml:
             yield Path(root)
 
     def reset_gpu(self, gpu: int) -> None:
-        """What `nvidia-smi -r` does to an idle GPU: a pending MIG mode takes effect, volatile
-        counters start over, a GPU that fell off the bus is back."""
+        """What `nvidia-smi -r` (or the driver's recovery after an XID 79) does to a GPU no process
+        uses: its volatile state is gone. MIG GPU and compute instances are destroyed (NVIDIA's MIG
+        user guide: they do not persist across a GPU reset or reboot; a re-created one gets a new
+        MIG UUID), the compute mode is DEFAULT again, a pending MIG mode takes effect (the mode
+        itself persists), volatile ECC counters start over, a GPU that fell off the bus is back."""
         index = self._gpu_index(MockDevice(gpu))
         with self._machine(write=True) as machine:
-            state = machine.gpus[index]
-            if state.gpu_instances:
+            if machine.gpus[index].processes:  # nvidia-smi -r refuses a GPU that processes use
                 raise _fail(pynvml.NVML_ERROR_IN_USE)
-            state.mig_current, state.lost, state.ecc_uncorrected = state.mig_pending, False, 0
+            _clear_volatile(machine.gpus[index])
+
+    def reboot(self) -> None:
+        """What a reboot (or a driver reload) leaves of every GPU: what a reset leaves of each."""
+        with self._machine(write=True) as machine:
+            for state in machine.gpus:
+                state.processes.clear()
+                _clear_volatile(state)
 
     def set_utilization(self, gpu: int, percent: int | None) -> None:
         """The GPU's utilisation as NVML will report it (None: the simulated load again)."""

@@ -11,6 +11,7 @@ container runtime fails the container otherwise) and a container sees what a GPU
 
 from __future__ import annotations
 
+import json
 import platform
 from importlib import resources
 from pathlib import Path
@@ -64,3 +65,13 @@ def _install(path: Path, content: bytes, mode: int) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, content, durable=False, mode=mode)
+
+
+def forget_timeslices(smi_state: Path, gpu_uuids: set[str] | None = None) -> None:
+    """What a GPU reset (those GPUs) or a reboot (None: all) does to the fake nvidia-smi's compute
+    policies: the time-slice interval is the driver's volatile setting, Default again."""
+    if not smi_state.exists():
+        return
+    state = json.loads(smi_state.read_text() or "{}")
+    kept = {uuid: policy for uuid, policy in state.items() if gpu_uuids is not None and uuid not in gpu_uuids}
+    atomic_write(smi_state, json.dumps(kept).encode(), durable=False, mode=0o644)

@@ -59,7 +59,10 @@ def test_prepare_and_unprepare_each_log_one_line_with_what_changed(node, caplog:
 
     assert env.preparer.prepare([ref])["uid-mixed"].error == ""  # kubelet's retry: nothing new
     (line,) = info_lines(caplog)
-    assert line.endswith("gpu-0, gpu-1-mig-3g40gb-4, gpu-2-mps, gpu-3-ts: already prepared, nothing created")
+    assert line.endswith(
+        f"already prepared, checked: gpu-0: none; gpu-1-mig-3g40gb-4: MIG 3g.40gb gi {gi} ci 0 in place; "
+        "gpu-2-mps: MPS share 20% threads, 8192Mi pinned memory, daemon already running; gpu-3-ts: timeslice Long"
+    ), line  # the interval is set again: it cannot be read back
 
     assert env.preparer.unprepare([ref]) == {"uid-mixed": ""}
     (line,) = info_lines(caplog)

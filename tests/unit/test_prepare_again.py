@@ -1,0 +1,176 @@
+"""A prepared claim whose devices a reboot or a GPU reset destroyed is made again, at start-up,
+after the reset, or when kubelet prepares it again: never answered from the record alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from driver.claims.refs import ClaimRef
+from driver.node.recovery import recover
+from driver.nvml.mock_driver_root import forget_timeslices
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.node_env import NodeEnv
+from testbed.reboot import clear_volatile_state
+
+LONG = {
+    "source": "FromClaim",
+    "requests": [],
+    "opaque": {
+        "driver": "gpu.fgpu.dev",
+        "parameters": {
+            "apiVersion": "gpu.fgpu.dev/v1alpha1",
+            "kind": "ShareConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+        },
+    },
+}
+
+
+def claim(api: InMemoryKubeApi, name: str, device: str, config=None, memory: str | None = None) -> ClaimRef:
+    entry = result(device)
+    if memory:
+        entry = {**entry, "shareID": f"share-{name}", "consumedCapacity": {"memory": memory}}
+    api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", [entry], config)
+    return ClaimRef("default", name, f"uid-{name}")
+
+
+def prepared(env: NodeEnv, api: InMemoryKubeApi, ref: ClaimRef):
+    outcome = env.preparer.prepare([ref])[ref.uid]
+    assert outcome.error == "", outcome.error
+    return outcome
+
+
+def device_nodes(env: NodeEnv, uid: str) -> list[str]:
+    spec = json.loads(env.cdi.spec_path(uid).read_text())
+    return [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+
+
+def timeslice(tmp_path: Path, gpu_uuid: str) -> int:
+    state = json.loads((tmp_path / "fake-smi.json").read_text())
+    return state.get(gpu_uuid, {}).get("timeslice", 0)
+
+
+def reboot(env: NodeEnv, tmp_path: Path) -> None:
+    clear_volatile_state(env.session.nvml, tmp_path / "fake-smi.json", env.cdi.cdi_dir, [tmp_path])
+
+
+def test_after_a_reboot_a_mig_device_is_made_again_and_never_shares_a_new_claims_instance(node, tmp_path: Path):
+    """The bug of NVIDIA's driver #951: answered from the record, the rebooted claim would get the
+    capability device nodes of gi 1, which the mock (as NVIDIA's driver) hands to the next claim."""
+    api, env = node
+    old = claim(api, "old", "gpu-1-mig-1g10gb-6")
+    before = prepared(env, api, old).devices[0]
+    assert before.mig_gi_id == 1
+    reboot(env, tmp_path)
+    newcomer = claim(api, "new", "gpu-1-mig-1g10gb-0")  # prepared first after the reboot: it gets gi 1
+    assert prepared(env, api, newcomer).devices[0].mig_gi_id == 1
+
+    again = env.preparer.prepare([old])[old.uid]
+    assert again.error == ""
+    assert "made again (was " in again.summary
+    [device] = again.devices
+    instances = {(r.profile_id, r.start): r for r in env.session.gpu_instances(1)}
+    record = instances[(before.mig_profile_id, 6)]
+    assert device.mig_uuid == record.compute_instances[0][1] != before.mig_uuid
+    assert device.mig_gi_id == record.gi_id != 1
+    assert env.claims.get(old.uid).devices == (device,)  # the record follows
+    caps_old, caps_new = set(device_nodes(env, old.uid)[1:]), set(device_nodes(env, newcomer.uid)[1:])
+    assert caps_old and not caps_old & caps_new  # no capability of the newcomer's instance
+    status = api.claims[("default", "old")]["status"]["devices"][0]["data"]["mig"]
+    assert (status["uuid"], status["gpuInstanceID"]) == (device.mig_uuid, device.mig_gi_id)
+
+    unchanged = env.preparer.prepare([old])[old.uid]
+    assert unchanged.devices == again.devices and "in place" in unchanged.summary
+
+
+def test_after_a_reboot_the_time_slice_interval_is_set_again(node, tmp_path: Path):
+    api, env = node
+    ref = claim(api, "ts", "gpu-3-ts", config=[LONG], memory="4Gi")
+    other = claim(api, "ts2", "gpu-3-ts", config=[LONG], memory="4Gi")
+    prepared(env, api, ref)
+    prepared(env, api, other)
+    uuid = env.gpus[3].uuid
+    assert timeslice(tmp_path, uuid) == 3
+    reboot(env, tmp_path)
+    assert timeslice(tmp_path, uuid) == 0
+    # The other claim's record says Long is set: only the GPU can say so, and it cannot be read back.
+    again = env.preparer.prepare([ref])[ref.uid]
+    assert again.error == "" and "timeslice Long" in again.summary
+    assert timeslice(tmp_path, uuid) == 3
+    assert env.cdi.spec_path(ref.uid).exists()
+
+
+def test_a_placement_taken_meanwhile_is_a_clear_error_and_leaves_nothing(node, tmp_path: Path):
+    api, env = node
+    ref = claim(api, "mig", "gpu-2-mig-3g40gb-4")
+    prepared(env, api, ref)
+    reboot(env, tmp_path)
+    foreign = env.session.create_mig_instance(2, 14, 4, 2)  # a 2g.20gb of someone else's on slices 4-5
+    outcome = env.preparer.prepare([ref])[ref.uid]
+    assert "claim default/mig (uid uid-mig)" in outcome.error
+    assert "cannot be made again" in outcome.error and "placement 4 on GPU 2" in outcome.error
+    assert env.claims.get(ref.uid) is None and not env.cdi.spec_path(ref.uid).exists()
+    assert env.session.gpu_instances(2) == [foreign]  # theirs untouched, nothing of ours left
+    assert "devices" not in api.claims[("default", "mig")].get("status", {})
+    env.session.destroy_mig_instance(2, foreign.gi_id)
+    assert env.preparer.prepare([ref])[ref.uid].error == ""  # kubelet's retry prepares it afresh
+
+
+def test_a_gpu_reset_makes_that_gpus_claims_again_and_leaves_the_others(node, tmp_path: Path):
+    api, env = node
+    on_reset = claim(api, "reset", "gpu-5-mig-3g40gb-0")
+    elsewhere = claim(api, "elsewhere", "gpu-6-mig-3g40gb-0")
+    before = prepared(env, api, on_reset).devices[0]
+    kept = prepared(env, api, elsewhere).devices[0]
+    env.session.nvml.reset_gpu(5)
+    forget_timeslices(tmp_path / "fake-smi.json", {env.gpus[5].uuid})
+    assert env.session.gpu_instances(5) == []
+    results = env.preparer.check_prepared(gpu_index=5)
+    assert set(results) == {on_reset.uid} and results[on_reset.uid].error == ""
+    [record] = env.session.gpu_instances(5)
+    assert (record.profile_id, record.start) == (before.mig_profile_id, before.mig_start)
+    assert env.claims.get(on_reset.uid).devices[0].mig_uuid == record.compute_instances[0][1] != before.mig_uuid
+    assert env.claims.get(elsewhere.uid).devices[0] == kept
+
+
+@pytest.mark.root  # mounts MPS tmpfs
+def test_start_up_after_a_reboot_makes_every_kind_again_before_kubelet_asks(node, tmp_path: Path):
+    api, env = node
+    refs = {
+        "whole": claim(api, "whole", "gpu-0"),
+        "mig": claim(api, "mig", "gpu-1-mig-1g10gb-6"),
+        "mps": claim(api, "mps", "gpu-2-mps", memory="4Gi"),
+        "ts": claim(api, "ts", "gpu-3-ts", config=[LONG], memory="4Gi"),
+        "part-a": claim(api, "part-a", "gpu-4-mig-3g40gb-4-mps", memory="4Gi"),
+        "part-b": claim(api, "part-b", "gpu-4-mig-3g40gb-4-mps", memory="8Gi"),
+    }
+    for ref in refs.values():
+        prepared(env, api, ref)
+    old_partition = env.claims.get(refs["part-a"].uid).devices[0].mig_uuid
+    reboot(env, tmp_path)
+    assert not env.mps.running(env.gpus[2].uuid) and env.session.compute_mode(2) == pynvml.NVML_COMPUTEMODE_DEFAULT
+
+    restarted = env.restart(api)
+    recover(restarted.preparer)
+
+    assert set(restarted.cdi.claim_uids_on_disk()) == {ref.uid for ref in refs.values()}
+    assert restarted.mps.running(env.gpus[2].uuid)
+    assert env.session.compute_mode(2) == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    assert timeslice(tmp_path, env.gpus[3].uuid) == 3
+    [mig] = env.session.gpu_instances(1)
+    assert env.claims.get(refs["mig"].uid).devices[0].mig_uuid == mig.compute_instances[0][1]
+    [partition] = env.session.gpu_instances(4)
+    new_partition = partition.compute_instances[0][1]
+    assert new_partition != old_partition
+    for name in ("part-a", "part-b"):  # both shares of the partition: one instance, its daemon, its mounts
+        device = env.claims.get(refs[name].uid).devices[0]
+        assert device.mig_uuid == new_partition
+        assert device.mounts == restarted.mps.mounts(new_partition)
+    assert restarted.mps.running(new_partition) and not restarted.mps.pipe_dir(old_partition).parent.exists()
+    # Kubelet's prepare then finds everything in place.
+    for ref in refs.values():
+        assert restarted.preparer.prepare([ref])[ref.uid].devices == env.claims.get(ref.uid).devices
