@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -41,6 +42,9 @@ UNSCHEDULABLE = "node(s) were unschedulable"
 UNTOLERATED = "node(s) had untolerated taint {{{key}: {value}}}"
 AFFINITY = "node(s) didn't match Pod's node affinity/selector"
 TOO_MANY_PODS = "Too many pods"
+# Not kube-scheduler's words: a node it refused for the pod before, for a reason not evaluated here
+# (driver/controller/refusals.py).
+REFUSED = "node(s) refused by kube-scheduler for the pod"
 
 Resources = dict[str, Fraction]
 
@@ -218,10 +222,13 @@ class NodeRoom:
         nodes: Iterable[NodeFacts],
         pods_of: Mapping[str, Sequence[PodNeeds]],
         running: Iterable[tuple[str, PodNeeds]] = (),
+        refused: Mapping[str, AbstractSet[str]] | None = None,
     ) -> None:
-        """`running`: pods already on (or on their way to) a node, by node name."""
+        """`running`: pods already on (or on their way to) a node, by node name; `refused`: pod
+        (namespace/name) -> nodes kube-scheduler refused for it."""
         self.nodes = {node.name: node for node in nodes}
         self.pods_of = pods_of
+        self.refused = refused or {}
         self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
         self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
         for node, pod in running:
@@ -238,6 +245,8 @@ class NodeRoom:
             return ["node(s) not found"]
         requested, counted = dict(self.requested[node]), len(self.counted[node])
         for pod in pods:
+            if node in self.refused.get(pod.name, ()):
+                return [REFUSED]
             if pod.name in self.counted[node]:
                 continue
             reasons = unfit_reasons(pod, facts, requested, counted)

@@ -80,6 +80,13 @@ class ControllerApi(ClientKubeApi):
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
         return self._call(self._core.create_namespaced_event, namespace, event)
 
+    def scheduling_failures(self, namespace: str, pod: str) -> list[str]:
+        """kube-scheduler's FailedScheduling messages on the pod, newest first."""
+        selector = f"involvedObject.kind=Pod,involvedObject.name={pod},reason=FailedScheduling"
+        events = self._call(self._core.list_namespaced_event, namespace, field_selector=selector).get("items") or []
+        events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "", reverse=True)
+        return [str(e.get("message") or "") for e in events]
+
     def get_lease(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._coordination.read_namespaced_lease, name, namespace)
 

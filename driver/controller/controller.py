@@ -29,6 +29,7 @@ from driver.controller.labels import pending
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers, ResultKey, allocated_results, results_of
 from driver.controller.placing import Placing
+from driver.controller.refusals import Refusal, Refusals
 from driver.controller.writes import Writes
 from driver.kube import KubeError
 
@@ -45,9 +46,10 @@ class Counted:
     results: dict[ResultKey, dict[str, Any]]
 
 
-class Controller(Placing, Writes, Gates):
-    """One replica: its caches, its lease and the loop. Placing, writing and gates are its parts in
-    placing.py, writes.py and gates.py; the state they share is made here."""
+class Controller(Placing, Writes, Gates, Refusals):
+    """One replica: its caches, its lease and the loop. Placing, writing, gates and noticing
+    kube-scheduler's refusals are its parts in placing.py, writes.py, gates.py and refusals.py;
+    the state they share is made here."""
 
     def __init__(
         self,
@@ -85,6 +87,9 @@ class Controller(Placing, Writes, Gates):
         self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
         self._snapshot_slices: tuple[int, dict[str, Slice]] = (-1, {})  # informer version, slices by name
         self._reported: dict[str, str] = {}  # claim uid -> last failure reported as an Event
+        self._placed: dict[str, str] = {}  # refusals.py: claim uid -> node of the allocation written
+        self._refused: dict[str, set[str]] = {}  # refusals.py: pod key -> nodes kube-scheduler refused
+        self._unreported: dict[str, Refusal] = {}
         self.stop_event = threading.Event()
 
     # --- running ------------------------------------------------------------------------------
@@ -207,6 +212,7 @@ class Controller(Placing, Writes, Gates):
         self.stale.clear()
         self.ledgers.begin(self.informers["ledgers"].items())
         self._resolve_undecided()
+        self._notice_refusals()
         allocator = self.allocator()  # also when nothing waits: ready for the next burst
         waiting = self._waiting()
         metrics.PENDING.set(len(waiting))

@@ -14,7 +14,8 @@ template's claim exists before its pod's status names it)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from driver.controller.informer import object_key
@@ -25,7 +26,13 @@ JsonObject = dict[str, Any]
 FINISHED = ("Succeeded", "Failed")
 
 
-def node_room(nodes: Iterable[JsonObject], pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> NodeRoom:
+def node_room(
+    nodes: Iterable[JsonObject],
+    pods: Iterable[JsonObject],
+    claims: Iterable[JsonObject],
+    refused: Mapping[str, AbstractSet[str]] | None = None,
+) -> NodeRoom:
+    """`refused`: pod key -> nodes kube-scheduler refused for it (refusals.py)."""
     live = _live(pods)
     claims_by_key = {object_key(c): c for c in claims}
     needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
@@ -34,7 +41,7 @@ def node_room(nodes: Iterable[JsonObject], pods: Iterable[JsonObject], claims: I
         used = [claims_by_key.get(f"{pod['metadata']['namespace']}/{name}") for name in _claim_names(pod)]
         if node := _where(pod, used):
             running.append((node, needs[pod["metadata"].get("uid")]))
-    return NodeRoom((NodeFacts.from_object(n) for n in nodes), _pods_of(live, needs, claims_by_key), running)
+    return NodeRoom((NodeFacts.from_object(n) for n in nodes), _pods_of(live, needs, claims_by_key), running, refused)
 
 
 def claim_pods(pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> dict[str, list[PodNeeds]]:
@@ -84,11 +91,11 @@ def _where(pod: JsonObject, claims: list[JsonObject | None]) -> str:
         return status["nominatedNodeName"]
     if gated(pod):
         return ""
-    nodes = {_allocated_node(c) for c in claims if c is not None}
+    nodes = {allocated_node(c) for c in claims if c is not None}
     return nodes.pop() if len(nodes) == 1 else ""
 
 
-def _allocated_node(claim: JsonObject) -> str:
+def allocated_node(claim: JsonObject) -> str:
     """The one node an allocation's node selector names (matchFields metadata.name In [node])."""
     selector = ((claim.get("status") or {}).get("allocation") or {}).get("nodeSelector") or {}
     for term in selector.get("nodeSelectorTerms") or ():

@@ -19,3 +19,8 @@ REFRESHES = Counter("fgpu_controller_refreshes_total", "Claims and ledgers read 
 CACHE_SYNC_SECONDS = Gauge(
     "fgpu_controller_cache_sync_seconds", "Seconds from start until every cache was listed (slices parsed)"
 )
+REPLACED_BY_SCHEDULER = Counter(
+    "fgpu_controller_replaced_by_scheduler_total",
+    "Claims kube-scheduler gave back after refusing the node the controller chose, by its reason",
+    ["reason"],
+)

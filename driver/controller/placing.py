@@ -24,6 +24,7 @@ from driver.controller.fit import claim_pods, node_room
 from driver.controller.groups import Groups
 from driver.controller.informer import Informer, object_key
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
+from driver.controller.refusals import pods_by_claim, released
 from driver.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Placing:
     informers: dict[str, Informer]
     stale: threading.Event
     _writers: ThreadPoolExecutor
+    _refused: dict[str, set[str]]
 
     def _allocate(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> None:
         """Place and hand out the waiting claims; while their writes are out (up to ABSORB_S), lone
@@ -88,7 +90,10 @@ class Placing:
     def _room(self) -> NodeRoom:
         """What the nodes have left for the pods of the claims this pass places (fit.py)."""
         return node_room(
-            self.informers["nodes"].items(), self.informers["pods"].items(), self.informers["claims"].items()
+            self.informers["nodes"].items(),
+            self.informers["pods"].items(),
+            self.informers["claims"].items(),
+            self._refused,
         )
 
     def _groups(self) -> Groups:
@@ -165,8 +170,10 @@ class Placing:
             metrics.GANGS.labels("unschedulable").inc()
             for obj in objects.values():
                 self._report(obj, outcome.reason)
-            if allocated and len(allocated) < size:
+            if allocated and len(allocated) < size and not self._any_released(allocated):
                 # Members left allocated by an interrupted pass: all or none, so give them back.
+                # Not once their pods are let go: a member kube-scheduler gave back (refusals.py)
+                # leaves the rest running or binding, and only its own claim to place again.
                 self._take_back(allocated)
             return None
         self._count((present[p.claim.key], p) for p in outcome)
@@ -204,6 +211,10 @@ class Placing:
         self._count((present[p.claim.key], p) for p in outcome)
         # Members written earlier are fenced first (writes.py) while the group's pods wait for them.
         return Unit(outcome, present, kept=[] if state.released else state.allocated)
+
+    def _any_released(self, claims: list[dict[str, Any]]) -> bool:
+        pods_of = pods_by_claim(self.informers["pods"].items())
+        return any(released(pods_of.get(object_key(c), [])) for c in claims)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)

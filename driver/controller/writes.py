@@ -46,6 +46,7 @@ class Writes:
     ledgers: Ledgers
     stale: threading.Event
     _writers: ThreadPoolExecutor
+    _placed: dict[str, str]
 
     def _write_unit(self, unit: Unit) -> None:
         """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
@@ -121,6 +122,7 @@ class Writes:
         updated = self._claim_write(self.api.replace_claim_status, body, placement.claim.key)
         if not isinstance(updated, Unwritten):
             metrics.ALLOCATIONS.labels("allocated").inc()
+            self._placed[obj["metadata"]["uid"]] = placement.node  # refusals.py watches it
             log.info("allocated %s on %s", placement.claim.key, placement.node)
         return updated
 

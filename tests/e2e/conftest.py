@@ -10,12 +10,13 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from testbed.cluster.harness import free_port
 from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import NS, wait_for, wait_until
-from tests.support.controller import CONTROLLER
+from tests.support.controller import CONTROLLER, ControlledNodes
 from tests.support.pools import complete_pool
 
 
@@ -58,22 +59,29 @@ def _pods_with_claims(core) -> list:
 
 
 @pytest.fixture(scope="module")
-def controlled_nodes(cluster) -> Iterator[dict[str, KubeletStandIn]]:
+def controlled_nodes(cluster) -> Iterator[ControlledNodes]:
     """Plugins and kubelet stand-ins on node-a and node-b, and one first-fit controller (the
-    controller's choices are then upstream's order: node-a first)."""
+    controller's choices are then upstream's order: node-a first) serving its metrics."""
     resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
     plugins, kubelets = [], {}
     for node in ("node-a", "node-b"):
         plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
         plugins.append(plugin)
         kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
+    metrics_port = free_port()
     controller = subprocess.Popen(
-        [*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--policy=first-fit"]
+        [
+            *CONTROLLER,
+            f"--kubeconfig={cluster.kubeconfig}",
+            "--lease-namespace=default",
+            "--policy=first-fit",
+            f"--metrics-port={metrics_port}",
+        ]
     )
     try:
         for node in kubelets:
             wait_for(lambda n=node: complete_pool(resource_api, n))
-        yield kubelets
+        yield ControlledNodes(kubelets, metrics_port)
     finally:
         controller.terminate()
         controller.wait(timeout=15)

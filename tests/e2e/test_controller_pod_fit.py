@@ -2,7 +2,9 @@
 driver/controller/fit.py), on the real control plane: node-a, which first-fit prefers, is made
 unfit for the pod in one way at a time, and the claim must go to node-b by the controller's own
 decision (kube-scheduler never re-allocated it: its field manager is not on the claim's status).
-Where no node fits, the pod gets kube-scheduler's summary of the reasons as an Event."""
+Where no node fits, the pod gets kube-scheduler's summary of the reasons as an Event. Where
+kube-scheduler refuses the controller's node for a reason the controller does not evaluate (pod
+anti-affinity), the refusal is counted and told, and the pod runs on the other node."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 
 from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.workloads import wait_for
-from tests.support.controller import by_kube_scheduler, gated_pod
+from tests.support.controller import by_kube_scheduler, events_on, gang_claim, gated_pod
+from tests.support.metrics import scrape, value
 
 pytestmark = pytest.mark.cluster
 NS = "default"
@@ -132,7 +135,7 @@ def test_a_claim_goes_where_its_pod_fits(case: str, controlled_nodes, node_a, re
     resource_api.create_namespaced_resource_claim(NS, claim(name))
     try:
         assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
-        running_on(controlled_nodes, core_api, name, "node-b")
+        running_on(controlled_nodes.kubelets, core_api, name, "node-b")
         assert not by_kube_scheduler(resource_api, name), "kube-scheduler re-allocated the claim"
     finally:
         remove(core_api, resource_api, [name], name)
@@ -149,7 +152,7 @@ def test_a_claim_shared_by_two_pods_goes_where_both_fit(controlled_nodes, resour
     try:
         assert wait_for(lambda: allocated_node(resource_api, name), timeout=30) == "node-b"
         for pod_name in pods:
-            running_on(controlled_nodes, core_api, pod_name, "node-b")
+            running_on(controlled_nodes.kubelets, core_api, pod_name, "node-b")
         assert not by_kube_scheduler(resource_api, name)
     finally:
         remove(core_api, resource_api, pods, name)
@@ -175,3 +178,79 @@ def test_where_nothing_fits_the_pod_is_told_why_in_kube_schedulers_words(
         assert core_api.read_namespaced_pod(name, NS).spec.scheduling_gates
     finally:
         remove(core_api, resource_api, [name], name)
+
+
+# --- what the controller does not evaluate: kube-scheduler refuses its node ----------------------------
+
+BLOCKER = {"app": "blocker"}
+AWAY_FROM_BLOCKER = {
+    "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": BLOCKER}, "topologyKey": "kubernetes.io/hostname"}
+        ]
+    }
+}
+
+
+@pytest.fixture
+def blocker_on_a(core_api) -> Iterator[None]:
+    """A pod on node-a that the test's pod must not share a node with (required pod anti-affinity,
+    which the controller does not evaluate: it prefers node-a all the same)."""
+    body = filler("node-a", cpu="100m")
+    body["metadata"]["labels"] = BLOCKER
+    name = core_api.create_namespaced_pod(NS, body).metadata.name
+    yield
+    core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+
+
+def refusals_counted(port: int) -> float:
+    return value(scrape(port), "fgpu_controller_replaced_by_scheduler_total", reason="inter-pod-affinity") or 0.0
+
+
+def told_of_refusal(core_api, pod_name: str) -> None:
+    (event, *_) = wait_for(lambda: events_on(core_api, "Pod", pod_name, "NodeRefusedByScheduler"), timeout=30)
+    assert "kube-scheduler refused node node-a for the pod" in event.message
+    assert "anti-affinity" in event.message, event.message
+
+
+def test_a_node_kube_scheduler_refuses_is_given_back_and_the_claim_placed_without_it(
+    controlled_nodes, blocker_on_a, resource_api, core_api
+):
+    """The controller places the claim on node-a and releases the pod; kube-scheduler refuses
+    node-a (anti-affinity) and deallocates the claim; the controller counts it, tells the pod, and
+    places the claim again without node-a (or kube-scheduler does first: the pod is released)."""
+    name = f"refused-{uuid.uuid4().hex[:6]}"
+    counted = refusals_counted(controlled_nodes.metrics_port)
+    core_api.create_namespaced_pod(NS, pod(name, name, affinity=AWAY_FROM_BLOCKER))
+    resource_api.create_namespaced_resource_claim(NS, claim(name))
+    try:
+        running_on(controlled_nodes.kubelets, core_api, name, "node-b")
+        assert allocated_node(resource_api, name) == "node-b"
+        told_of_refusal(core_api, name)
+        wait_for(lambda: refusals_counted(controlled_nodes.metrics_port) == counted + 1, timeout=30)
+    finally:
+        remove(core_api, resource_api, [name], name)
+
+
+def test_a_gang_member_kube_scheduler_refuses_is_placed_again_and_the_gang_stays_whole(
+    controlled_nodes, blocker_on_a, resource_api, core_api
+):
+    """A gang of two placed on node-a; kube-scheduler refuses node-a for one member's pod: that
+    member goes to node-b, the other keeps its devices and its pod on node-a (nothing taken back)."""
+    gang = f"g-{uuid.uuid4().hex[:6]}"
+    names = [f"{gang}-0", f"{gang}-1"]
+    counted = refusals_counted(controlled_nodes.metrics_port)
+    core_api.create_namespaced_pod(NS, pod(names[0], names[0]))
+    core_api.create_namespaced_pod(NS, pod(names[1], names[1], affinity=AWAY_FROM_BLOCKER))
+    for name in names:
+        resource_api.create_namespaced_resource_claim(NS, gang_claim(name, gang, 2, 1))
+    try:
+        running_on(controlled_nodes.kubelets, core_api, names[0], "node-a")
+        running_on(controlled_nodes.kubelets, core_api, names[1], "node-b")
+        assert [allocated_node(resource_api, name) for name in names] == ["node-a", "node-b"]
+        told_of_refusal(core_api, names[1])
+        wait_for(lambda: refusals_counted(controlled_nodes.metrics_port) == counted + 1, timeout=30)
+        assert not by_kube_scheduler(resource_api, names[0]), "the kept member was re-allocated"
+    finally:
+        for name in names:
+            remove(core_api, resource_api, [name], name)

@@ -13,7 +13,7 @@ import kubernetes
 import pytest
 
 from testbed.workloads import wait_for
-from tests.support.controller import by_kube_scheduler, gated_pod
+from tests.support.controller import by_kube_scheduler, events_on, gated_pod
 
 pytestmark = pytest.mark.cluster
 NS = "default"
@@ -36,11 +36,6 @@ def claim_of(core_api, resource_api, pod: str) -> Any:
     statuses = core_api.read_namespaced_pod(pod, NS).status.resource_claim_statuses or []
     names = [s.resource_claim_name for s in statuses if s.resource_claim_name]
     return resource_api.read_namespaced_resource_claim(names[0], NS) if names else None
-
-
-def events_on(core_api, kind: str, name: str, reason: str) -> list[Any]:
-    events = core_api.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
-    return [e for e in events if e.involved_object.kind == kind and e.reason == reason]
 
 
 def test_a_podgroup_gang_is_allocated_all_or_nothing(controlled_nodes, cluster, resource_api, core_api):
@@ -98,7 +93,7 @@ def test_a_podgroup_gang_is_allocated_all_or_nothing(controlled_nodes, cluster, 
         for name, claim in zip(pods, claims, strict=True):
             pod = wait_for(lambda n=name: (p := core_api.read_namespaced_pod(n, NS)).spec.node_name and p, timeout=60)
             assert pod.spec.node_name == claim.status.allocation.devices.results[0].pool
-            wait_for(lambda p=pod: p.metadata.uid in controlled_nodes[p.spec.node_name].prepared, timeout=30)
+            wait_for(lambda p=pod: p.metadata.uid in controlled_nodes.kubelets[p.spec.node_name].prepared, timeout=30)
         claims = [claim_of(core_api, resource_api, name) for name in pods]
         assert not any(by_kube_scheduler(resource_api, c.metadata.name) for c in claims), "re-allocated"
     finally:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+from testbed.cluster.kubelet_standin import KubeletStandIn
 
 CONTROLLER = (sys.executable, "-m", "driver.cli", "controller")
+
+
+@dataclass(frozen=True)
+class ControlledNodes:
+    """Fake nodes with kubelet stand-ins, and the controller placing claims on them."""
+
+    kubelets: dict[str, KubeletStandIn]
+    metrics_port: int  # the controller's Prometheus endpoint on 127.0.0.1
 
 
 def gang_claim(name: str, gang: str, size: int, gpus: int) -> dict[str, Any]:
@@ -45,3 +55,9 @@ def by_kube_scheduler(resource_api, name: str) -> bool:
         f.manager == "kube-scheduler" and "f:allocation" in ((f.fields_v1 or {}).get("f:status") or {})
         for f in found.metadata.managed_fields or ()
     )
+
+
+def events_on(core_api, kind: str, name: str, reason: str) -> list[Any]:
+    """The Events with that reason on the object of that kind and name (namespace default)."""
+    events = core_api.list_namespaced_event("default", field_selector=f"involvedObject.name={name}").items
+    return [e for e in events if e.involved_object.kind == kind and e.reason == reason]
