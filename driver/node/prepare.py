@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pynvml
 from kubernetes.utils import parse_quantity
 
 from driver.claims.allocation import AllocatedDevice, ClaimAllocation, allocation_for_node
@@ -158,6 +159,25 @@ class ClaimPreparer:
             ]
             return self._each(refs, self._check_one, "prepare")
 
+    def gpus_missing_partitions(self) -> set[int]:
+        """GPUs on which a prepared claim's MIG instance is no longer there (its placement empty, or
+        another instance's UUID): reset since, without an event to say so. Read only; a GPU NVML
+        cannot reach is the health monitor's."""
+        missing: set[int] = set()
+        for claim in self.claims.all().values():
+            for device in claim.devices:
+                if claim.state != "PrepareCompleted" or not device.traits.in_partition or not device.holds:
+                    continue
+                if device.gpu_index in missing:
+                    continue
+                try:
+                    record = self._find_partition(device)
+                except pynvml.NVMLError:
+                    continue
+                if record is None or device.mig_uuid not in {uuid for _, uuid in record.compute_instances}:
+                    missing.add(device.gpu_index)
+        return missing
+
     def _check_one(self, ref: ClaimRef) -> ClaimResult:
         existing = self.claims.get(ref.uid)  # again under the claim's lock: kubelet may have unprepared it
         if existing is None or existing.state != "PrepareCompleted":
@@ -176,11 +196,14 @@ class ClaimPreparer:
             with self._gpu_locks(existing.devices):
                 made = [self._make_again(ref, device) for device in existing.devices]
         except ClaimError as err:
-            released = self._undo(existing)
-            self.status.clear(ref)
+            try:
+                released = f"released what it held ({self._undo(existing)})"
+                self.status.clear(ref)
+            except (ClaimError, pynvml.NVMLError) as undo_err:  # kubelet's retry undoes it first (its record says)
+                released = f"releasing what it held failed too: {undo_err}"
             raise ClaimError(
                 f"it was prepared before, what it was prepared with is gone (a reboot or a GPU reset) and cannot be "
-                f"made again: {err}; released what it held ({released})",
+                f"made again: {err}; {released}",
                 reason=err.reason,
             ) from err
         devices = tuple(device for device, _ in made)
@@ -301,6 +324,8 @@ class ClaimPreparer:
                 done += ", MIG mode disabled" if released else ""
         except (MigError, ToolError) as err:
             raise ClaimError(str(err), reason=_step_reason(device, err)) from err
+        except pynvml.NVMLError as err:  # the GPU fell off the bus, the driver is being reloaded
+            raise ClaimError(f"GPU {device.gpu_index} ({device.gpu_uuid}) does not answer NVML: {err}") from err
         crash_point("prepare:device-ready")
         return device, done
 

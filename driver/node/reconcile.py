@@ -4,7 +4,9 @@ server, or was re-created with another UID, is unprepared once it has been missi
 period. An API server that cannot be reached proves nothing, so nothing is unprepared then.
 
 Each pass also repairs the claims' status.devices (claim_status.py): a prepared claim that lacks
-its entries gets them, and removals that failed are tried again."""
+its entries gets them, and removals that failed are tried again. And it finds GPUs reset under
+prepared claims without an event (an admin's `nvidia-smi -r` of a healthy GPU): where a claim's
+MIG instance is gone, that GPU's claims are checked and made again (ClaimPreparer.check_prepared)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ class ClaimReconciler(BackgroundWorker):
         for uid in set(self._missing_since) - set(prepared):
             del self._missing_since[uid]
         self._preparer.status.retry_clears()
+        for index in sorted(self._preparer.gpus_missing_partitions()):
+            log.warning("GPU %d: a prepared claim's MIG instance is gone (a GPU reset); checking its claims", index)
+            self._preparer.check_prepared(index)
         unprepared = []
         for uid, claim in prepared.items():
             try:

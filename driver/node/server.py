@@ -113,6 +113,7 @@ class PluginProcess:
             self.publisher.set_taints,
             self.device_health,
             self._mig_slices_of,
+            on_gpu_back=self.preparer.check_prepared,
         )
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
@@ -159,7 +160,8 @@ class PluginProcess:
         self._dra_server = dra_server
         log.info("DRA service on %s", settings.dra_socket)
 
-        registration_state = RegistrationState()  # the grace period starts with the registration socket
+        # The grace period starts with the registration socket; Ready as soon as kubelet registers us.
+        registration_state = RegistrationState(on_change=self.health.set_ready)
         registration = RegistrationService(
             settings.driver_name,
             str(settings.dra_socket.absolute()),

@@ -17,6 +17,7 @@ from driver.admission.lifetimes import Lifetimes
 from driver.admission.server import webhook_settings
 from driver.cli import build_parser
 from driver.node.health.taints import HealthPolicy
+from driver.node.kubelet.liveness import READY_SERVICE
 from driver.node.settings import health_policy, sharing_config
 from tests.support.chart import (
     CHART,
@@ -66,6 +67,8 @@ def test_daemonset_for_rolling_updates_and_kubelet() -> None:
     container = spec["containers"][0]
     assert container["securityContext"]["privileged"] is True
     assert container["livenessProbe"]["grpc"]["port"] == int(env["HEALTHCHECK_PORT"])
+    # Ready once kubelet registered it (driver/node/kubelet/liveness.py READY_SERVICE): no gap in an update.
+    assert container["readinessProbe"]["grpc"] == {"port": int(env["HEALTHCHECK_PORT"]), "service": READY_SERVICE}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     # kubelet dials the socket path the plugin registers: mounted where the host has it.

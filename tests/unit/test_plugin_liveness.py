@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from driver.node.kubelet.liveness import (
+    READY_SERVICE,
     GatedHealthServicer,
     LivenessFacts,
     LivenessMonitor,
@@ -139,6 +140,34 @@ def test_the_monitor_sets_the_health_status(sockets: tuple[BoundSocket, BoundSoc
     assert monitor.check_once() == Verdict(False, f"socket {sockets[0].path} was deleted")
     assert status(servicer) == not_serving
     assert probe.calls == calls  # a socket that is gone is not probed
+
+
+def ready(servicer: GatedHealthServicer) -> int:
+    return servicer.Check(health_pb2.HealthCheckRequest(service=READY_SERVICE), None).status
+
+
+def test_ready_only_while_kubelet_has_registered_the_instance(sockets: tuple[BoundSocket, BoundSocket]):
+    """The readinessProbe: a rolling update's new plugin is Ready (and the old one stopped) only
+    once kubelet registered it; alive meanwhile, within the grace."""
+    clock, probe, servicer = Clock(), Probe(), GatedHealthServicer()
+    registration = RegistrationState(clock, on_change=servicer.set_ready)
+    monitor = LivenessMonitor(servicer, sockets, registration, GRACE, probe)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    assert monitor.check_once().serving and (status(servicer), ready(servicer)) == (serving, not_serving)
+    registration.record(True)
+    assert ready(servicer) == serving  # at once, not at the monitor's next round
+    assert monitor.check_once().serving and ready(servicer) == serving
+    probe.error = "GetInfo on r.sock: UNAVAILABLE"
+    monitor.check_once()
+    assert ready(servicer) == not_serving
+    probe.error = ""
+    monitor.check_once()
+    registration.record(False, "endpoint already registered")
+    assert ready(servicer) == not_serving and status(servicer) == serving  # a new grace
+    registration.record(True)
+    servicer.enter_graceful_shutdown()  # SIGTERM: not Ready while the registration is withdrawn
+    assert ready(servicer) == not_serving
 
 
 def test_the_first_check_waits_for_the_first_verdict(sockets: tuple[BoundSocket, BoundSocket]):

@@ -66,8 +66,12 @@ class HealthMonitor(BackgroundWorker):
         publish_taints: Callable[[dict[str, tuple[DeviceTaint, ...]]], None],
         board: HealthBoard,
         mig_slices_of: Callable[[int, int], MigSlices | None],
+        on_gpu_back: Callable[[int], object] = lambda _: None,
     ) -> None:
+        """`on_gpu_back(index)`: a GPU that was unreachable answers again, so it was reset (the driver's
+        recovery or an admin's `nvidia-smi -r`), which destroyed its volatile state."""
         super().__init__()
+        self._on_gpu_back = on_gpu_back
         self._session, self._gpus, self._targets = session, gpus, targets
         self._record, self._policy, self._publish_taints, self._board = record, policy, publish_taints, board
         self._mig_slices_of = mig_slices_of  # (GPU index, GPU instance id) -> its memory slices
@@ -115,7 +119,10 @@ class HealthMonitor(BackgroundWorker):
     def _probe(self) -> None:
         for gpu in self._gpus:
             if gpu_reachable(self._session, gpu.index):
-                self._lost.discard(gpu.index)
+                if gpu.index in self._lost:
+                    self._lost.discard(gpu.index)
+                    log.warning("GPU %s: reachable again (reset); checking its prepared claims", gpu.uuid)
+                    self._on_gpu_back(gpu.index)
                 continue
             if gpu.index not in self._lost:
                 self._lost.add(gpu.index)

@@ -12,6 +12,12 @@ SERVING only while all of these hold:
   still unregistered after the grace is one kubelet does not use, and a restart may fix that.
   A kubelet restart re-registers the plugin and keeps it SERVING.
 
+Readiness (the DaemonSet's readinessProbe: the health service's `registered` service) is SERVING
+only while kubelet has registered this instance and the rule above holds: a rolling update
+terminates the old plugin, which withdraws its registration, only once the new one is Ready, so
+kubelet always has a registered plugin. Set at once when kubelet reports the registration, and
+re-evaluated with liveness.
+
 Evaluated by a small background loop, not inside Check: the probe goes through the same gRPC
 servers that answer Check, so probing from a Check handler would take a worker of the server it
 probes (the registration server has two) and concurrent Checks could starve it into a false
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 3.0  # each call of the self-probe; a loaded node answers an empty call in milliseconds
 FIRST_VERDICT_WAIT_S = 2 * PROBE_TIMEOUT_S + 1  # the longest the first evaluation can take
+READY_SERVICE = "registered"  # the readinessProbe's gRPC health service
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,12 @@ class RegistrationSnapshot:
 class RegistrationState:
     """What kubelet last said about registering this instance, and since when it is unregistered."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, on_change: Callable[[bool], None] = lambda _: None
+    ) -> None:
+        """`on_change(registered)` is called with each report of kubelet's."""
         self._clock = clock
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._registered = False
         self._unregistered_since = clock()  # created with the registration socket
@@ -65,11 +76,12 @@ class RegistrationState:
         with self._lock:
             if registered:
                 self._registered, self._error = True, ""
-                return
-            if self._registered:  # a failure after a success starts a new grace period
-                self._registered, self._unregistered_since = False, self._clock()
-            # Repeated failures keep the first one's time: kubelet retrying must not extend the grace.
-            self._error = error
+            else:
+                if self._registered:  # a failure after a success starts a new grace period
+                    self._registered, self._unregistered_since = False, self._clock()
+                # Repeated failures keep the first one's time: kubelet retrying must not extend the grace.
+                self._error = error
+        self._on_change(registered)
 
     def snapshot(self) -> RegistrationSnapshot:
         with self._lock:
@@ -119,7 +131,12 @@ class GatedHealthServicer(health.HealthServicer):
     def __init__(self) -> None:
         super().__init__()
         self.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # should the first verdict not come in time
+        self.set_ready(False)
         self.decided = threading.Event()
+
+    def set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.set(READY_SERVICE, status)
 
     def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
@@ -172,8 +189,10 @@ class LivenessMonitor(BackgroundWorker):
         return LivenessFacts(problems, probe_error, self._registration.snapshot())
 
     def check_once(self) -> Verdict:
-        verdict = decide(self.facts(), self._grace_s)
+        facts = self.facts()
+        verdict = decide(facts, self._grace_s)
         self._health.set("", verdict.status)
+        self._health.set_ready(verdict.serving and facts.registration.registered)
         self._health.decided.set()
         if self._last is None or verdict.serving != self._last.serving:  # transitions only, not every second
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(verdict.status)
