@@ -181,8 +181,20 @@ def cmd_health_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fake_smi_state(state_dir: str | None) -> Path:
+    """Where the fake nvidia-smi keeps its settings: as the plugin's tools see it."""
+    from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env
+
+    if os.environ.get(SMI_STATE_ENV):
+        return Path(os.environ[SMI_STATE_ENV])
+    if not state_dir:
+        raise SettingsError(f"mock-fault reset needs --state-dir (or STATE_DIR): the plugin's, or {SMI_STATE_ENV}")
+    return Path(fake_tools_env(Path(state_dir))[SMI_STATE_ENV])
+
+
 def cmd_mock_fault(args: argparse.Namespace) -> int:
     from driver.nvml.mock import MockNvml
+    from driver.nvml.mock_driver_root import forget_timeslices
     from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
 
     if not is_mock(args.nvml) or not os.environ.get(MOCK_STATE_ENV):
@@ -194,6 +206,9 @@ def cmd_mock_fault(args: argparse.Namespace) -> int:
             mock.inject_xid(args.gpu, args.xid, *([args.gi, args.ci] if args.gi is not None else []))
         elif args.fault == "ecc":
             mock.inject_double_bit_ecc(args.gpu)
+        elif args.fault == "reset":
+            mock.reset_gpu(args.gpu)
+            forget_timeslices(_fake_smi_state(args.state_dir), {mock.gpu_uuid(args.gpu)})
         else:
             mock.set_gpu_lost(args.gpu, args.fault == "lost")
     except mock.NVMLError as err:
@@ -261,7 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     mock_fault = commands.add_parser("mock-fault", help="make a mock GPU fail, for tests and demos (docs/health.md)")
     mock_fault.add_argument("--nvml", default=env_default("", "NVML"), help="mock:<machine> [NVML]")
     mock_fault.add_argument("--gpu", type=int, required=True, help="GPU index")
-    mock_fault.add_argument("fault", choices=["xid", "ecc", "lost", "recover"])
+    mock_fault.add_argument(
+        "fault",
+        choices=["xid", "ecc", "lost", "recover", "reset"],
+        help="reset: what nvidia-smi -r does (MIG instances, compute mode, time-slice interval gone)",
+    )
+    mock_fault.add_argument(
+        "--state-dir", default=env_default(None, "STATE_DIR"), help="the plugin's state dir (reset) [STATE_DIR]"
+    )
     mock_fault.add_argument("--xid", type=int, default=79, help="the XID number (fault xid)")
     mock_fault.add_argument("--gi", type=int, help="GPU instance id the XID is attributed to (with --ci)")
     mock_fault.add_argument("--ci", type=int, default=0, help="compute instance id (with --gi)")

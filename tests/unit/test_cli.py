@@ -104,6 +104,30 @@ def test_mock_fault_and_health_clear_say_what_is_wrong_in_one_line(tmp_path: Pat
     )
     run = fgpu("health", "clear", f"--state-dir={tmp_path}", "--gpu=GPU-x")
     assert (run.returncode, run.stdout.strip()) == (0, "cleared; 0 fault(s) of other GPUs left")
+    run = fgpu("mock-fault", "--nvml=mock:l4x4", "--gpu=0", "reset")
+    assert run.returncode == 2 and "mock-fault reset needs --state-dir" in run.stderr
+
+
+def test_mock_fault_reset_clears_what_a_gpu_reset_clears(tmp_path: Path):
+    from driver.nvml.machine import load_machine
+    from driver.nvml.mock import MockNvml
+    from driver.nvml.session import NvmlSession
+
+    state, smi = tmp_path / "gpus.json", tmp_path / "state" / "mock-tools" / "nvidia-smi.json"
+    session = NvmlSession(MockNvml(load_machine("dgx-h100"), state))
+    for index in (1, 2):
+        session.set_mig_mode(index, True)
+        session.create_mig_instance(index, 19, 0, 1)
+    smi.parent.mkdir(parents=True)
+    uuids = [session.nvml.gpu_uuid(i) for i in (1, 2)]
+    smi.write_text(json.dumps({uuid: {"timeslice": 3} for uuid in uuids}))
+    env = {"PATH": "/usr/bin:/bin", "FGPU_NVML_MOCK_STATE": str(state)}
+    argv = [sys.executable, "-m", "driver.cli", "mock-fault", "--nvml=mock:dgx-h100", "--gpu=1", "reset"]
+    run = subprocess.run([*argv, f"--state-dir={tmp_path / 'state'}"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert session.gpu_instances(1) == [] and len(session.gpu_instances(2)) == 1  # that GPU only
+    assert session.mig_enabled(1)  # MIG mode persists
+    assert json.loads(smi.read_text()) == {uuids[1]: {"timeslice": 3}}
 
 
 def test_values_from_the_environment_can_be_copied_and_pickled(monkeypatch):
