@@ -2,17 +2,23 @@
 stay. A reboot keeps the disks (/var/lib/kubelet, the plugin's state dir with its checkpoint) and
 loses what lives in memory: MIG GPU and compute instances (MIG mode itself persists), compute
 modes and time-slice intervals (driver settings, Default again), every process (MPS daemons) and
-every mount (their tmpfs), and /var/run (a tmpfs: the CDI specs). The real node's processes
-(containers, kubelet, containerd, the plugin) are stopped by testbed/cluster/node.py."""
+every mount (their tmpfs), and /var/run (a tmpfs: the CDI specs). `reboot` does it to the test
+bed's real node: a power cut (RealNode.power_cut: containers, kubelet, containerd), the plugin
+killed, the GPUs' volatile state cleared, then the node booted and the plugin started again, as a
+DaemonSet's pod would be, `plugin_delay_s` late."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from driver.nvml.mock import MockNvml
-from driver.nvml.mock_driver_root import forget_timeslices
+from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env, forget_timeslices
+from testbed.cluster.node import RealNode
 from testbed.node_env import stop_fake_daemons
+from testbed.node_plugin import NodePlugin
 
 
 def clear_volatile_state(nvml: MockNvml, smi_state: Path, cdi_dir: Path, run_roots: Iterable[Path]) -> None:
@@ -23,3 +29,17 @@ def clear_volatile_state(nvml: MockNvml, smi_state: Path, cdi_dir: Path, run_roo
     forget_timeslices(smi_state)
     for spec in cdi_dir.glob("*.json"):
         spec.unlink()
+
+
+def reboot(node: RealNode, plugin: NodePlugin, plugin_delay_s: float = 0.0) -> None:
+    plugin.stop(signal.SIGKILL)
+    node.power_cut()
+    gpus = plugin.gpus()
+    try:
+        smi_state = Path(fake_tools_env(plugin.state_dir)[SMI_STATE_ENV])
+        clear_volatile_state(gpus.nvml, smi_state, node.cdi_dir, [plugin.state_dir])
+    finally:
+        gpus.close()
+    node.boot()
+    time.sleep(plugin_delay_s)
+    plugin.start_registered()

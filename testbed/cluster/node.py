@@ -183,6 +183,27 @@ class RealNode:
         self._start_kubelet()
         self._wait_ready()
 
+    def power_cut(self) -> None:
+        """What a power cut leaves of the node: every process gone at once (kubelet, containerd, the
+        shims and the containers), every mount gone and containerd's state dir (under /run on a
+        host, a tmpfs); the disks kept (kubelet's root dir with its checkpoints, containerd's root
+        with the images). The GPUs and the plugin are testbed/reboot.py's."""
+        for name in ("kubelet", "containerd"):
+            process = self.processes.pop(name, None)
+            if process is not None:
+                process.kill()
+                process.wait()
+        kill_leftovers(self.workdir)
+        unmount_all(self.workdir)
+        shutil.rmtree(self.workdir / "containerd" / "state", ignore_errors=True)
+
+    def boot(self) -> None:
+        """containerd and kubelet started again after a power cut, as their units start at boot;
+        kubelet then starts the pods bound to the node again."""
+        self._start_containerd()
+        self._start_kubelet()
+        self._wait_ready()
+
     def _wait_ready(self) -> None:
         core = kubernetes.client.CoreV1Api(self.cluster.api_client())
 

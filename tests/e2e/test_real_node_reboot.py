@@ -1,0 +1,181 @@
+"""End to end on the real node: a reboot and a GPU reset under running pods (issue 26). The reboot
+is a power cut (testbed/reboot.py: containers, kubelet, containerd and the plugin killed; mounts,
+MIG instances, compute modes, time-slice intervals, MPS daemons and CDI specs gone; the disks
+kept), then containerd, kubelet and the plugin started again: kubelet starts the pods again and
+prepares their claims, which must get devices that exist, never the record of ones that do not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env
+from driver.nvml.session import MOCK_STATE_ENV
+from partitioner.mig import caps_minor
+from testbed.node_plugin import NodePlugin
+from testbed.reboot import reboot
+from testbed.workloads import NS, claim_template, pod, report, unique, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
+
+RECONCILE_S = 60  # the plugin's --reconcile-interval default
+
+LONG = {
+    "opaque": {
+        "driver": "gpu.fgpu.dev",
+        "parameters": {
+            "apiVersion": "gpu.fgpu.dev/v1alpha1",
+            "kind": "ShareConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+        },
+    }
+}
+IN_GPU3 = 'device.attributes["gpu.fgpu.dev"].index == 3 && device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"'
+KINDS = {  # pod -> (device class, claim template arguments)
+    "whole": ("gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].index == 0'}),
+    "mig": ("mig.gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'}),
+    "mps": ("mps.gpu.fgpu.dev", {"capacity": {"memory": "2Gi", "compute": "10"}}),
+    "ts": ("timeslice.gpu.fgpu.dev", {"capacity": {"memory": "2Gi"}, "config": [LONG]}),
+    "part-a": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "4Gi", "compute": "20"}}),
+    "part-b": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "8Gi", "compute": "30"}}),
+}
+
+
+def start_pods(cluster, core_api, workloads, node_name: str) -> dict[str, str]:
+    """One pod per kind, created together; their names by kind once all run."""
+    client = cluster.api_client()
+    names = {}
+    for kind, (device_class, arguments) in KINDS.items():
+        template = claim_template(unique(f"{kind}-tpl"), device_class, **arguments)
+        names[kind] = unique(kind)
+        for obj in (template, pod(names[kind], node_name, template["metadata"]["name"])):
+            kubernetes.utils.create_from_dict(client, obj, namespace=NS)
+            workloads.append((obj["kind"], obj["metadata"]["name"]))
+    wait_until("every pod running", lambda: all(running(core_api, name) for name in names.values()))
+    return names
+
+
+def running(core_api, name: str) -> str | None:
+    """The running container's id."""
+    found = core_api.read_namespaced_pod(name, NS)
+    statuses = found.status.container_statuses or []
+    ready = found.status.phase == "Running" and statuses and statuses[0].state.running
+    return statuses[0].container_id if ready else None
+
+
+def claim_of(resource_api, pod_name: str):
+    claims = resource_api.list_namespaced_resource_claim(NS).items
+    return next(c for c in claims if any(r.name == pod_name for r in c.status.reserved_for or []))
+
+
+def mig_status(resource_api, pod_name: str) -> dict:
+    return claim_of(resource_api, pod_name).status.devices[0].data["mig"]
+
+
+def caps_of(gpu: int, gi: int, ci: int) -> set[str]:
+    return {f"/dev/nvidia-caps/nvidia-cap{caps_minor(gpu, gi, c, Path('/nonexistent'))}" for c in (None, ci)}
+
+
+def checkpoint(plugin: NodePlugin) -> dict:
+    return json.loads((plugin.state_dir / "checkpoint.json").read_text())["claims"]
+
+
+def no_orphans(plugin: NodePlugin) -> None:
+    """The sweeps' invariant: MIG instances, CDI specs and MPS daemons are those of prepared claims."""
+    claims = checkpoint(plugin)
+    owned = {
+        (d["gpu_index"], d["mig_profile_id"], d["mig_start"]) for c in claims.values() for d in c["devices"]
+        if d["mig_profile_id"] is not None
+    }  # fmt: skip
+    gpus = plugin.gpus()
+    try:
+        existing = {(i, r.profile_id, r.start) for i in range(gpus.gpu_count()) for r in gpus.gpu_instances(i)}
+    finally:
+        gpus.close()
+    assert existing == owned
+    assert {p.name.split("_", 1)[1].removesuffix(".json") for p in plugin.cdi_dir.glob("*.json")} == set(claims)
+
+
+def test_a_reboot_brings_every_pod_back_with_devices_that_exist(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    names = start_pods(cluster, core_api, workloads, real_node.name)
+    containers = {kind: running(core_api, name) for kind, name in names.items()}
+    before = mig_status(resource_api, names["mig"])
+    partition_before = mig_status(resource_api, names["part-a"])
+
+    reboot(real_node, node_plugin)
+
+    def all_back() -> bool:
+        return all(running(core_api, name) not in (None, containers[kind]) for kind, name in names.items())
+
+    wait_until("every pod running again in a new container", all_back, timeout_s=180)
+    seen = {kind: report(core_api, name) for kind, name in names.items()}
+
+    # MIG 1g: a new instance at the same placement, its UUID and ids in the claim's status, and
+    # the container has that instance's capabilities, not the ids of the one before the reboot.
+    after = mig_status(resource_api, names["mig"])
+    assert after["uuid"] != before["uuid"] and after["placement"] == before["placement"]
+    gpu = claim_of(resource_api, names["mig"]).status.devices[0].data["gpuIndex"]
+    gpus = node_plugin.gpus()
+    try:
+        [instance] = [r for r in gpus.gpu_instances(gpu) if r.start == before["placement"]["start"]]
+    finally:
+        gpus.close()
+    assert (instance.gi_id, instance.compute_instances[0][1]) == (after["gpuInstanceID"], after["uuid"])
+    caps = {path for path in seen["mig"].devices if "nvidia-caps" in path}
+    assert caps == caps_of(gpu, after["gpuInstanceID"], after["computeInstanceID"])
+
+    # The time-sliced share's interval is set again; the MPS shares have their daemons and limits.
+    smi = json.loads(Path(fake_tools_env(node_plugin.state_dir)[SMI_STATE_ENV]).read_text())
+    ts_gpu = claim_of(resource_api, names["ts"]).status.devices[0].data["gpuUUID"]
+    assert smi[ts_gpu]["timeslice"] == 3
+    assert seen["mps"].env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
+    partition = mig_status(resource_api, names["part-a"])
+    assert partition["uuid"] != partition_before["uuid"]
+    assert mig_status(resource_api, names["part-b"])["uuid"] == partition["uuid"]
+    assert seen["part-a"].devices == seen["part-b"].devices  # one partition, both shares
+    assert any(name.startswith("cuda.shm") for name in seen["part-a"].shm & seen["part-b"].shm)
+    assert (node_plugin.state_dir / "mps" / partition["uuid"] / "pipe" / "nvidia-cuda-mps-control.pid").exists()
+    assert not (node_plugin.state_dir / "mps" / partition_before["uuid"]).exists()
+    no_orphans(node_plugin)
+
+
+def test_an_admins_gpu_reset_under_a_running_mig_pod_makes_its_instance_again(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """`nvidia-smi -r` (here `fgpu mock-fault --gpu I reset`) of a healthy GPU: no NVML event says
+    so; the plugin's reconciler pass finds the claim's MIG instance gone and makes it again at its
+    placement (the container's processes died with the reset; its owner restarts it, and a new
+    container gets the new instance)."""
+    client = cluster.api_client()
+    template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev",
+                              selector='device.attributes["gpu.fgpu.dev"].profile == "2g.20gb"')  # fmt: skip
+    name = unique("mig")
+    for obj in (template, pod(name, real_node.name, template["metadata"]["name"])):
+        kubernetes.utils.create_from_dict(client, obj, namespace=NS)
+        workloads.append((obj["kind"], obj["metadata"]["name"]))
+    wait_until("the pod running", lambda: running(core_api, name))
+    before = mig_status(resource_api, name)
+    gpu = claim_of(resource_api, name).status.devices[0].data["gpuIndex"]
+    env = {**os.environ, MOCK_STATE_ENV: str(node_plugin.mock_state)}
+    argv = [sys.executable, "-m", "driver.cli", "mock-fault", f"--nvml={node_plugin.nvml}", f"--gpu={gpu}", "reset"]
+    done = subprocess.run([*argv, f"--state-dir={node_plugin.state_dir}"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+    def made_again() -> bool:
+        return mig_status(resource_api, name)["uuid"] != before["uuid"]
+
+    wait_until("the claim's status naming a new instance (a reconciler pass)", made_again, timeout_s=RECONCILE_S + 30)
+    after = mig_status(resource_api, name)
+    assert after["placement"] == before["placement"]
+    spec = next(node_plugin.cdi_dir.glob(f"*{claim_of(resource_api, name).metadata.uid}*")).read_text()
+    assert all(path in spec for path in caps_of(gpu, after["gpuInstanceID"], after["computeInstanceID"]))
+    assert "a prepared claim's MIG instance is gone (a GPU reset)" in node_plugin.logs()
+    no_orphans(node_plugin)
