@@ -21,27 +21,18 @@ from partitioner.mig import caps_minor
 from testbed.node_plugin import NodePlugin
 from testbed.reboot import reboot
 from testbed.workloads import NS, claim_template, pod, report, unique, wait_until
+from tests.support.configs import timeslice_interval
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
 RECONCILE_S = 60  # the plugin's --reconcile-interval default
 
-LONG = {
-    "opaque": {
-        "driver": "gpu.fgpu.dev",
-        "parameters": {
-            "apiVersion": "gpu.fgpu.dev/v1alpha1",
-            "kind": "ShareConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-        },
-    }
-}
 IN_GPU3 = 'device.attributes["gpu.fgpu.dev"].index == 3 && device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"'
 KINDS = {  # pod -> (device class, claim template arguments)
     "whole": ("gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].index == 0'}),
     "mig": ("mig.gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'}),
     "mps": ("mps.gpu.fgpu.dev", {"capacity": {"memory": "2Gi", "compute": "10"}}),
-    "ts": ("timeslice.gpu.fgpu.dev", {"capacity": {"memory": "2Gi"}, "config": [LONG]}),
+    "ts": ("timeslice.gpu.fgpu.dev", {"capacity": {"memory": "2Gi"}, "config": [timeslice_interval("Long")]}),
     "part-a": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "4Gi", "compute": "20"}}),
     "part-b": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "8Gi", "compute": "30"}}),
 }

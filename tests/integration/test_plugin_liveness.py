@@ -4,6 +4,7 @@ and use the plugin."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
 from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.node.kubelet.liveness import CHECK_INTERVAL_S
+from driver.node.kubelet.liveness import CHECK_INTERVAL_S, READY_SERVICE
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
 
@@ -77,6 +78,24 @@ def test_not_serving_after_the_grace_until_kubelet_registers(start_plugin):
         reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(failed, timeout=5)
     wait_for(lambda: statuses(plugin, port) == (NOT_SERVING, NOT_SERVING), timeout=15)  # a new grace, expired
     assert "(last failure: endpoint already registered)" in plugin.logs()
+
+
+def test_ready_once_kubelet_registered_it_and_no_longer_on_sigterm(start_plugin):
+    """The readinessProbe's service: a rolling update's new pod is Ready, and the old one stopped,
+    only once kubelet registered it; alive (liveness) meanwhile."""
+    plugin, port = start(start_plugin, grace_s=60)
+
+    def ready() -> int:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = health_pb2.HealthCheckRequest(service=READY_SERVICE)
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+    assert (check(f"127.0.0.1:{port}"), ready()) == (SERVING, NOT_SERVING)
+    plugin.register()
+    assert ready() == SERVING  # at kubelet's NotifyRegistrationStatus, not a second later
+    assert plugin.process is not None
+    plugin.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: ready() == NOT_SERVING, timeout=5)  # while it drains, before it exits
 
 
 def test_the_health_port_serves_health_only(start_plugin):

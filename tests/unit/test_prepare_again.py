@@ -15,19 +15,9 @@ from driver.nvml.mock_driver_root import forget_timeslices
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
 from testbed.reboot import clear_volatile_state
+from tests.support.configs import timeslice_interval
 
-LONG = {
-    "source": "FromClaim",
-    "requests": [],
-    "opaque": {
-        "driver": "gpu.fgpu.dev",
-        "parameters": {
-            "apiVersion": "gpu.fgpu.dev/v1alpha1",
-            "kind": "ShareConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-        },
-    },
-}
+LONG = {"source": "FromClaim", "requests": [], **timeslice_interval("Long")}  # as the allocation carries it
 
 
 def claim(api: InMemoryKubeApi, name: str, device: str, config=None, memory: str | None = None) -> ClaimRef:
