@@ -94,6 +94,9 @@ class ClaimPreparer:
         self.pool = node_name
         # What the preparer works with; start-up recovery (recovery.py) works with the same.
         self.targets = {target.name: target for target in targets}
+        # A prepared device is made again on its GPU also where the node no longer offers it (a
+        # changed sharing config): its pod still runs.
+        self._gpus = {target.gpu.uuid: target.gpu for target in targets}
         self._api = api
         self.claims = claims
         self.cdi = cdi
@@ -166,17 +169,37 @@ class ClaimPreparer:
         missing: set[int] = set()
         for claim in self.claims.all().values():
             for device in claim.devices:
-                if claim.state != "PrepareCompleted" or not device.traits.in_partition or not device.holds:
-                    continue
-                if device.gpu_index in missing:
+                if claim.state != "PrepareCompleted" or device.gpu_index in missing:
                     continue
                 try:
-                    record = self._find_partition(device)
+                    if self._partition_gone(device):
+                        missing.add(device.gpu_index)
                 except pynvml.NVMLError:
                     continue
-                if record is None or device.mig_uuid not in {uuid for _, uuid in record.compute_instances}:
-                    missing.add(device.gpu_index)
         return missing
+
+    def _partition_gone(self, device: PreparedDevice) -> bool:
+        """Whether the device's MIG instance is no longer there (no instance at its placement, or
+        another one: a re-created instance has a new UUID)."""
+        if not device.traits.in_partition or not device.holds:
+            return False
+        record = self._find_partition(device)
+        return record is None or device.mig_uuid not in {uuid for _, uuid in record.compute_instances}
+
+    def _gone(self, device: PreparedDevice) -> str:
+        """What of the device's is no longer there, as far as NVML and the host can tell ("": all
+        of it; a time-slice interval cannot be read back)."""
+        if device.gpu_uuid not in self._gpus:
+            return "its GPU is not on this node"
+        try:
+            if self._partition_gone(device):
+                return "its MIG instance is gone"
+        except pynvml.NVMLError as err:
+            return f"its GPU does not answer NVML ({err})"
+        daemon = device.mig_uuid if device.traits.in_partition else device.gpu_uuid
+        if device.traits.mps and device.holds and daemon and not self.partitioners.mps.running(daemon):
+            return "its MPS daemon is not running"
+        return ""
 
     def _check_one(self, ref: ClaimRef) -> ClaimResult:
         existing = self.claims.get(ref.uid)  # again under the claim's lock: kubelet may have unprepared it
@@ -192,18 +215,23 @@ class ClaimPreparer:
         by now), its MPS daemon, its interval; the record, the CDI spec and the claim's status
         follow. Where it cannot be, the claim is released whole (nothing half-made stays) and the
         error says why; kubelet's retry then prepares it afresh from its allocation."""
+        gone = ""
         try:
             with self._gpu_locks(existing.devices):
+                gone = "; ".join(f"{d.device}: {why}" for d in existing.devices if (why := self._gone(d)))
                 made = [self._make_again(ref, device) for device in existing.devices]
         except ClaimError as err:
+            if not gone:  # all of it is there (its containers may use it): a failure to check is no reason to undo
+                message = f"checking what it was prepared with failed: {err}; kept as it is"
+                raise ClaimError(message, err.reason) from err
             try:
                 released = f"released what it held ({self._undo(existing)})"
                 self.status.clear(ref)
             except (ClaimError, pynvml.NVMLError) as undo_err:  # kubelet's retry undoes it first (its record says)
                 released = f"releasing what it held failed too: {undo_err}"
             raise ClaimError(
-                f"it was prepared before, what it was prepared with is gone (a reboot or a GPU reset) and cannot be "
-                f"made again: {err}; {released}",
+                f"it was prepared before and what it was prepared with is gone ({gone}: a reboot or a GPU reset) "
+                f"and cannot be made again: {err}; {released}",
                 reason=err.reason,
             ) from err
         devices = tuple(device for device, _ in made)
@@ -217,9 +245,8 @@ class ClaimPreparer:
         return ClaimResult(devices=devices, summary=f"already prepared, checked: {checked}")
 
     def _make_again(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
-        target = self.targets.get(device.device)
-        if target is None or target.gpu.uuid != device.gpu_uuid:
-            raise ClaimError(f"device {device.device} of GPU {device.gpu_uuid} is no longer on this node")
+        if device.gpu_uuid not in self._gpus:
+            raise ClaimError(f"device {device.device}: its GPU {device.gpu_uuid} is no longer on this node")
         made, done = self._make_real(ref, device, again=True)
         if device.traits.mps and device.traits.in_partition and device.mig_uuid and made.mig_uuid != device.mig_uuid:
             # The old partition's daemon serves a MIG device that no longer exists.
@@ -310,7 +337,7 @@ class ClaimPreparer:
         """Create what the device needs on the GPU; returns it with its CDI edits, and what was done.
         What exists already is kept; `again` (a prepared claim's check) sets the time-slice interval
         even where another claim's record says it is set: it cannot be read back."""
-        gpu = self.targets[device.device].gpu
+        gpu = self._gpus[device.gpu_uuid]
         gpu_node = f"/dev/nvidia{gpu.minor}"
         if device.admin_access:  # the GPU's node, for monitoring; nothing made or changed on it
             return replace(device, device_nodes=(gpu_node,)), "admin access, nothing created"

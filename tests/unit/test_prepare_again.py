@@ -164,3 +164,21 @@ def test_start_up_after_a_reboot_makes_every_kind_again_before_kubelet_asks(node
     # Kubelet's prepare then finds everything in place.
     for ref in refs.values():
         assert restarted.preparer.prepare([ref])[ref.uid].devices == env.claims.get(ref.uid).devices
+
+
+def test_a_failed_check_of_a_claim_whose_devices_are_all_there_keeps_it(node, tmp_path: Path):
+    """Its containers may be using them: a tool that fails once is no reason to destroy them."""
+    api, env = node
+    ref = claim(api, "both", "gpu-5-mig-3g40gb-4")
+    api.claims[("default", "both")]["status"]["allocation"]["devices"]["results"].append(
+        {**result("gpu-6-ts"), "shareID": "share-both", "consumedCapacity": {"memory": "4Gi"}}
+    )
+    api.claims[("default", "both")]["status"]["allocation"]["devices"]["config"] = [LONG]
+    before = prepared(env, api, ref).devices
+    smi = tmp_path / "driver-root" / "usr" / "bin" / "nvidia-smi"
+    smi.chmod(0o644)  # the tool cannot run for a moment
+    outcome = env.preparer.prepare([ref])[ref.uid]
+    assert "checking what it was prepared with failed" in outcome.error and "kept as it is" in outcome.error
+    assert env.claims.get(ref.uid).devices == before and len(env.session.gpu_instances(5)) == 1
+    smi.chmod(0o755)
+    assert env.preparer.prepare([ref])[ref.uid].devices == before
