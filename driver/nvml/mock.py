@@ -245,6 +245,17 @@ class MockNvml:
                 return index
         raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
+    def _gpu_outside_mig(self, device: object) -> GpuState:
+        """The GPU's state, for what NVML measures only on a GPU not in MIG mode: NOT_SUPPORTED on
+        a MIG device handle and on a GPU in MIG mode."""
+        if isinstance(device, MockMigDevice):
+            self._gpu_index(device)
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._with_gpu(device, lambda state: state)
+        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
     def _require_mig(self, gpu: GpuState) -> None:
         if not self.machine.gpu.mig_capable or gpu.mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -342,12 +353,7 @@ class MockNvml:
 
     def nvmlDeviceGetUtilizationRates(self, device: object) -> pynvml.c_nvmlUtilization_t:
         """NOT_SUPPORTED on a MIG device handle and on a GPU in MIG mode, as NVML documents it."""
-        if isinstance(device, MockMigDevice):
-            self._gpu_index(device)
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        gpu = self._with_gpu(device, lambda state: state)
-        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._gpu_outside_mig(device)
         utilization = pynvml.c_nvmlUtilization_t()
         serving = _mps_serving(gpu)
         simulated = SIMULATED_MPS_GPU_PERCENT if serving else 0
@@ -382,12 +388,7 @@ class MockNvml:
     ) -> list[pynvml.c_nvmlProcessUtilizationSample_t]:
         """One sample per process on the GPU, now; NOT_FOUND when there is none, NOT_SUPPORTED on
         MIG devices and GPUs in MIG mode (NVML samples no processes there)."""
-        if isinstance(device, MockMigDevice):
-            self._gpu_index(device)
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        gpu = self._with_gpu(device, lambda state: state)
-        if gpu.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._gpu_outside_mig(device)
         now_us = int(time.time() * 1_000_000)
         if not gpu.processes or now_us <= timeStamp:
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
