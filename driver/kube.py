@@ -8,6 +8,7 @@ real control plane or an in-memory stand-in with the same methods. Objects are t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -142,10 +143,18 @@ class ClientKubeApi:
             ) from err
         configuration.retries = False
         self._client = kubernetes.client.ApiClient(configuration)
-        self._resource = kubernetes.client.ResourceV1Api(self._client)
-        self._core = kubernetes.client.CoreV1Api(self._client)
         self._timeout = timeout_s
         self._watches: set[urllib3.BaseHTTPResponse] = set()
+
+    # Made at their first call: importing the client's API classes takes most of a second, which a
+    # plugin starting up would spend before kubelet can register it.
+    @functools.cached_property
+    def _resource(self) -> kubernetes.client.ResourceV1Api:
+        return kubernetes.client.ResourceV1Api(self._client)
+
+    @functools.cached_property
+    def _core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self._client)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         with translated_errors():
