@@ -1,0 +1,369 @@
+"""Making room: which movable allocations to evict so that a pending claim (or a whole gang) fits,
+and which to move so that lightly used GPUs empty (compaction). Pure: plans are made on the
+allocator's own state and every change is undone before returning (the state is left exactly as
+found); nothing here evicts, the caller does (docs/allocator.md, "Making room: the planner").
+
+Cost of a plan, lowest first: fewest victims, then least GPU given back, then youngest.
+
+Search, for one claim: per node with movable allocations, those allocations are grouped by the GPU
+(counter set) they sit on; from each such GPU as a seed, whole GPU groups are released, seed first
+then cheapest first, until the claim fits on the node (greedy), then each victim is put back where
+the claim still fits without it (prune), leaving a set where every victim is needed. That is at
+most G seeds x (G + V) node searches a node, G GPUs and V movable allocations on it: O(N G (G + V))
+node searches for N nodes, bounded by SEEDS_PER_NODE. A gang: its members largest first, each
+planned so on the state the members before it leave, starting from each of the first member's
+cheapest plans. Victims that are moved (not killed) must fit again elsewhere with the pending
+placements and their own old places both counted: never back into the room they made."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from driver.allocator.allocate import AllocationError
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement
+from driver.allocator.model import Claim
+from driver.allocator.quantity import QuantityError, format_amount, parse_quantity
+
+PLANS = 4  # plans returned: the next is tried when an eviction is refused (a PodDisruptionBudget)
+SEEDS_PER_NODE = 8  # GPUs a node's greedy search starts from
+COMPACTION_MOVES = 4  # moves one compaction call may plan
+
+GpuId = tuple[str, str, str]  # driver, pool, counter set: one GPU
+Cost = tuple[int, float, float]
+
+
+@dataclass(frozen=True, eq=False)  # by identity: the same claim's allocation is one holder
+class Holder:
+    """A live allocation: its claim, where it is, whether it may be moved (the pod is movable and
+    recreated by a controller), and when it started (larger is younger)."""
+
+    claim: Claim
+    node: str
+    allocation: dict[str, Any]
+    movable: bool
+    started: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Evict `victims`; then `placements` place the pending claim(s); `moves` (when victims are
+    moved rather than killed) are where the victims fit again, with the placements counted."""
+
+    victims: tuple[Holder, ...]
+    placements: tuple[Placement, ...]
+    moves: tuple[Placement, ...]
+    cost: Cost
+
+
+@dataclass(frozen=True)
+class Move:
+    holder: Holder
+    to: Placement
+
+
+class _Scratch:
+    """Adds and releases made while planning, undone in reverse order: an add and a release are
+    exact inverses on the allocator's state (whole numbers and fractions, counted shares)."""
+
+    def __init__(self, allocator: ClusterAllocator) -> None:
+        self.allocator = allocator
+        self._undo: list[tuple[Callable[[str, dict[str, Any]], None], str, dict[str, Any]]] = []
+
+    def add(self, node: str, allocation: dict[str, Any]) -> None:
+        self.allocator.add(node, allocation)
+        self._undo.append((self.allocator.release, node, allocation))
+
+    def release(self, node: str, allocation: dict[str, Any]) -> None:
+        self.allocator.release(node, allocation)
+        self._undo.append((self.allocator.add, node, allocation))
+
+    def release_all(self, holders: Sequence[Holder]) -> None:
+        for holder in holders:
+            self.release(holder.node, holder.allocation)
+
+    def mark(self) -> int:
+        return len(self._undo)
+
+    def undo(self, mark: int = 0) -> None:
+        while len(self._undo) > mark:
+            step, node, allocation = self._undo.pop()
+            step(node, allocation)
+
+
+@contextmanager
+def _scratch(allocator: ClusterAllocator) -> Iterator[_Scratch]:
+    scratch = _Scratch(allocator)
+    try:
+        yield scratch
+    finally:
+        scratch.undo()
+
+
+def _results(allocation: dict[str, Any]) -> list[dict[str, Any]]:
+    return (allocation.get("devices") or {}).get("results") or []
+
+
+def gpus_of(allocator: ClusterAllocator, node: str, allocation: dict[str, Any]) -> set[GpuId]:
+    """The GPUs (counter sets) an allocation's devices draw from."""
+    pools = {pool.id: pool for pool in allocator.snapshot.pools.get(node, ())}
+    gpus: set[GpuId] = set()
+    for result in _results(allocation):
+        pool = pools.get((result.get("driver", ""), result.get("pool", "")))
+        device = pool.device_index().get(result.get("device", "")) if pool else None
+        if pool is not None and device is not None:
+            gpus.update((*pool.id, counter_set) for counter_set, _ in device.consumes)
+    return gpus
+
+
+def given_back(allocator: ClusterAllocator, holder: Holder) -> float:
+    """GPUs an allocation holds: a device's share of its GPU's counters, a share's largest part of
+    its device's capacity."""
+    pools = {pool.id: pool for pool in allocator.snapshot.pools.get(holder.node, ())}
+    total = 0.0
+    for result in _results(holder.allocation):
+        pool = pools.get((result.get("driver", ""), result.get("pool", "")))
+        device = pool.device_index().get(result.get("device", "")) if pool else None
+        if pool is None or device is None or result.get("adminAccess"):
+            continue
+        if result.get("shareID") is not None:
+            parts = [0.0]
+            for name, value in (result.get("consumedCapacity") or {}).items():
+                capacity = device.capacity.get(name)
+                try:
+                    parts.append(float(parse_quantity(value)) / capacity.value if capacity and capacity.value else 0)
+                except QuantityError:
+                    continue
+            total += max(parts)
+            continue
+        for counter_set, counters in device.consumes:
+            full = sum(pool.counter_sets.get(counter_set, {}).values(), 0)
+            total += float(sum(counters.values(), 0)) / full if full else 0
+    return total
+
+
+def _cost(allocator: ClusterAllocator, victims: Sequence[Holder]) -> Cost:
+    return len(victims), round(sum(given_back(allocator, v) for v in victims), 6), -sum(v.started for v in victims)
+
+
+def _size(claim: Claim) -> int:
+    return sum(alternatives[0].count or 1 for alternatives in claim.requests)
+
+
+def _fits_on(allocator: ClusterAllocator, node: str, claim: Claim) -> dict[str, Any] | None:
+    try:
+        result = allocator.allocate_on(node, [claim])
+    except AllocationError:
+        return None
+    return result[0] if result else None
+
+
+def _node_options(
+    allocator: ClusterAllocator, node: str, claim: Claim, movable: Sequence[Holder]
+) -> list[tuple[tuple[Holder, ...], Placement]]:
+    """Victim sets on one node after which the claim fits there, each with no victim to spare."""
+    with _scratch(allocator) as scratch:
+        scratch.release_all(movable)
+        if _fits_on(allocator, node, claim) is None:
+            return []  # not even with every movable allocation gone
+    by_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
+    for holder in movable:
+        for gpu in gpus_of(allocator, node, holder.allocation):
+            by_gpu[gpu].append(holder)
+    ordered = sorted(by_gpu, key=lambda gpu: (_cost(allocator, by_gpu[gpu]), gpu))
+    options: dict[frozenset[int], tuple[tuple[Holder, ...], Placement]] = {}
+    for seed in ordered[:SEEDS_PER_NODE]:
+        with _scratch(allocator) as scratch:
+            released: list[Holder] = []
+            for gpu in [seed, *(g for g in ordered if g != seed)]:
+                group = [h for h in by_gpu[gpu] if h not in released]
+                scratch.release_all(group)
+                released.extend(group)
+                if _fits_on(allocator, node, claim) is not None:
+                    break
+            else:
+                continue
+            for holder in sorted(released, key=lambda h: _cost(allocator, [h]), reverse=True):
+                mark = scratch.mark()
+                scratch.add(holder.node, holder.allocation)
+                if _fits_on(allocator, node, claim) is None:
+                    scratch.undo(mark)  # needed: it goes
+                else:
+                    released.remove(holder)
+            allocation = _fits_on(allocator, node, claim)
+            if allocation is not None:
+                options.setdefault(frozenset(map(id, released)), (tuple(released), Placement(claim, node, allocation)))
+    return list(options.values())
+
+
+def _claim_options(
+    allocator: ClusterAllocator, claim: Claim, movable: Sequence[Holder]
+) -> list[tuple[tuple[Holder, ...], Placement]]:
+    """Every node's victim sets for one claim, cheapest first; no victims when it fits already."""
+    outcome = allocator.allocate(claim)
+    if isinstance(outcome, Placement):
+        return [((), outcome)]
+    by_node: dict[str, list[Holder]] = defaultdict(list)
+    for holder in movable:
+        by_node[holder.node].append(holder)
+    options = [option for node in sorted(by_node) for option in _node_options(allocator, node, claim, by_node[node])]
+    return sorted(options, key=lambda option: (_cost(allocator, option[0]), option[1].node))
+
+
+def _gang_options(
+    allocator: ClusterAllocator, claims: Sequence[Claim], movable: Sequence[Holder], limit: int
+) -> list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]:
+    """Victims and placements for every member, largest first, from each of the first member's
+    `limit` cheapest options; each later member takes its cheapest option on what is left."""
+    first, *rest = sorted(claims, key=_size, reverse=True)
+    found: dict[frozenset[int], tuple[tuple[Holder, ...], tuple[Placement, ...]]] = {}
+    for victims, placement in _claim_options(allocator, first, movable)[:limit]:
+        with _scratch(allocator) as scratch:
+            scratch.release_all(victims)
+            scratch.add(placement.node, placement.allocation)
+            chosen, placed = list(victims), [placement]
+            for claim in rest:
+                options = _claim_options(allocator, claim, [h for h in movable if h not in chosen])
+                if not options:
+                    break
+                more, where = options[0]
+                scratch.release_all(more)
+                scratch.add(where.node, where.allocation)
+                chosen.extend(more)
+                placed.append(where)
+            else:
+                found.setdefault(frozenset(map(id, chosen)), (tuple(chosen), tuple(placed)))
+    return list(found.values())
+
+
+def _not_held(allocator: ClusterAllocator, allocation: dict[str, Any]) -> dict[str, Any]:
+    """The allocation less devices already held exclusively (the victim's own, same device): an
+    exclusive device is counted once, so adding it again could not be undone exactly."""
+    held = allocator.state.exclusive
+    kept = [
+        r
+        for r in _results(allocation)
+        if r.get("shareID") is not None or (r.get("driver"), r.get("pool"), r.get("device")) not in held
+    ]
+    return {"devices": {"results": kept}}
+
+
+def _rest_of_shared(allocator: ClusterAllocator, holder: Holder) -> dict[str, Any]:
+    """A share taking what is left of each shared device the holder has a share of: a share
+    placed on a device in use draws no counters, so only this keeps moves off it."""
+    pools = {pool.id: pool for pool in allocator.snapshot.pools.get(holder.node, ())}
+    results = []
+    for result in _results(holder.allocation):
+        pool = pools.get((result.get("driver", ""), result.get("pool", "")))
+        device = pool.device_index().get(result.get("device", "")) if pool else None
+        if device is None or result.get("shareID") is None:
+            continue
+        left = allocator.state.capacity_left(device)
+        consumed = {name: format_amount(value) for name, value in left.items() if value > 0}
+        results.append({**result, "shareID": f"{result['shareID']}-rest", "consumedCapacity": consumed})
+    return {"devices": {"results": results}}
+
+
+def _moves(
+    allocator: ClusterAllocator, victims: Sequence[Holder], placements: Sequence[Placement]
+) -> tuple[Placement, ...] | None:
+    """Where the victims fit again, largest first, with the pending placements on top of the
+    state as it is (victims still in their old places): never into the room they made."""
+    with _scratch(allocator) as scratch:
+        for placement in placements:
+            scratch.add(placement.node, _not_held(allocator, placement.allocation))
+        for victim in victims:
+            scratch.add(victim.node, _rest_of_shared(allocator, victim))
+        moves = []
+        for victim in sorted(victims, key=lambda v: given_back(allocator, v), reverse=True):
+            outcome = allocator.allocate(victim.claim)
+            if isinstance(outcome, Failure):
+                return None
+            scratch.add(outcome.node, outcome.allocation)
+            moves.append(outcome)
+        return tuple(moves)
+
+
+def make_room(
+    allocator: ClusterAllocator,
+    pending: Claim | Sequence[Claim],
+    holders: Sequence[Holder],
+    move: bool = True,
+    limit: int = PLANS,
+) -> list[Plan]:
+    """Up to `limit` plans, cheapest first, after each of which the pending claim (or every
+    member of a gang) fits; with `move`, only plans whose victims fit again elsewhere. None when
+    nothing movable would make room; one with no victims when it fits already."""
+    claims = [pending] if isinstance(pending, Claim) else list(pending)
+    movable = [h for h in holders if h.movable]
+    if not claims:
+        return []
+    if len(claims) == 1:
+        options = [(victims, (placement,)) for victims, placement in _claim_options(allocator, claims[0], movable)]
+    else:
+        options = _gang_options(allocator, claims, movable, limit)
+    plans = []
+    for victims, placements in sorted(options, key=lambda option: _cost(allocator, option[0])):
+        moves = _moves(allocator, victims, placements) if move and victims else ()
+        if moves is None:
+            continue
+        plans.append(Plan(victims, placements, moves, _cost(allocator, victims)))
+        if len(plans) >= limit:
+            break
+    return plans
+
+
+def compaction(allocator: ClusterAllocator, holders: Sequence[Holder], limit: int = COMPACTION_MOVES) -> list[Move]:
+    """Moves, at most `limit`, that empty lightly used GPUs (fewest allocations, then least used,
+    first) into holes on GPUs already in use: never onto a GPU nothing used, never onto one being
+    emptied. A GPU is emptied whole or not at all; one holding anything not movable stays."""
+    on_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
+    for holder in holders:
+        for gpu in gpus_of(allocator, holder.node, holder.allocation):
+            on_gpu[gpu].append(holder)
+    movable = [gpu for gpu, group in on_gpu.items() if all(h.movable for h in group)]
+    movable.sort(key=lambda gpu: (len(on_gpu[gpu]), _cost(allocator, on_gpu[gpu])[1], gpu))
+    moves: list[Move] = []
+    emptied: set[GpuId] = set()
+    filled: set[GpuId] = set()  # GPUs moves went to: not emptied afterwards
+    with _scratch(allocator) as scratch:
+        for gpu in movable:
+            group = on_gpu[gpu]
+            if gpu in filled or len(moves) + len(group) > limit or any(h in (m.holder for m in moves) for h in group):
+                continue
+            mark, planned = scratch.mark(), []
+            for holder in sorted(group, key=lambda h: given_back(allocator, h), reverse=True):
+                outcome = allocator.allocate(holder.claim)
+                targets = (
+                    set() if isinstance(outcome, Failure) else gpus_of(allocator, outcome.node, outcome.allocation)
+                )
+                if (
+                    isinstance(outcome, Failure)
+                    or not targets
+                    or targets & (emptied | {gpu})
+                    or _opens(allocator, outcome)
+                ):
+                    break
+                scratch.add(outcome.node, outcome.allocation)
+                planned.append(Move(holder, outcome))
+            else:
+                scratch.release_all(group)
+                moves.extend(planned)
+                emptied.add(gpu)
+                filled.update(t for m in planned for t in gpus_of(allocator, m.to.node, m.to.allocation))
+                continue
+            scratch.undo(mark)
+    return moves
+
+
+def _opens(allocator: ClusterAllocator, placement: Placement) -> bool:
+    """Whether a placement draws on a GPU nothing draws on yet."""
+    pools = {pool.id: pool for pool in allocator.snapshot.pools.get(placement.node, ())}
+    for driver, pool_name, counter_set in gpus_of(allocator, placement.node, placement.allocation):
+        pool = pools[driver, pool_name]
+        if allocator.state.counters_left(pool).get(counter_set) == pool.counter_sets.get(counter_set):
+            return True
+    return False

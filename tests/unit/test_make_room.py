@@ -1,0 +1,203 @@
+"""The make-room planner on hand-built clusters of mock dgx-h100 nodes: which movable allocations
+it evicts, in what order, where they go again, and that planning leaves the allocator as found."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.make_room import Holder, Plan, compaction, make_room
+from tests.support.allocation import DRIVER, allocator, claim, exactly, h100_slices
+
+
+class Cluster:
+    """An allocator with allocations put on named devices by hand, each kept as a Holder."""
+
+    def __init__(self, *nodes: str) -> None:
+        self.allocator: ClusterAllocator = allocator(h100_slices(*nodes))
+        self.holders: list[Holder] = []
+
+    def whole(self, node: str, gpu: int, movable: bool = False, started: float = 0) -> Holder:
+        name = f"w-{node}-{gpu}"
+        result = {"request": "r", "driver": DRIVER, "pool": node, "device": f"gpu-{gpu}"}
+        return self._hold(claim(name, exactly("gpu.fgpu.dev")), node, result, movable, started)
+
+    def share(self, node: str, gpu: int, gib: int, movable: bool = True, started: float = 0) -> Holder:
+        name = f"s-{node}-{gpu}-{len(self.holders)}"
+        consumed = {"clients": "1", "compute": "10", "memory": f"{gib}Gi"}
+        result = {
+            "request": "r",
+            "driver": DRIVER,
+            "pool": node,
+            "device": f"gpu-{gpu}-mps",
+            "shareID": f"share-{name}",
+            "consumedCapacity": consumed,
+        }
+        request = exactly("mps.gpu.fgpu.dev", capacity={"requests": {"memory": f"{gib}Gi"}})
+        return self._hold(claim(name, request), node, result, movable, started)
+
+    def _hold(self, c: Any, node: str, result: dict[str, Any], movable: bool, started: float) -> Holder:
+        holder = Holder(c, node, {"devices": {"results": [result]}}, movable, started)
+        self.allocator.add(node, holder.allocation)
+        self.holders.append(holder)
+        return holder
+
+    def landing(self, *nodes: str) -> None:
+        """Nodes where every GPU carries a small share nobody may move: room for moved shares,
+        none for a whole GPU."""
+        for node in nodes:
+            for gpu in range(8):
+                self.share(node, gpu, 5, movable=False)
+
+
+def devices_of(plan: Plan) -> list[str]:
+    return [r["device"] for p in plan.placements for r in p.allocation["devices"]["results"]]
+
+
+def whole_gpus(count: int = 1, name: str = "pending") -> Any:
+    return claim(name, exactly("gpu.fgpu.dev", count=count))
+
+
+def apply(cluster: Cluster, plan: Plan) -> None:
+    """What the controller does with a plan: the victims go, the pending claim and the moves land."""
+    for victim in plan.victims:
+        cluster.allocator.release(victim.node, victim.allocation)
+    for placement in (*plan.placements, *plan.moves):
+        cluster.allocator.commit(placement)
+
+
+def overdrawn(cluster: Cluster) -> list[str]:
+    """Counters drawn below zero: two allocations on one GPU's room."""
+    return [
+        f"{pool.id}/{counter_set}"
+        for pools in cluster.allocator.snapshot.pools.values()
+        for pool in pools
+        for counter_set, counters in cluster.allocator.state.counters_left(pool).items()
+        if any(value < 0 for value in counters.values())
+    ]
+
+
+def test_fewest_victims_first_then_least_given_back_then_youngest():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(4):
+        cluster.whole("n1", gpu)
+    pair = [cluster.share("n1", 4, 5), cluster.share("n1", 4, 5)]  # two victims: last
+    big = cluster.share("n1", 5, 40)
+    old = cluster.share("n1", 6, 10, started=1)
+    young = cluster.share("n1", 7, 10, started=2)
+    cluster.landing("n2")
+    plans = make_room(cluster.allocator, whole_gpus(), cluster.holders)
+    assert [p.victims for p in plans] == [(young,), (old,), (big,), tuple(pair)]
+    assert [p.cost[0] for p in plans] == [1, 1, 1, 2]
+    assert devices_of(plans[0]) == ["gpu-7"] and plans[0].placements[0].node == "n1"
+
+
+def test_a_refused_plan_leaves_the_next_which_places_the_claim_and_its_victims():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(6):
+        cluster.whole("n1", gpu)
+    first = cluster.share("n1", 6, 5)
+    second = cluster.share("n1", 7, 20)
+    cluster.landing("n2")
+    plans = make_room(cluster.allocator, whole_gpus(), cluster.holders)
+    assert [p.victims for p in plans] == [(first,), (second,)]
+    # The first eviction is refused (a PodDisruptionBudget): the next plan is applied instead.
+    taken = plans[1]
+    apply(cluster, taken)
+    assert devices_of(taken) == ["gpu-7"]
+    # The 20 GiB share moves next to the share whose eviction was refused: room that stayed.
+    assert [m.allocation["devices"]["results"][0]["device"] for m in taken.moves] == ["gpu-6-mps"]
+    assert overdrawn(cluster) == []
+    assert first.allocation["devices"]["results"][0]["device"] == "gpu-6-mps"  # untouched, still there
+
+
+def test_a_gang_that_needs_several_nodes():
+    cluster = Cluster("n1", "n2", "n3")
+    for node in ("n1", "n2"):
+        for gpu in range(6):
+            cluster.whole(node, gpu)
+        for gpu in (6, 7):
+            cluster.share(node, gpu, 10)
+    cluster.landing("n3")
+    gang = [whole_gpus(2, "worker-0"), whole_gpus(2, "worker-1")]
+    plans = make_room(cluster.allocator, gang, cluster.holders)
+    assert plans, "the gang fits once both nodes' shares move"
+    best = plans[0]
+    assert sorted(p.node for p in best.placements) == ["n1", "n2"]
+    assert len(best.victims) == 4 and {m.node for m in best.moves} == {"n3"}
+    apply(cluster, best)
+    assert overdrawn(cluster) == []
+
+
+def test_nothing_movable_no_plan():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(7):
+        cluster.whole("n1", gpu)
+    cluster.share("n1", 7, 5, movable=False)
+    cluster.landing("n2")
+    assert make_room(cluster.allocator, whole_gpus(), cluster.holders) == []
+
+
+def test_no_plan_when_the_claim_would_not_fit_even_with_everything_movable_gone():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(6):
+        cluster.whole("n1", gpu)
+    cluster.share("n1", 6, 5)
+    cluster.share("n1", 7, 5)
+    cluster.landing("n2")
+    assert make_room(cluster.allocator, whole_gpus(3), cluster.holders) == []
+    assert make_room(cluster.allocator, [whole_gpus(2, "a"), whole_gpus(1, "b")], cluster.holders) == []
+
+
+def test_a_claim_that_fits_already_needs_no_victims():
+    cluster = Cluster("n1")
+    cluster.share("n1", 0, 5)
+    plans = make_room(cluster.allocator, whole_gpus(), cluster.holders)
+    assert [p.victims for p in plans] == [()] and plans[0].cost == (0, 0, 0)
+
+
+def test_planning_leaves_the_allocator_as_found():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(5):
+        cluster.whole("n1", gpu)
+    for gpu in (5, 6, 7):
+        cluster.share("n1", gpu, 10)
+        cluster.share("n1", gpu, 20)
+    cluster.share("n2", 0, 5)
+    cluster.share("n2", 1, 40)
+    state, order = copy.deepcopy(cluster.allocator.state), cluster.allocator.node_order()
+    left = {
+        p.id: cluster.allocator.state.counters_left(p) for ps in cluster.allocator.snapshot.pools.values() for p in ps
+    }
+    assert make_room(cluster.allocator, whole_gpus(3), cluster.holders)
+    assert make_room(cluster.allocator, [whole_gpus(8, "a"), whole_gpus(1, "b")], cluster.holders)
+    assert compaction(cluster.allocator, cluster.holders)
+    assert cluster.allocator.state == state and cluster.allocator.node_order() == order
+    after = {
+        p.id: cluster.allocator.state.counters_left(p) for ps in cluster.allocator.snapshot.pools.values() for p in ps
+    }
+    assert after == left
+
+
+def test_victims_moved_must_fit_elsewhere_not_in_the_room_they_made():
+    cluster = Cluster("n1")
+    for gpu in range(7):
+        cluster.whole("n1", gpu)
+    victim = cluster.share("n1", 7, 5)
+    # Killed rather than moved, evicting it makes the room; moved, it has nowhere else to go.
+    killed = make_room(cluster.allocator, whole_gpus(), cluster.holders, move=False)
+    assert [p.victims for p in killed] == [(victim,)] and killed[0].moves == ()
+    assert make_room(cluster.allocator, whole_gpus(), cluster.holders) == []
+
+
+def test_compaction_empties_the_lightest_gpu_into_a_hole_elsewhere():
+    cluster = Cluster("n1")
+    for _ in range(3):
+        cluster.share("n1", 0, 10)
+    lone = cluster.share("n1", 1, 5)
+    cluster.share("n1", 2, 60, movable=False)  # not movable: its GPU is a hole to fill, never emptied
+    moves = compaction(cluster.allocator, cluster.holders)
+    # The lone share goes into the fullest hole; GPU 0's three shares have nowhere to go whole.
+    assert [(m.holder, m.to.allocation["devices"]["results"][0]["device"]) for m in moves] == [(lone, "gpu-2-mps")]
+    assert compaction(cluster.allocator, cluster.holders, limit=0) == []
