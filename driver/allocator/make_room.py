@@ -9,11 +9,12 @@ Search, for one claim: per node with movable allocations, those allocations are 
 (counter set) they sit on; from each such GPU as a seed, whole GPU groups are released, seed first
 then cheapest first, until the claim fits on the node (greedy), then each victim is put back where
 the claim still fits without it (prune), leaving a set where every victim is needed. That is at
-most G seeds x (G + V) node searches a node, G GPUs and V movable allocations on it: O(N G (G + V))
-node searches for N nodes, bounded by SEEDS_PER_NODE. A gang: its members largest first, each
-planned so on the state the members before it leave, starting from each of the first member's
-cheapest plans. Victims that are moved (not killed) must fit again elsewhere with the pending
-placements and their own old places both counted: never back into the room they made."""
+most G seeds x (G + V) node searches a node (G GPUs, V movable allocations on it), on at most
+NODES_SEARCHED nodes where room can be made at all (fullest first; any other node costs one
+search): O(min(N, NODES_SEARCHED) G (G + V) + N) node searches. A gang: its members largest first,
+each planned so on the state the members before it leave, starting from each of the first
+member's cheapest plans. Victims that are moved (not killed) must fit again elsewhere with the
+pending placements and their own old places both counted: never back into the room they made."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from driver.allocator.quantity import QuantityError, format_amount, parse_quanti
 
 PLANS = 4  # plans returned: the next is tried when an eviction is refused (a PodDisruptionBudget)
 SEEDS_PER_NODE = 8  # GPUs a node's greedy search starts from
+NODES_SEARCHED = 16  # nodes, fullest first, where the claim fits with movable allocations gone
 COMPACTION_MOVES = 4  # moves one compaction call may plan
 
 GpuId = tuple[str, str, str]  # driver, pool, counter set: one GPU
@@ -209,7 +211,14 @@ def _claim_options(
     by_node: dict[str, list[Holder]] = defaultdict(list)
     for holder in movable:
         by_node[holder.node].append(holder)
-    options = [option for node in sorted(by_node) for option in _node_options(allocator, node, claim, by_node[node])]
+    options = []
+    searched = 0
+    for node in (name for name in allocator.node_order() if name in by_node):
+        found = _node_options(allocator, node, claim, by_node[node])
+        options.extend(found)
+        searched += bool(found)
+        if searched >= NODES_SEARCHED:
+            break
     return sorted(options, key=lambda option: (_cost(allocator, option[0]), option[1].node))
 
 
