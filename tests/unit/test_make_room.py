@@ -3,9 +3,12 @@ it evicts, in what order, where they go again, and that planning leaves the allo
 
 from __future__ import annotations
 
+import argparse
 import copy
 from typing import Any
 
+from bench import make_room as make_room_bench
+from bench.allocator import packing
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import Holder, Plan, compaction, make_room
 from tests.support.allocation import DRIVER, allocator, claim, exactly, h100_slices
@@ -201,3 +204,17 @@ def test_compaction_empties_the_lightest_gpu_into_a_hole_elsewhere():
     # The lone share goes into the fullest hole; GPU 0's three shares have nowhere to go whole.
     assert [(m.holder, m.to.allocation["devices"]["results"][0]["device"]) for m in moves] == [(lone, "gpu-2-mps")]
     assert compaction(cluster.allocator, cluster.holders, limit=0) == []
+
+
+def test_the_bench_replays_bench_allocators_packing_trace_and_keeps_its_eviction_budget():
+    small = argparse.Namespace(nodes=2, events=200, seed=3, budget=50, compaction_moves=2, departures=True)
+    arrivals = make_room_bench.trace(small.events, small.seed)
+    # Same arrivals and departures as `python -m bench.allocator packing`: the same GPUs in use.
+    assert (
+        make_room_bench.run("binpack", small, arrivals)["mean_gpus_used"] == packing(small)["binpack"]["mean_gpus_used"]
+    )
+    compacted = make_room_bench.run("compaction", small, arrivals)
+    assert 0 < compacted["evictions"] <= small.budget * small.events / 1000
+    crowded = argparse.Namespace(**{**vars(small), "nodes": 1, "seed": 1})  # claims fail: room is made
+    made = make_room_bench.run("make-room", crowded, make_room_bench.trace(small.events, 1))
+    assert made["made_room"] > 0 and made["evictions"] >= made["made_room"]
