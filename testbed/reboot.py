@@ -5,12 +5,11 @@ modes and time-slice intervals (driver settings, Default again), every process (
 every mount (their tmpfs), and /var/run (a tmpfs: the CDI specs). `reboot` does it to the test
 bed's real node: a power cut (RealNode.power_cut: containers, kubelet, containerd), the plugin
 killed, the GPUs' volatile state cleared, then the node booted and the plugin started again, as a
-DaemonSet's pod would be, `plugin_delay_s` late."""
+DaemonSet's pod would be."""
 
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def clear_volatile_state(nvml: MockNvml, smi_state: Path, cdi_dir: Path, run_roo
         spec.unlink()
 
 
-def reboot(node: RealNode, plugin: NodePlugin, plugin_delay_s: float = 0.0) -> None:
+def reboot(node: RealNode, plugin: NodePlugin) -> None:
     plugin.stop(signal.SIGKILL)
     node.power_cut()
     gpus = plugin.gpus()
@@ -41,5 +40,4 @@ def reboot(node: RealNode, plugin: NodePlugin, plugin_delay_s: float = 0.0) -> N
     finally:
         gpus.close()
     node.boot()
-    time.sleep(plugin_delay_s)
     plugin.start_registered()
