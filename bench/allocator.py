@@ -67,13 +67,15 @@ def node_slices_json(nodes: int, mig_shares: Sequence[str] = ()) -> list[str]:
     plugin's code, copied per node with its own name and GPU UUIDs (building them anew for every
     node would take minutes at 5,000 nodes; the copies differ where real nodes differ)."""
     template = json.dumps(cluster_slices(1, mig_shares))
-    return [
-        _GPU_UUID.sub(lambda m, i=i: f"{m.group(1)}{i:012x}", template.replace("node-0000", f"node-{i:04d}"))
-        for i in range(nodes)
-    ]
+    return [node_copy(template, "node-0000", f"node-{i:04d}", i) for i in range(nodes)]
 
 
 _GPU_UUID = re.compile(r"(GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-)[0-9a-f]{12}")
+
+
+def node_copy(template: str, template_node: str, node: str, serial: int) -> str:
+    """One node's slices (JSON text) as another node's: its name, and GPU UUIDs ending in `serial`."""
+    return _GPU_UUID.sub(lambda m: f"{m.group(1)}{serial:012x}", template.replace(template_node, node))
 
 
 def classes() -> list[dict[str, Any]]:

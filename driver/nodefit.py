@@ -21,7 +21,7 @@ inter-pod affinity, topology spread, volumes, host ports, image locality, DRA it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -258,6 +258,18 @@ class NodeRoom:
 
     def fits(self, claim: Claim, node: str) -> bool:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
+
+    def demand(self, claim: Claim) -> Hashable:
+        """What fit reads of the claim's pods, as one value (equal values: equal fit)."""
+        return tuple(
+            (
+                tuple(sorted(pod.requests.items())),
+                repr(pod.tolerations),
+                tuple(sorted(pod.node_selector.items())),
+                repr(pod.required_terms),
+            )
+            for pod in self.pods_of.get(claim.key, ())
+        )
 
     def take(self, placement: Placement) -> None:
         for pod in self.pods_of.get(placement.claim.key, ()):

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
-from driver.allocator.model import Claim, DeviceClass, Slice
+from driver.allocator.fragmentation import Choice, Fragmentation, NodeView, Unit, request_key, units_of
+from driver.allocator.model import Claim, Device, DeviceClass, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
+RESCORED = 8  # fragmentation: best nodes scored again with the claim's pods counted
 
 
 @dataclass(frozen=True)
@@ -127,12 +129,15 @@ def _named_nodes(slice_: Slice) -> set[str]:
 
 class PodRoom(Protocol):
     """Whether the pods that use a claim can run on a node (driver/nodefit.py), and what the
-    placements made take from the nodes: the allocator stays about devices."""
+    placements made take from the nodes: the allocator stays about devices. demand and signature
+    is what fit reads of a claim's pods as one value (equal values: equal fit), for the
+    fragmentation policy to learn the mix of claims by."""
 
     def fits(self, claim: Claim, node: str) -> bool: ...
     def take(self, placement: Placement) -> None: ...
     def give_back(self, placement: Placement) -> None: ...
     def why_not(self, claim: Claim, nodes: Sequence[str]) -> str: ...
+    def demand(self, claim: Claim) -> Hashable: ...
 
 
 class ClusterAllocator:
@@ -151,6 +156,9 @@ class ClusterAllocator:
         self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
+        self._fragmentation = Fragmentation() if policy == "fragmentation" else None
+        self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
+        self._prefer: dict[str, list[Unit]] = {}  # fragmentation: node -> the GPUs this claim should take
         for name in snapshot.pools:
             self._measure(name)
 
@@ -158,6 +166,7 @@ class ClusterAllocator:
         """How full a node is: the share of its counters drawn and of its uncounted devices taken.
         Called whenever its allocations change, so what was cached for it goes too."""
         self._candidates.pop(node, None)
+        self._views.pop(node, None)
         used = total = 0
         partial = False
         for pool in self.snapshot.pools.get(node, ()):
@@ -220,8 +229,11 @@ class ClusterAllocator:
         error upstream's order might not (SearchOrderError), the node is searched again in
         upstream's order, which ends exactly as upstream does: a claim kube-scheduler would
         allocate is never refused because our order tried another device first."""
+        order, cache = self._order, self._candidates.setdefault(node, {})
+        if self._prefer.get(node):  # this claim's own order: not one to cache for the next
+            order, cache = _preferring(self._prefer[node], order), None
         try:
-            return self.node_allocator(node, self._order, self._candidates.setdefault(node, {})).allocate(claims)
+            return self.node_allocator(node, order, cache).allocate(claims)
         except SearchOrderError:
             if self._order is None:
                 raise
@@ -236,18 +248,22 @@ class ClusterAllocator:
             if node in self.snapshot.pools:
                 self._measure(node)
             else:
-                for cached in (self._usage, self._candidates, self._partial):
+                for cached in (self._usage, self._candidates, self._partial, self._views):
                     cached.pop(node, None)
                 self._used.discard(node)
 
     def allocate(
-        self, claim: Claim, nodes: Sequence[str] | None = None, room: PodRoom | None = None
+        self, claim: Claim, nodes: Sequence[str] | None = None, room: PodRoom | None = None, why: bool = True
     ) -> Placement | Failure:
-        """The best node's allocation for one claim (not yet committed), or why none fits; with a
-        room, only on nodes where the claim's pods can run.
+        """The best node's allocation for one claim (not yet committed), or why none fits (an empty
+        reason without `why`: for callers that only count failures); with a room, only on nodes
+        where the claim's pods can run.
 
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
-        SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one."""
+        SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one. Under
+        fragmentation, nodes in the order of the rise in fragmentation (fragmentation.py)."""
+        if self._fragmentation is not None:
+            nodes = self._by_fragmentation(claim, nodes, room)
         errors: list[str] = []
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
@@ -279,6 +295,8 @@ class ClusterAllocator:
             scanned += 1
         if best is not None:
             return best[1]
+        if not why:
+            return Failure(claim, "")
         if room is not None and unfit:
             reason = room.why_not(claim, unfit)
             if len(unfit) == len(nodes if nodes is not None else self.snapshot.pools):
@@ -287,6 +305,68 @@ class ClusterAllocator:
         if errors:
             return Failure(claim, errors[0])
         return Failure(claim, self._explain(claim))
+
+    def _view(self, node: str) -> NodeView | None:
+        """The node's GPUs and their states now, for the fragmentation policy (None: a device draws
+        from several counter sets, which the policy does not model)."""
+        assert self._fragmentation is not None
+        if node not in self._views:
+            pools = self.snapshot.pools.get(node, [])
+            units = units_of(pools)
+            view = None
+            if units is not None:
+                left = {pool.id: self.state.counters_left(pool) for pool in pools}
+                states = [unit.state(self.state, left[pool.id].get(unit.counter_set, {})) for pool, unit in units]
+                view = self._fragmentation.view([unit for _, unit in units], states)
+            self._views[node] = view
+        return self._views[node]
+
+    def _by_fragmentation(self, claim: Claim, nodes: Sequence[str] | None, room: PodRoom | None) -> list[str]:
+        """The nodes by the rise in fragmentation the claim's best placement there causes (ties in
+        binpack's order), the first RESCORED that fit its pods by the rise with its pods counted
+        too; nodes the model sees no room on last, for the search to try all the same. The GPUs
+        picked on each node are what its device order takes first (_prefer)."""
+        assert self._fragmentation is not None
+        learned = self._fragmentation
+        key = request_key(claim)
+        self._prefer.clear()
+        order = list(nodes if nodes is not None else self.node_order())
+        if key is None:
+            return order
+        demand = room.demand(claim) if room is not None else None
+        learned.observe(claim, demand)
+        scored: list[tuple[float, int, str]] = []
+        unscored: list[str] = []
+        choices: dict[str, Choice] = {}
+        for position, node in enumerate(order):
+            view = self._view(node)
+            choice = None
+            if view is not None:
+                fits_room = learned.room_fits(view, room, node)
+                choice = learned.choose(lambda n=node: self.node_allocator(n), view, fits_room, claim, key)
+            if choice is None:
+                unscored.append(node)
+                continue
+            choices[node] = choice
+            scored.append((choice.score, position, node))
+            self._prefer[node] = [view.units[i] for i in choice.units]  # type: ignore[union-attr]
+        scored.sort()
+        if room is not None:
+            rescored: list[tuple[float, int, str]] = []
+            for _, position, node in scored:
+                if len(rescored) == RESCORED:
+                    break
+                if room.fits(claim, node):
+                    view = self._views[node]
+                    assert view is not None
+                    exact = learned.rescore(
+                        lambda n=node: self.node_allocator(n), view, choices[node], room, node, claim, demand
+                    )
+                    rescored.append((exact, position, node))
+            rescored.sort()
+            first = {node for _, _, node in rescored}
+            return [n for _, _, n in rescored] + [n for _, _, n in scored if n not in first] + unscored
+        return [node for _, _, node in scored] + unscored
 
     def _explain(self, claim: Claim) -> str:
         from driver.allocator.explain import explain  # explain builds on this module
@@ -333,6 +413,17 @@ class ClusterAllocator:
                 room.take(outcome)
             placed.append(outcome)
         return placed
+
+
+def _preferring(units: Sequence[Unit], then: DeviceOrder | None) -> DeviceOrder:
+    """Devices on `units` first (in their order), then the rest in `then`'s order."""
+    rank = {id(device): i for i, unit in enumerate(units) for device in unit.devices}
+
+    def ordered(allocator: NodeAllocator, devices: list[Device]) -> list[Device]:
+        rest = then(allocator, devices) if then is not None else devices
+        return sorted(rest, key=lambda d: rank.get(id(d), len(rank)))
+
+    return ordered
 
 
 def _size(claim: Claim) -> int:

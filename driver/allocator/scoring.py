@@ -15,8 +15,8 @@ from driver.allocator.model import Device
 from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount
 
-Policy = Literal["binpack", "spread", "first-fit"]
-POLICIES: tuple[Policy, ...] = ("binpack", "spread", "first-fit")
+Policy = Literal["binpack", "fragmentation", "spread", "first-fit"]
+POLICIES: tuple[Policy, ...] = ("binpack", "fragmentation", "spread", "first-fit")
 
 
 def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:
@@ -82,6 +82,8 @@ def _takeable(allocator: NodeAllocator, device: Device) -> bool:
 
 
 def order_for(policy: Policy):  # -> DeviceOrder | None
+    """Devices in the policy's order within a node (fragmentation: binpack's, behind the GPUs its
+    node choice picked, see fragmentation.py)."""
     if policy == "first-fit":
         return None  # upstream's order: pools by name, slices by name, devices as published
 
@@ -91,7 +93,7 @@ def order_for(policy: Policy):  # -> DeviceOrder | None
         for device in devices:
             (takeable if _takeable(allocator, device) else rest).append(device)
         scores = {id(d): device_score(allocator, d) for d in takeable}
-        if policy == "binpack":
+        if policy != "spread":
             takeable.sort(key=lambda d: scores[id(d)])
         else:
             takeable.sort(key=lambda d: (-scores[id(d)][0], scores[id(d)][1], -scores[id(d)][2]))

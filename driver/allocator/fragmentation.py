@@ -1,0 +1,406 @@
+"""The `fragmentation` placement policy: the node and GPU whose choice least raises the expected
+fragmentation for the claims the cluster sees, learned online (FGD, Weng et al. ATC '23, is given
+that mix in advance; this policy counts it from the claims it is asked to place).
+
+Model (scoring only: feasibility stays with the search, which tries the nodes in this order):
+- a unit is one GPU: a counter set and the devices drawing from it (a device without counters is
+  a unit of its own); its free share is what its counters have left, or where shares use it, the
+  smallest share of a capacity (compute, memory, clients) left on them;
+- a claim's shape is its one request (class, selectors, count, capacity) with its pods' demand
+  (PodRoom.demand); the mix is the shapes seen, each weighed by its count x devices asked (a
+  claim for 8 GPUs is rare but strands the most when it fails), the heaviest up to 95% of the
+  weight (FGD's "typical pods"), learned again at 16, 32, 64, ... claims;
+- a unit is a fragment for a shape when no device on it could take the shape's request; every
+  free unit of a node is one when the shape cannot run there at all (too few units, or its pods
+  do not fit the node's room);
+- F(node) = sum over the mix of weight x free share of the units that are fragments for it. A
+  claim goes to the node and units whose choice raises F least (ties: a GPU in use before a free
+  one, then best fit; nodes in binpack's order); the best RESCORED nodes are scored again with the
+  claim's own pods counted, so a pod's CPU does not strand a node's free GPUs.
+
+Scores are kept by unit state (interned), the node's room answers by demand, so a claim costs a
+look-up per node where nothing changed."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from driver.allocator.allocate import NodeAllocator, compiled_selectors
+from driver.allocator.capacity import consumption, fits
+from driver.allocator.model import Claim, Device, Request
+from driver.allocator.pools import Pool
+from driver.allocator.quantity import Amount
+from driver.allocator.state import AllocatedState
+
+MIX_SHARE = 0.95  # FGD's typical pods: the most common shapes up to this share of claims
+MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
+FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each doubling
+
+RequestKey = tuple[Hashable, ...]
+UnitState = tuple[Hashable, ...]
+
+
+class ScoredRoom(Protocol):
+    """What the policy reads of a PodRoom (driver/nodefit.py's NodeRoom): fit, and the pods'
+    demand of a claim as one hashable value (equal values: equal fit)."""
+
+    def fits(self, claim: Claim, node: str) -> bool: ...
+    def demand(self, claim: Claim) -> Hashable: ...
+    def take(self, placement: Any) -> None: ...
+    def give_back(self, placement: Any) -> None: ...
+
+
+def request_key(claim: Claim) -> RequestKey | None:
+    """The device request a shape stands for: () for a claim without requests; None for claims
+    the model does not describe (several requests, firstAvailable, admin access, All)."""
+    if not claim.requests:
+        return ()
+    if len(claim.requests) > 1 or len(claim.requests[0]) > 1:
+        return None
+    request = claim.requests[0][0]
+    if request.mode != "ExactCount" or request.admin_access:
+        return None
+    return request.class_name, request.selectors, request.count, tuple(sorted((request.capacity or {}).items()))
+
+
+@dataclass
+class Unit:
+    """One GPU of a node: its counter set (full values) and the devices that draw from it."""
+
+    counters: dict[str, Amount]
+    devices: list[Device]
+    counter_set: str = ""  # "" for a device without counters
+
+    def state(self, state: AllocatedState, left: dict[str, Amount]) -> UnitState:
+        used = tuple(
+            (i, tuple(sorted(state.shared[d.id].items()))) for i, d in enumerate(self.devices) if d.id in state.shared
+        )
+        taken = tuple(i for i, d in enumerate(self.devices) if d.id in state.exclusive)
+        return tuple(left.get(name, 0) for name in self.counters), used, taken
+
+    @functools.cached_property
+    def kind(self) -> Hashable:
+        """What units of equal kind share: counters and device shapes."""
+        return tuple(self.counters.items()), tuple(id(d.shape) for d in self.devices)
+
+
+def units_of(pools: Sequence[Pool]) -> list[tuple[Pool, Unit]] | None:
+    """The node's GPUs, or None where a device draws from several counter sets (no unit model)."""
+    found: list[tuple[Pool, Unit]] = []
+    for pool in pools:
+        by_set: dict[str, Unit] = {name: Unit(dict(c), [], name) for name, c in pool.counter_sets.items()}
+        for device in pool.devices:
+            if len(device.consumes) > 1:
+                return None
+            if device.consumes:
+                by_set[device.consumes[0][0]].devices.append(device)
+            else:
+                found.append((pool, Unit({}, [device])))
+        found.extend((pool, unit) for unit in by_set.values() if unit.devices)
+    return found
+
+
+def free_share(unit: Unit, state: UnitState) -> float:
+    left, used, taken = state
+    if used:
+        return min(_capacity_left(unit.devices[i], dict(amounts)) for i, amounts in used)
+    if not unit.counters:
+        return 0.0 if taken else 1.0
+    full = sum(unit.counters.values())
+    return float(sum(left) / full) if full else 0.0
+
+
+def _capacity_left(device: Device, used: dict[str, Amount]) -> float:
+    """The smallest share of a capacity left on a shared device."""
+    return min(
+        (float((cap.value - used.get(name, 0)) / cap.value) for name, cap in device.capacity.items() if cap.value),
+        default=0.0,
+    )
+
+
+def takes(unit: Unit, state: UnitState, index: int, request: Request) -> dict[str, Amount] | None:
+    """What device `index` of the unit would consume for the request in that state, or None."""
+    device = unit.devices[index]
+    left, used, taken = state
+    if index in taken:
+        return None
+    in_use = dict(used).get(index)
+    drawn = dict(zip(unit.counters, left, strict=True))
+    counters_ok = all(drawn.get(n, 0) >= v for _, c in device.consumes for n, v in c.items()) and (
+        unit.counters or not taken
+    )
+    if not device.allow_multiple_allocations:
+        return {} if in_use is None and counters_ok else None
+    consumed = consumption(request.capacity, device.capacity)
+    if consumed is None:
+        return None
+    if in_use is not None:
+        return consumed if fits(consumed, device.capacity, dict(in_use)) else None
+    return consumed if counters_ok and fits(consumed, device.capacity) else None
+
+
+def after(unit: Unit, state: UnitState, index: int, consumed: dict[str, Amount]) -> UnitState:
+    """The unit's state with device `index` taken (a share consuming `consumed`)."""
+    left, used, taken = state
+    device = unit.devices[index]
+    if not device.allow_multiple_allocations:
+        draws = {n: v for _, c in device.consumes for n, v in c.items()}
+        return tuple(v - draws.get(n, 0) for n, v in zip(unit.counters, left, strict=True)), used, (*taken, index)
+    shares = dict(used)
+    if index not in shares:
+        draws = {n: v for _, c in device.consumes for n, v in c.items()}
+        left = tuple(v - draws.get(n, 0) for n, v in zip(unit.counters, left, strict=True))
+    amounts = dict(shares.get(index, ()))
+    for name, value in consumed.items():
+        amounts[name] = amounts.get(name, 0) + value
+    shares[index] = tuple(sorted(amounts.items()))
+    return left, tuple(sorted(shares.items())), taken
+
+
+@dataclass
+class Shape:
+    key: RequestKey
+    demand: Hashable
+    claim: Claim  # one claim of this shape: what PodRoom.fits is asked about
+    weight: float = 0.0
+
+
+@dataclass
+class NodeView:
+    """A node's units, their states (as interned ids) now, and which of the mix's shapes its
+    room fits (for `version` of the mix); dropped when the node's allocations change."""
+
+    units: list[Unit]
+    ids: tuple[int, ...]
+    room_fits: tuple[bool, ...] = ()
+    version: int = -1
+    fits: dict[Hashable, bool] = field(default_factory=dict)  # pods' demand -> room for them (any mix)
+    room_after: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # claim demand -> room_fits after
+
+
+@dataclass
+class Choice:
+    score: float
+    units: tuple[int, ...]  # positions in NodeView.units the placement should use
+    ids: tuple[int, ...] = ()  # the units' states after it
+
+
+@dataclass
+class Fragmentation:
+    """The learned mix and what is kept by unit state; one per ClusterAllocator."""
+
+    seen: Counter[tuple[RequestKey, Hashable]] = field(default_factory=Counter)
+    examples: dict[tuple[RequestKey, Hashable], Claim] = field(default_factory=dict)
+    mix: list[Shape] = field(default_factory=list)
+    observed: int = 0
+    version: int = 0
+    _learn_at: int = FIRST_LEARN
+    _ids: dict[Hashable, int] = field(default_factory=dict)  # (unit kind, state) -> id
+    _states: list[tuple[Unit, UnitState, float]] = field(default_factory=list)  # id -> unit, state, free share
+    _usable: dict[tuple[int, RequestKey], int | None] = field(default_factory=dict)  # -> device index
+    _vectors: dict[int, tuple[bool, ...]] = field(default_factory=dict)  # id -> usable by each mix shape
+    _amounts: dict[Hashable, float] = field(default_factory=dict)
+    _choices: dict[Hashable, Choice | None] = field(default_factory=dict)
+    _matches: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # (unit kind, request) -> per device
+
+    def observe(self, claim: Claim, demand: Hashable) -> None:
+        key = request_key(claim)
+        if key is None:
+            return
+        shape = (key, demand)
+        self.seen[shape] += 1
+        self.examples.setdefault(shape, claim)
+        self.observed += 1
+        if self.observed >= self._learn_at:
+            self._learn_at *= 2
+            self.learn()
+
+    def learn(self) -> None:
+        """The mix from the counts so far; what was kept for the old mix goes."""
+        weights = Counter({shape: count * shape[0][2] for shape, count in self.seen.items() if shape[0]})
+        total = sum(weights.values())
+        self.mix, covered = [], 0
+        for (key, demand), weight in weights.most_common(MIX_SHAPES):
+            if covered >= MIX_SHARE * total:
+                break
+            self.mix.append(Shape(key, demand, self.examples[key, demand], weight / total))
+            covered += weight
+        self.version += 1
+        self._vectors.clear()
+        self._amounts.clear()
+        self._choices.clear()
+
+    # --- units ----------------------------------------------------------------------------------
+
+    def view(self, units: list[Unit], states: list[UnitState]) -> NodeView:
+        return NodeView(units, tuple(self._id(unit, state) for unit, state in zip(units, states, strict=True)))
+
+    def _id(self, unit: Unit, state: UnitState) -> int:
+        key = (unit.kind, state)
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = len(self._states)
+            self._states.append((unit, state, free_share(unit, state)))
+        return found
+
+    def _usable_device(
+        self, allocator: Callable[[], NodeAllocator], uid: int, claim: Claim, key: RequestKey
+    ) -> int | None:
+        """The first device of the unit that could take the claim's one request in that state."""
+        memo = (uid, key)
+        if memo not in self._usable:
+            unit, state, _ = self._states[uid]
+            request = claim.requests[0][0]
+            matching = self._matching(allocator, unit, claim, key)
+            self._usable[memo] = next(
+                (i for i, ok in enumerate(matching) if ok and takes(unit, state, i, request) is not None), None
+            )
+        return self._usable[memo]
+
+    def _matching(
+        self, allocator: Callable[[], NodeAllocator], unit: Unit, claim: Claim, key: RequestKey
+    ) -> tuple[bool, ...]:
+        """Which of the unit's devices the request selects, kept by the unit's kind (devices of
+        one shape answer alike unless a selector reads what each keeps apart, such as its uuid:
+        scoring only, the search evaluates every device)."""
+        memo = (unit.kind, key)
+        found = self._matches.get(memo)
+        if found is None:
+            node_allocator = allocator()
+            selectors = compiled_selectors(node_allocator.classes, claim.requests[0][0], claim)
+            found = self._matches[memo] = tuple(node_allocator.selectable(d, selectors) for d in unit.devices)
+        return found
+
+    def _vector(self, allocator: Callable[[], NodeAllocator], uid: int) -> tuple[bool, ...]:
+        found = self._vectors.get(uid)
+        if found is None:
+            found = self._vectors[uid] = tuple(
+                not shape.key or self._usable_device(allocator, uid, shape.claim, shape.key) is not None
+                for shape in self.mix
+            )
+        return found
+
+    def room_fits(self, view: NodeView, room: ScoredRoom | None, node: str) -> tuple[bool, ...]:
+        if view.version != self.version:
+            view.room_fits = self._fitting(room, node, [True] * len(self.mix), view.fits)
+            view.room_after.clear()
+            view.version = self.version
+        return view.room_fits
+
+    def _fitting(
+        self, room: ScoredRoom | None, node: str, candidates: Sequence[bool], answers: dict[Hashable, bool]
+    ) -> tuple[bool, ...]:
+        """Which of the mix's shapes (of those marked in `candidates`) the node's room fits: one
+        question per distinct demand (`answers`: those known)."""
+        fitting = []
+        for shape, asked in zip(self.mix, candidates, strict=True):
+            if asked and shape.demand not in answers:
+                answers[shape.demand] = room is None or room.fits(shape.claim, node)
+            fitting.append(asked and answers[shape.demand])
+        return tuple(fitting)
+
+    def amount(
+        self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...], fits_room: tuple[bool, ...]
+    ) -> float:
+        """F: the mix's weighted free share on units that are fragments for it."""
+        memo = (ids, fits_room)
+        found = self._amounts.get(memo)
+        if found is not None:
+            return found
+        free = [self._states[u][2] for u in ids]
+        vectors = [self._vector(allocator, u) for u in ids]
+        total = sum(free)
+        amount = 0.0
+        for j, (shape, room_ok) in enumerate(zip(self.mix, fits_room, strict=True)):
+            if not room_ok:
+                amount += shape.weight * total
+            elif shape.key:
+                usable = sum(1 for v in vectors if v[j])
+                wasted = (
+                    total if usable < shape.key[2] else sum(f for f, v in zip(free, vectors, strict=True) if not v[j])
+                )
+                amount += shape.weight * wasted
+        self._amounts[memo] = amount
+        return amount
+
+    # --- choosing -------------------------------------------------------------------------------
+
+    def choose(
+        self,
+        allocator: Callable[[], NodeAllocator],
+        view: NodeView,
+        fits_room: tuple[bool, ...],
+        claim: Claim,
+        key: RequestKey,
+    ) -> Choice | None:
+        """The claim's best units on the node and the rise in F with the node's room as it is (the
+        claim's own pods are weighed by `rescore`), or None where no unit could take it (the search
+        may still find room: such nodes are tried last). `allocator`: the node's, made only when
+        what is asked is not kept already."""
+        memo = (view.ids, fits_room, key)
+        if memo not in self._choices:
+            self._choices[memo] = self._choose(allocator, view, fits_room, claim, key)
+        return self._choices[memo]
+
+    def _choose(
+        self,
+        allocator: Callable[[], NodeAllocator],
+        view: NodeView,
+        fits_room: tuple[bool, ...],
+        claim: Claim,
+        key: RequestKey,
+    ) -> Choice | None:
+        before = self.amount(allocator, view.ids, fits_room)
+        if not key:  # no devices: what its pods may take from the shapes that fit, at most
+            total = sum(self._states[u][2] for u in view.ids)
+            return Choice(total * sum(s.weight for s, ok in zip(self.mix, fits_room, strict=True) if ok), ())
+        request, count = claim.requests[0][0], key[2]
+        options = []
+        for position, uid in enumerate(view.ids):
+            index = self._usable_device(allocator, uid, claim, key)
+            if index is None:
+                continue
+            unit, state, _ = self._states[uid]
+            new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
+            ids = (*view.ids[:position], new, *view.ids[position + 1 :])
+            options.append((self.amount(allocator, ids, fits_room) - before, position, new))
+        if len(options) < count:
+            return None
+        # Ties: a GPU in use before a free one, then the least left after it (best fit).
+        options.sort(key=lambda o: (o[0], self._states[view.ids[o[1]]][2] == 1.0, self._states[o[2]][2], o[1]))
+        ids_after = list(view.ids)
+        for _, position, new in options[:count]:
+            ids_after[position] = new
+        chosen = tuple(position for _, position, _ in options[:count])
+        score = options[0][0] if count == 1 else self.amount(allocator, tuple(ids_after), fits_room) - before
+        return Choice(score, chosen, tuple(ids_after))
+
+    def rescore(
+        self,
+        allocator: Callable[[], NodeAllocator],
+        view: NodeView,
+        choice: Choice,
+        room: ScoredRoom,
+        node: str,
+        claim: Claim,
+        demand: Hashable,
+    ) -> float:
+        """The rise in F with the claim's pods (`demand`) counted too: shapes that fit the room before and
+        no longer do once they are there make the node's free units fragments for them."""
+        from driver.allocator.cluster import Placement  # cluster builds on this module
+
+        fits_room = self.room_fits(view, room, node)
+        fits_after = view.room_after.get(demand)
+        if fits_after is None:
+            placement = Placement(claim, node, {})
+            room.take(placement)
+            try:
+                fits_after = view.room_after[demand] = self._fitting(room, node, fits_room, {})
+            finally:
+                room.give_back(placement)
+        ids = choice.ids or view.ids
+        return self.amount(allocator, ids, fits_after) - self.amount(allocator, view.ids, fits_room)

@@ -1,0 +1,112 @@
+"""The fragmentation placement policy (driver/allocator/fragmentation.py): it learns the mix of
+claims from the claims it is asked to place, keeps room on each GPU for the shapes that mix holds,
+weighs the pods' CPU with the GPUs it would strand, and never changes whether a claim fits."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+from driver.allocator.cluster import ClusterAllocator, Placement
+from driver.allocator.fragmentation import request_key
+from driver.allocator.state import AllocatedState
+from driver.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
+from tests.support.allocation import allocator, claim, devices, exactly, h100_slices, place, profile
+
+
+def mps(name: str, compute: int) -> object:
+    return claim(name, exactly("mps.gpu.fgpu.dev", capacity={"requests": {"compute": str(compute)}}))
+
+
+def test_a_share_keeps_room_for_the_shares_the_cluster_asks_for_where_best_fit_would_not():
+    # GPU 0 has 50% of its compute left, GPU 1 30%. The claims seen so far are 30% shares: a 20%
+    # share on GPU 1 would leave 10%, too little for them; on GPU 0 it leaves exactly 30%.
+    first = allocator(h100_slices("n1"), policy="first-fit")
+    taken = (place(first, mps("a", 50)).allocation, place(first, mps("b", 70)).allocation)
+    assert [devices(Placement(None, "", a))[0] for a in taken] == ["gpu-0-mps", "gpu-1-mps"]  # type: ignore[arg-type]
+    learned = allocator(h100_slices("n1"), policy="fragmentation", allocated=taken)
+    for i in range(40):
+        learned.allocate(mps(f"seen{i}", 30))  # asked, not committed: the mix is learned from the asking
+    assert devices(place(learned, mps("x", 20))) == ["gpu-0-mps"]
+    assert devices(place(allocator(h100_slices("n1"), allocated=taken), mps("x", 20))) == ["gpu-1-mps"]  # binpack
+
+
+def room_for(nodes: dict[str, int], pods_of: dict[str, list[PodNeeds]]) -> NodeRoom:
+    facts = [
+        NodeFacts(name, allocatable={CPU: Fraction(cpus), MEMORY: Fraction(2**40), PODS: Fraction(110)})
+        for name, cpus in nodes.items()
+    ]
+    return NodeRoom(facts, pods_of)
+
+
+def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
+    # n2 is fuller (6 of 8 GPUs) but has 16 CPUs; whole-GPU pods need 2 CPUs each. A 9-CPU pod
+    # there leaves 1 CPU, stranding n2's two free GPUs; on n1 (32 CPUs) it strands nothing.
+    pods_of: dict[str, list[PodNeeds]] = {}
+
+    def with_pod(c, cpus: int):
+        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
+        return c
+
+    results = {}
+    for policy in ("fragmentation", "binpack"):
+        pods_of.clear()
+        room = room_for({"n1": 32, "n2": 16}, pods_of)
+        cluster = allocator(h100_slices("n1", "n2"), policy=policy)
+        for node, count in (("n1", 4), ("n2", 6)):
+            for i in range(count):
+                outcome = cluster.allocate(with_pod(claim(f"{node}-{i}", exactly("gpu.fgpu.dev")), 1), nodes=[node])
+                assert isinstance(outcome, Placement)
+                cluster.commit(outcome)
+                room.take(outcome)
+        for i in range(30):
+            cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 2), room=room)
+        outcome = cluster.allocate(with_pod(claim("cpu-only"), 9), room=room)
+        assert isinstance(outcome, Placement) and outcome.allocation["devices"]["results"] == []
+        results[policy] = outcome.node
+    assert results == {"fragmentation": "n1", "binpack": "n2"}
+
+
+def test_a_mig_placement_keeps_the_common_profile_placeable():
+    # Claims for 4g.40gb (one placement per H100, memory slices 0-3) are the common ones. A 4g
+    # is on one GPU; a 1g.10gb beside it blocks no 4g, while on a fresh GPU it could.
+    cluster = allocator(h100_slices("n1"), policy="fragmentation")
+    for i in range(20):
+        cluster.allocate(claim(f"seen{i}", exactly("mig.gpu.fgpu.dev", selector=profile("4g.40gb"))))
+    big = place(cluster, claim("big", exactly("mig.gpu.fgpu.dev", selector=profile("4g.40gb"))))
+    small = place(cluster, claim("small", exactly("mig.gpu.fgpu.dev", selector=profile("1g.10gb"))))
+    gpu = devices(big)[0].split("-mig-")[0]
+    assert devices(small)[0].startswith(f"{gpu}-mig-1g")
+    fresh = place(cluster, claim("fresh", exactly("mig.gpu.fgpu.dev", selector=profile("1g.10gb"))))
+    slot = int(devices(fresh)[0].rsplit("-", 1)[1])
+    assert devices(fresh)[0].startswith(f"{gpu}-") or slot >= 4  # never where the next 4g must go
+
+
+def test_claims_the_model_does_not_describe_are_placed_as_the_search_finds():
+    cluster = allocator(h100_slices("n1"), policy="fragmentation")
+    two = claim("two", exactly("gpu.fgpu.dev", name="a"), exactly("mps.gpu.fgpu.dev", name="b"))
+    assert request_key(two) is None
+    assert len(devices(place(cluster, two))) == 2
+
+
+def test_whether_a_claim_fits_never_depends_on_the_policy():
+    # Claims of every kind in a random stream: at each step fragmentation places a claim exactly
+    # when first fit, on the same allocations, can.
+    rng = random.Random(7)
+    learned = allocator(h100_slices("n1", "n2"), policy="fragmentation")
+    committed: list[dict] = []
+    kinds = [
+        lambda i: claim(f"w{i}", exactly("gpu.fgpu.dev", count=rng.choice([1, 2, 4]))),
+        lambda i: mps(f"s{i}", rng.choice([10, 25, 47, 81])),
+        lambda i: claim(f"m{i}", exactly("mig.gpu.fgpu.dev", selector=profile(rng.choice(["1g.10gb", "3g.40gb"])))),
+    ]
+    for i in range(60):
+        c = rng.choice(kinds)(i)
+        outcome = learned.allocate(c)
+        reference = ClusterAllocator(
+            learned.snapshot, learned.classes, AllocatedState.from_allocations(committed), "first-fit"
+        ).allocate(c)
+        assert isinstance(outcome, Placement) == isinstance(reference, Placement), c.name
+        if isinstance(outcome, Placement):
+            learned.commit(outcome)
+            committed.append(outcome.allocation)

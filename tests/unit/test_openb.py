@@ -1,0 +1,103 @@
+"""The openb bench's protocol pieces (bench/openb.py) on a tiny trace: tuning the pod list to 130%
+of capacity, the arrived-% buckets, the unallocated metric, the claims a pod becomes, and a whole
+replay through the allocator over slices fgpu builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.openb import (
+    TraceNode,
+    TracePod,
+    buckets,
+    claim_object,
+    published,
+    replay,
+    seeds,
+    share_compute,
+    unallocated,
+    workload,
+)
+from driver.allocator.model import claim_from_object
+
+
+def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
+    return TracePod(name, cpu, 1024, gpus, milli if gpus else 0, spec)
+
+
+TINY = [pod("p0", 1, 500), pod("p1", 1, 1000), pod("p2", 2, 1000), pod("p3", 0), pod("p4", 1, 250)]
+
+
+def test_tuning_up_keeps_every_pod_shuffled_and_appends_clones_until_the_target():
+    pods = workload(TINY, capacity_milli=4000, seed=42)
+    originals, clones = pods[: len(TINY)], pods[len(TINY) :]
+    assert sorted(p.name for p in originals) == sorted(p.name for p in TINY)
+    assert [p.name.rsplit("-", 1)[1] for p in clones] == [str(i) for i in range(len(clones))]
+    assert all(p.name.split("-tuned-")[0] in {t.name for t in TINY} for p in clones)
+    assert sum(p.gpu_total for p in pods) <= 1.3 * 4000 < sum(p.gpu_total for p in pods) + 2000
+    assert workload(TINY, 4000, 42) == pods and [p.name for p in workload(TINY, 4000, 43)] != [p.name for p in pods]
+    assert sorted(p.name for p in workload(TINY, 4000, 42, ratio=0)) == [p.name for p in TINY]  # only shuffled
+
+
+def test_tuning_up_checks_the_per_gpu_thousandths_as_the_simulator_does():
+    # 2 x 1000 per pod, target 13,000: the check reads 1,000 each time, so 14,000 gets in.
+    assert sum(p.gpu_total for p in workload([pod("big", 2)], capacity_milli=10_000, seed=1)) == 14_000
+
+
+def test_tuning_down_removes_random_pods_until_within_the_target():
+    many = [pod(f"p{i}", 1, 1000) for i in range(10)]
+    pods = workload(many, capacity_milli=5000, seed=42)
+    assert len(pods) == 6 and {p.name for p in pods} < {p.name for p in many}
+
+
+def test_buckets_round_arrived_half_to_even_average_and_fall_back_one_either_side():
+    capacity = 10_000
+    events = [(250, 100), (260, 200), (350, 300), (1000, 1000), (1049, 999)]  # 2.5% -> 2, 2.6% -> 3, 3.5% -> 4
+    result = buckets(events, capacity)
+    assert result[2] == 1.0 and result[3] == 2.0 and result[4] == 3.0
+    assert result[10] == 10.0  # 10.0 and 10.49 -> 10: mean of 10.0 and 9.99 is 9.995, rounded half to even
+    assert result[5] == 3.0  # empty: the events of buckets 4..6
+    assert 0 not in result and 1 in result  # bucket 1 falls back to bucket 2's event
+    assert unallocated(result)[4] == 97.0
+
+
+def test_the_metric_is_published_as_one_hundred_less_allocation(tmp_path):
+    header = "workload,sc_policy,tune,seed,total_gpus," + ",".join(str(b) for b in range(131))
+    rows = [
+        f"openb_pod_list_default,06-FGD,1.3,{seed},6212," + ",".join(str(min(b, v)) for b in range(131))
+        for seed, v in ((42, 95.0), (43, 95.5))
+    ]
+    path = tmp_path / "results.csv"
+    path.write_text("\n".join([header, *rows]) + "\n")
+    table = published("default", path)
+    assert table == {"FGD": {95: [5.0, 5.0], 100: [5.0, 4.5], 110: [5.0, 4.5], 130: [5.0, 4.5]}}
+
+
+def test_a_pod_becomes_whole_gpus_a_share_in_whole_percents_or_no_request():
+    whole = claim_from_object(claim_object(pod("w", 4, 1000, spec=("T4", "P100"))))
+    ((request,),) = whole.requests
+    assert (request.class_name, request.count) == ("gpu.fgpu.dev", 4)
+    assert request.selectors == (
+        'device.attributes["gpu.fgpu.dev"].productName in ["Tesla P100-PCIE-16GB", "Tesla T4"]',
+    )
+    ((share,),) = claim_from_object(claim_object(pod("s", 1, 470))).requests
+    assert (share.class_name, share.capacity) == ("mps.gpu.fgpu.dev", {"compute": 47, "memory": 256 * 2**20})
+    assert share_compute(471) == 48 and share_compute(10) == 1
+    assert claim_from_object(claim_object(pod("c", 0))).requests == ()
+    assert seeds("42-44") == [42, 43, 44] and seeds("42,45") == [42, 45]
+
+
+@pytest.mark.parametrize("policy", ["binpack", "fragmentation", "first-fit"])
+def test_a_replay_places_what_fits_and_drops_the_rest(policy: str):
+    # One node of 2 T4 and 8 CPUs. The trace's GPU pods fill both GPUs exactly (600 + 400 share one,
+    # whatever the order); the clones the tuning appends find no GPU left, and the CPU-only pod's
+    # clones no CPU once two of them run (3 CPUs go to the GPU pods).
+    nodes = [TraceNode("n0", 8000, 65536, 2, "T4")]
+    pods = [pod("a", 1, 600), pod("b", 1, 400), pod("c", 1, 1000), pod("d", 0, cpu=2000)]
+    run = replay(nodes, pods, seed=42, policy=policy)
+    tuned = workload(pods, 2000, 42)
+    clones = tuned[len(pods) :]
+    cpu_only = sum(1 for p in tuned if not p.num_gpu)
+    assert run.claims == sum(1 for p in tuned if p.num_gpu)
+    assert run.failed == sum(1 for p in clones if p.num_gpu) + max(0, cpu_only - 2)
+    assert run.unallocated[100] == 0.0 and run.unallocated[max(run.unallocated)] == 0.0
