@@ -305,7 +305,9 @@ def make_room(
 ) -> list[Plan]:
     """Up to `limit` plans, cheapest first, after each of which the pending claim (or every
     member of a gang) fits; with `move`, only plans whose victims fit again elsewhere. None when
-    nothing movable would make room; one with no victims when it fits already."""
+    nothing movable would make room; one with no victims when it fits already. A caller whose
+    eviction of a victim is refused takes the next plan that does not name it, or plans again with
+    that victim not movable."""
     claims = [pending] if isinstance(pending, Claim) else list(pending)
     movable = [h for h in holders if h.movable]
     if not claims:

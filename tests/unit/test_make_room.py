@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import replace
 from typing import Any
 
 from bench import make_room as make_room_bench
@@ -113,6 +114,17 @@ def test_a_refused_plan_leaves_the_next_which_places_the_claim_and_its_victims()
     assert [m.allocation["devices"]["results"][0]["device"] for m in taken.moves] == ["gpu-6-mps"]
     assert overdrawn(cluster) == []
     assert first.allocation["devices"]["results"][0]["device"] == "gpu-6-mps"  # untouched, still there
+
+
+def test_planning_again_with_a_refused_victim_kept_in_place_finds_the_others():
+    cluster = Cluster("n1", "n2")
+    for gpu in range(6):
+        cluster.whole("n1", gpu)
+    refused = cluster.share("n1", 6, 5)
+    other = cluster.share("n1", 7, 20)
+    cluster.landing("n2")
+    kept = [replace(h, movable=False) if h is refused else h for h in cluster.holders]
+    assert [p.victims for p in make_room(cluster.allocator, whole_gpus(), kept)] == [(other,)]
 
 
 def test_a_gang_that_needs_several_nodes():
