@@ -18,7 +18,7 @@ from driver.allocator.state import AllocatedState
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
-RESCORED = 8  # fragmentation: best nodes scored again with the claim's pods counted
+RESCORED = 16  # fragmentation: best nodes scored again with the claim's pods counted
 
 
 @dataclass(frozen=True)

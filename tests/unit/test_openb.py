@@ -101,3 +101,10 @@ def test_a_replay_places_what_fits_and_drops_the_rest(policy: str):
     assert run.claims == sum(1 for p in tuned if p.num_gpu)
     assert run.failed == sum(1 for p in clones if p.num_gpu) + max(0, cpu_only - 2)
     assert run.unallocated[100] == 0.0 and run.unallocated[max(run.unallocated)] == 0.0
+
+
+def test_a_replay_stopped_early_measures_no_bucket_beyond_its_end():
+    nodes = [TraceNode("n0", 8000, 65536, 2, "T4")]
+    pods = [pod("a", 1, 600), pod("b", 1, 400), pod("c", 1, 1000), pod("d", 0, cpu=2000)]
+    run = replay(nodes, pods, seed=42, policy="binpack", stop_at=100)
+    assert max(run.unallocated) <= 101 and run.unallocated[100] == 0.0
