@@ -5,12 +5,15 @@ weighs the pods' CPU with the GPUs it would strand, and never changes whether a 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from fractions import Fraction
 
 from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.fragmentation import request_key
 from driver.allocator.state import AllocatedState
 from driver.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
+from tests.support import ROOT
 from tests.support.allocation import allocator, claim, devices, exactly, h100_slices, place, profile
 
 
@@ -110,3 +113,19 @@ def test_whether_a_claim_fits_never_depends_on_the_policy():
         if isinstance(outcome, Placement):
             learned.commit(outcome)
             committed.append(outcome.allocation)
+
+
+def test_fgpu_plan_takes_the_policy_and_places_the_examples_as_binpack_does(tmp_path):
+    def fgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "driver.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    slices = tmp_path / "n1.yaml"
+    slices.write_text(fgpu("discover", "--nvml", "mock:dgx-h100", "--node-name", "n1", "-o", "yaml").stdout)
+    examples = sorted(map(str, (ROOT / "examples").glob("*.yaml")))
+    summaries = {}
+    for policy in ("fragmentation", "binpack"):
+        classes = str(ROOT / "daemonset" / "deviceclasses.yaml")
+        run = fgpu("plan", "--policy", policy, "--slices", str(slices), "--classes", classes, "--claims", *examples)
+        summaries[policy] = next(line for line in run.stdout.splitlines() if " allocated, " in line)
+    assert summaries["fragmentation"] == summaries["binpack"] and "0 allocated" not in summaries["binpack"]
