@@ -17,6 +17,7 @@ kube-scheduler's NodeResourcesFit scoring would, to measure the kube-scheduler a
 
   python -m bench.openb --trace default --seeds 42-51 --policy binpack
   python -m bench.openb --trace gpushare80 --seeds 42-44 --policy binpack --cpu-pods least-allocated
+  python -m bench.openb --trace default --seeds 42 --policy fragmentation --every 4 --stop-at 111
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ def spread(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def report(trace: str, policy: str, cpu_pods: CpuPods, runs: Sequence[Run]) -> dict[str, Any]:
+def report(trace: str, policy: str, cpu_pods: CpuPods, runs: Sequence[Run], traces: Path = TRACES) -> dict[str, Any]:
     latencies = [x for r in runs for x in r.latencies]
     claims, seconds = sum(r.claims for r in runs), sum(r.seconds for r in runs)
     ours = {b: [r.unallocated[b] for r in runs if b in r.unallocated] for b in REPORTED}
@@ -401,7 +402,8 @@ def report(trace: str, policy: str, cpu_pods: CpuPods, runs: Sequence[Run]) -> d
         "p50_ms": round(statistics.median(latencies) * 1e3, 2) if latencies else None,
         "p99_ms": round(percentile(latencies, 0.99) * 1e3, 2) if latencies else None,
         "published": {
-            name: {b: spread(v) for b, v in by_bucket.items()} for name, by_bucket in published(trace).items()
+            name: {b: spread(v) for b, v in by_bucket.items()}
+            for name, by_bucket in published(trace, traces / PUBLISHED.relative_to(TRACES)).items()
         },
     }
 
@@ -419,7 +421,7 @@ def table(result: dict[str, Any]) -> str:
 def run(
     args: argparse.Namespace, progress: Callable[[str], None] = lambda line: print(line, flush=True)
 ) -> dict[str, Any]:
-    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")
+    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
     pods = read_pods(args.traces / f"openb_pod_list_{args.trace}.csv")
     runs = []
     for seed in seeds(args.seeds):
@@ -429,7 +431,7 @@ def run(
             f"{args.trace} {args.policy} seed {seed}: unallocated at 95/100/110/130% arrived "
             f"{[last.unallocated.get(b) for b in REPORTED]}, {last.claims / last.seconds:.0f} claims/s"
         )
-    return report(args.trace, args.policy, args.cpu_pods, runs)
+    return report(args.trace, args.policy, args.cpu_pods, runs, args.traces)
 
 
 def main() -> None:
@@ -439,6 +441,7 @@ def main() -> None:
     parser.add_argument("--policy", choices=POLICIES, default="binpack")
     parser.add_argument("--cpu-pods", choices=get_args(CpuPods), default="policy")
     parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the openb CSVs")
+    parser.add_argument("--every", type=int, default=1, help="every Nth node only: a smaller cluster to iterate on")
     parser.add_argument("--stop-at", type=float, default=TUNE_RATIO * 100, help="end at this arrived %% (130: all)")
     args = parser.parse_args()
     result = run(args)

@@ -4,6 +4,8 @@ replay through the allocator over slices fgpu builds."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from bench.openb import (
@@ -13,8 +15,10 @@ from bench.openb import (
     claim_object,
     published,
     replay,
+    run,
     seeds,
     share_compute,
+    table,
     unallocated,
     workload,
 )
@@ -108,3 +112,30 @@ def test_a_replay_stopped_early_measures_no_bucket_beyond_its_end():
     pods = [pod("a", 1, 600), pod("b", 1, 400), pod("c", 1, 1000), pod("d", 0, cpu=2000)]
     run = replay(nodes, pods, seed=42, policy="binpack", stop_at=100)
     assert max(run.unallocated) <= 101 and run.unallocated[100] == 0.0
+
+
+def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\nn0,8000,65536,2,T4\nn1,8000,65536,8,G2\nn2,8000,65536,2,T4\n"
+    )
+    (tmp_path / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,1000,1024,1,600,\nb,1000,1024,1,400,T4\nc,1000,1024,1,1000,\nd,2000,1024,0,0,\n"
+    )
+    (tmp_path / "fgd_expected_results").mkdir()
+    header = "workload,sc_policy,tune,seed,total_gpus," + ",".join(str(b) for b in range(131))
+    row = "openb_pod_list_default,05-BestFit,1.3,42,6212," + ",".join("90" for _ in range(131))
+    (tmp_path / "fgd_expected_results" / "analysis_allo_discrete.csv").write_text(f"{header}\n{row}\n")
+    args = argparse.Namespace(
+        trace="default", seeds="42,43", policy="fragmentation", cpu_pods="policy", traces=tmp_path, every=2, stop_at=130
+    )
+    result = run(args, progress=lambda line: None)
+    assert result["seeds"] == [42, 43] and len(result["failed_pods"]) == 2
+    assert set(result["unallocated_pct"]) == {95, 100, 110, 130}
+    assert result["shares_rounded_to_1pct"] == 0
+    assert result["published"] == {"BestFit": {95: "10.00", 100: "10.00", 110: "10.00", 130: "10.00"}}
+    assert result["claims_per_s"] > 0 and result["p99_ms"] >= result["p50_ms"]
+    lines = table(result).splitlines()
+    assert (
+        lines[2].startswith("| **fgpu fragmentation (CPU-only pods: policy)** | ") and "BestFit (published)" in lines[3]
+    )
