@@ -97,13 +97,19 @@ def test_fewest_victims_first_then_least_given_back_then_youngest():
     assert devices_of(plans[0]) == ["gpu-7"] and plans[0].placements[0].node == "n1"
 
 
-def test_a_refused_plan_leaves_the_next_which_places_the_claim_and_its_victims():
+def two_lone_shares() -> tuple[Cluster, Holder, Holder]:
+    """n1: six whole GPUs taken for good, a 5 GiB share alone on GPU 6, a 20 GiB one on GPU 7;
+    n2: room for shares only. A whole GPU fits once either share goes."""
     cluster = Cluster("n1", "n2")
     for gpu in range(6):
         cluster.whole("n1", gpu)
-    first = cluster.share("n1", 6, 5)
-    second = cluster.share("n1", 7, 20)
+    small, large = cluster.share("n1", 6, 5), cluster.share("n1", 7, 20)
     cluster.landing("n2")
+    return cluster, small, large
+
+
+def test_a_refused_plan_leaves_the_next_which_places_the_claim_and_its_victims():
+    cluster, first, second = two_lone_shares()
     plans = make_room(cluster.allocator, whole_gpus(), cluster.holders)
     assert [p.victims for p in plans] == [(first,), (second,)]
     # The first eviction is refused (a PodDisruptionBudget): the next plan is applied instead.
@@ -117,12 +123,7 @@ def test_a_refused_plan_leaves_the_next_which_places_the_claim_and_its_victims()
 
 
 def test_planning_again_with_a_refused_victim_kept_in_place_finds_the_others():
-    cluster = Cluster("n1", "n2")
-    for gpu in range(6):
-        cluster.whole("n1", gpu)
-    refused = cluster.share("n1", 6, 5)
-    other = cluster.share("n1", 7, 20)
-    cluster.landing("n2")
+    cluster, refused, other = two_lone_shares()
     kept = [replace(h, movable=False) if h is refused else h for h in cluster.holders]
     assert [p.victims for p in make_room(cluster.allocator, whole_gpus(), kept)] == [(other,)]
 
