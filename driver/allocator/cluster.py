@@ -212,7 +212,7 @@ class ClusterAllocator:
             self._names = sorted(self._usage)
         if self.policy == "first-fit":
             return list(self._names)
-        sign = -1 if self.policy == "binpack" else 1
+        sign = 1 if self.policy == "spread" else -1  # fragmentation breaks its ties in binpack's order
         used = sorted(self._used, key=lambda name: (sign * self._usage[name], name))
         before = [name for name in used if sign * self._usage[name] < 0]
         idle = list(itertools.filterfalse(self._used.__contains__, self._names))

@@ -6,10 +6,10 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
 - a unit is one GPU: a counter set and the devices drawing from it (a device without counters is
   a unit of its own); its free share is what its counters have left, or where shares use it, the
   smallest share of a capacity (compute, memory, clients) left on them;
-- a claim's shape is its one request (class, selectors, count, capacity) with its pods' demand
-  (PodRoom.demand); the mix is the shapes seen, each weighed by its count x devices asked (a
-  claim for 8 GPUs is rare but strands the most when it fails), the heaviest up to 95% of the
-  weight (FGD's "typical pods"), learned again at 16, 32, 64, ... claims;
+- a claim's shape is its one request (class, selectors, count, capacity); the mix is the shapes
+  seen, each weighed by its count x devices asked (a claim for 8 GPUs is rare but strands the most
+  when it fails), the heaviest up to 95% of the weight (FGD's "typical pods"), each with the pods'
+  demand (PodRoom.demand) its claims have most often; learned again at 16, 32, 64, ... claims;
 - a unit is a fragment for a shape when no device on it could take the shape's request; every
   free unit of a node is one when the shape cannot run there at all (too few units, or its pods
   do not fit the node's room);
@@ -221,12 +221,18 @@ class Fragmentation:
 
     def learn(self) -> None:
         """The mix from the counts so far; what was kept for the old mix goes."""
-        weights = Counter({shape: count * shape[0][2] for shape, count in self.seen.items() if shape[0]})
+        weights: Counter[RequestKey] = Counter()
+        demands: dict[RequestKey, Counter[Hashable]] = {}
+        for (key, demand), count in self.seen.items():
+            if key:
+                weights[key] += count * key[2]
+                demands.setdefault(key, Counter())[demand] += count
         total = sum(weights.values())
         self.mix, covered = [], 0
-        for (key, demand), weight in weights.most_common(MIX_SHAPES):
+        for key, weight in weights.most_common(MIX_SHAPES):
             if covered >= MIX_SHARE * total:
                 break
+            demand = demands[key].most_common(1)[0][0]  # the pods such claims most often have
             self.mix.append(Shape(key, demand, self.examples[key, demand], weight / total))
             covered += weight
         self.version += 1
