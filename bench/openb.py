@@ -57,7 +57,7 @@ TUNE_RATIO = 1.3
 REPORTED = (95, 100, 110, 130)  # arrived % buckets printed
 PODS_PER_NODE = 1001  # the simulator's node pod capacity: never the limit
 SHARE_MEMORY = "256Mi"  # the trace has one scalar per GPU (compute); the smallest memory, so memory never binds
-CpuPods = Literal["policy", "least-allocated", "most-allocated"]
+CpuPods = Literal["policy", "least-allocated", "most-allocated", "most-allocated-gpu"]
 MiB = 2**20
 
 # Mock NVML profiles per trace GPU model: memory as the real part has it (G2 and G3 are Alibaba's
@@ -291,17 +291,23 @@ def _resource_scores(room: NodeRoom, node: str, needs: PodNeeds) -> list[Fractio
     return [(requested.get(r, Fraction(0)) + needs.requests[r]) / allocatable[r] for r in (CPU, MEMORY)]
 
 
-def kube_scheduler_node(room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods) -> str | None:
+def kube_scheduler_node(
+    allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods
+) -> str | None:
     """The node NodeResourcesFit's LeastAllocated (kube-scheduler's default) or MostAllocated
-    strategy scores highest (CPU and memory weighted 1, ties to the first in node order): the
-    stand-in for kube-scheduler placing a CPU-only pod, the only plugin that scores such a pod
-    differently across these nodes."""
+    strategy scores highest (CPU and memory weighted 1; most-allocated-gpu: the node's GPUs too,
+    as its `resources` list with the GPUs' extended resource would; ties to the first in node
+    order): the stand-in for kube-scheduler placing a CPU-only pod, the plugin that scores such a
+    pod differently across these nodes."""
     needs = room.pods_of[claim.key][0]
-    sign = 1 if mode == "most-allocated" else -1
+    sign = -1 if mode == "least-allocated" else 1
     best: tuple[Fraction, str] | None = None
     for node in names:
         if room.fits(claim, node):
-            score = sign * sum(_resource_scores(room, node, needs), Fraction(0))
+            scores = _resource_scores(room, node, needs)
+            if mode == "most-allocated-gpu":
+                scores.append(Fraction(allocator.usage(node)))
+            score = sign * sum(scores, Fraction(0)) / len(scores)
             if best is None or score > best[0]:
                 best = (score, node)
     return best[1] if best else None
@@ -362,7 +368,7 @@ def place(
     allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, by_kube: bool, cpu_pods: CpuPods
 ) -> Placement | None:
     if by_kube:
-        node = kube_scheduler_node(room, names, claim, cpu_pods)
+        node = kube_scheduler_node(allocator, room, names, claim, cpu_pods)
         return None if node is None else Placement(claim, node, {"devices": {"results": []}})
     outcome = allocator.allocate(claim, room=room, why=False)  # failures are counted, not explained
     return None if isinstance(outcome, Failure) else outcome

@@ -205,6 +205,10 @@ class ClusterAllocator:
                 opened.update((*device.id[:2], counter_set) for counter_set, _ in device.consumes)
         return len(opened), ruled_out, left
 
+    def usage(self, node: str) -> float:
+        """How full the node is (0..1): the share of its counters drawn and uncounted devices taken."""
+        return self._usage.get(node, 0.0)
+
     def node_order(self) -> list[str]:
         """Nodes by (usage, fullest first under binpack), then name: only the used ones are sorted
         for each claim, the idle ones keep their order by name."""

@@ -5,14 +5,19 @@ replay through the allocator over slices fgpu builds."""
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
 import pytest
 
 from bench.openb import (
+    CpuPods,
     TraceNode,
     TracePod,
     buckets,
     claim_object,
+    cluster,
+    kube_scheduler_node,
+    pod_needs,
     published,
     replay,
     run,
@@ -139,3 +144,22 @@ def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
     assert (
         lines[2].startswith("| **fgpu fragmentation (CPU-only pods: policy)** | ") and "BestFit (published)" in lines[3]
     )
+
+
+def test_kube_scheduler_stand_in_scores_cpu_only_pods_as_node_resources_fit_does():
+    # n0: 2 T4, both taken, 6 of 8 CPUs free; n1: 2 T4 free, 4 of 8 CPUs free; a 1-CPU pod.
+    pods_of: dict[str, list] = {}
+    allocator, room, names = cluster(
+        [TraceNode("n0", 8000, 65536, 2, "T4"), TraceNode("n1", 8000, 65536, 2, "T4")], 1, "binpack", pods_of
+    )
+    n0, n1 = sorted(names, key=lambda n: n.endswith("n1"))
+    for node, p in ((n0, pod("g", 2, 1000, cpu=2000)), (n1, pod("h", 0, cpu=4000))):
+        c = claim_from_object(claim_object(p))
+        pods_of[c.key] = [pod_needs(p)]
+        outcome = allocator.allocate(c, nodes=[node], room=room)
+        allocator.commit(outcome)
+        room.take(outcome)
+    small = claim_from_object(claim_object(pod("s", 0, cpu=1000)))
+    pods_of[small.key] = [pod_needs(pod("s", 0, cpu=1000))]
+    chosen = {mode: kube_scheduler_node(allocator, room, names, small, mode) for mode in get_args(CpuPods)[1:]}
+    assert chosen == {"least-allocated": n0, "most-allocated": n1, "most-allocated-gpu": n0}
