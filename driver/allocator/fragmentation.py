@@ -345,45 +345,40 @@ class Fragmentation:
     ) -> Choice | None:
         """The claim's best units on the node and the rise in F with the node's room as it is (the
         claim's own pods are weighed by `rescore`), or None where no unit could take it (the search
-        may still find room: such nodes are tried last). `allocator`: the node's, made only when
-        what is asked is not kept already."""
+        may still find room: such nodes are tried last); kept by node state. `allocator`: the
+        node's, made only when what is asked is not kept already."""
         memo = (view.ids, fits_room, key)
-        if memo not in self._choices:
-            self._choices[memo] = self._choose(allocator, view, fits_room, claim, key)
-        return self._choices[memo]
-
-    def _choose(
-        self,
-        allocator: Callable[[], NodeAllocator],
-        view: NodeView,
-        fits_room: tuple[bool, ...],
-        claim: Claim,
-        key: RequestKey,
-    ) -> Choice | None:
+        if memo in self._choices:
+            return self._choices[memo]
         before = self.amount(allocator, view.ids, fits_room)
+        choice: Choice | None = None
         if not key:  # no devices: what its pods may take from the shapes that fit, at most
             total = sum(self._states[u][2] for u in view.ids)
-            return Choice(total * sum(s.weight for s, ok in zip(self.mix, fits_room, strict=True) if ok), ())
-        request, count = claim.requests[0][0], key[2]
-        options = []
-        for position, uid in enumerate(view.ids):
-            index = self._usable_device(allocator, uid, claim, key)
-            if index is None:
-                continue
-            unit, state, _ = self._states[uid]
-            new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
-            ids = (*view.ids[:position], new, *view.ids[position + 1 :])
-            options.append((self.amount(allocator, ids, fits_room) - before, position, new))
-        if len(options) < count:
-            return None
-        # Ties: a GPU in use before a free one, then the least left after it (best fit).
-        options.sort(key=lambda o: (o[0], self._states[view.ids[o[1]]][2] == 1.0, self._states[o[2]][2], o[1]))
-        ids_after = list(view.ids)
-        for _, position, new in options[:count]:
-            ids_after[position] = new
-        chosen = tuple(position for _, position, _ in options[:count])
-        score = options[0][0] if count == 1 else self.amount(allocator, tuple(ids_after), fits_room) - before
-        return Choice(score, chosen, tuple(ids_after))
+            choice = Choice(total * sum(s.weight for s, ok in zip(self.mix, fits_room, strict=True) if ok), ())
+        else:
+            # Each unit that could take the request: (rise in F, position, state after), best first
+            # (ties: a GPU in use before a free one, then the least left after it: best fit).
+            request, options = claim.requests[0][0], []
+            for position, uid in enumerate(view.ids):
+                index = self._usable_device(allocator, uid, claim, key)
+                if index is None:
+                    continue
+                unit, state, _ = self._states[uid]
+                new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
+                ids = (*view.ids[:position], new, *view.ids[position + 1 :])
+                options.append((self.amount(allocator, ids, fits_room) - before, position, new))
+            free = [self._states[u][2] for u in view.ids]
+            options.sort(key=lambda o: (o[0], free[o[1]] == 1.0, self._states[o[2]][2], o[1]))
+            count = key[2]
+            if len(options) >= count:
+                ids_after = list(view.ids)
+                for _, position, new in options[:count]:
+                    ids_after[position] = new
+                chosen = tuple(position for _, position, _ in options[:count])
+                score = options[0][0] if count == 1 else self.amount(allocator, tuple(ids_after), fits_room) - before
+                choice = Choice(score, chosen, tuple(ids_after))
+        self._choices[memo] = choice
+        return choice
 
     def rescore(
         self,
