@@ -261,25 +261,34 @@ def lower_bound(demands: list[tuple[str, float, float]]) -> int:
     return need
 
 
-def packing(args: argparse.Namespace) -> dict[str, Any]:
-    """GPUs in use (any allocation on them) after each arrival, averaged over the trace."""
-    rng = random.Random(args.seed)
-    slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
-    device_classes = {c.name: c for c in map(class_from_object, classes())}
+Demand = tuple[str, float, float]  # kind, memory and compute as a share of one GPU (lower_bound's terms)
+
+
+def packing_trace(events: int, seed: int) -> list[tuple[str, dict[str, Any], Demand]]:
+    """The arrivals of the packing trace: 60% MIG profiles, 40% MPS shares, with their demand."""
+    rng = random.Random(seed)
     # (memory slices of 8, compute slices of 7) per profile; MPS shares: of 79.5 GiB, 10% compute.
     sizes = {"1g.10gb": (1, 1), "1g.20gb": (2, 1), "2g.20gb": (2, 2), "3g.40gb": (4, 3), "4g.40gb": (4, 4)}
-    trace: list[tuple[str, dict[str, Any], tuple[str, float, float]]] = []
-    for i in range(args.events):
+    trace: list[tuple[str, dict[str, Any], Demand]] = []
+    for i in range(events):
         if rng.random() < 0.6:
             profile = rng.choice(PROFILES)
             trace.append((f"m{i}", mig(profile), ("mig", sizes[profile][0] / 8, sizes[profile][1] / 7)))
         else:
             gib = rng.choice([5, 10, 20, 40])
             trace.append((f"s{i}", mps(gib), ("mps", gib / SHARE_MEMORY_GIB, MPS_DEFAULT_COMPUTE / 100)))
+    return trace
+
+
+def packing(args: argparse.Namespace) -> dict[str, Any]:
+    """GPUs in use (any allocation on them) after each arrival, averaged over the trace."""
+    slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
+    device_classes = {c.name: c for c in map(class_from_object, classes())}
+    trace = packing_trace(args.events, args.seed)
     results = {}
     for policy in ("binpack", "first-fit"):
         allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState(), policy)
-        live: list[tuple[str, dict[str, Any], tuple[str, float, float]]] = []
+        live: list[tuple[str, dict[str, Any], Demand]] = []
         touched, bounds, failed = [], [], 0
         event_rng = random.Random(args.seed + 1)
         for name, request, demand in trace:

@@ -19,30 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.allocator import PROFILES, SHARE_MEMORY_GIB, claim, classes, cluster_slices, lower_bound, mig, mps
+from bench.allocator import Demand, claim, classes, cluster_slices, lower_bound, packing_trace
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.make_room import Holder, compaction, make_room
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.devices import MPS_DEFAULT_COMPUTE
 
-Demand = tuple[str, float, float]  # kind, memory and compute as a share of one GPU (lower_bound's terms)
 MODES = ("binpack", "make-room", "compaction", "both")
-
-
-def trace(events: int, seed: int) -> list[tuple[str, dict[str, Any], Demand]]:
-    """The very arrivals of bench.allocator's packing (same seed, same draws in the same order)."""
-    rng = random.Random(seed)
-    slices = {"1g.10gb": (1, 1), "1g.20gb": (2, 1), "2g.20gb": (2, 2), "3g.40gb": (4, 3), "4g.40gb": (4, 4)}
-    arrivals: list[tuple[str, dict[str, Any], Demand]] = []
-    for i in range(events):
-        if rng.random() >= 0.6:
-            gib = rng.choice([5, 10, 20, 40])
-            arrivals.append((f"s{i}", mps(gib), ("mps", gib / SHARE_MEMORY_GIB, MPS_DEFAULT_COMPUTE / 100)))
-            continue
-        memory, compute = slices[profile := rng.choice(PROFILES)]
-        arrivals.append((f"m{i}", mig(profile), ("mig", memory / 8, compute / 7)))
-    return arrivals
 
 
 @dataclass
@@ -137,7 +120,7 @@ def main() -> None:
     parser.add_argument("--compaction-moves", type=int, default=2, help="moves one compaction call may plan")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     args = parser.parse_args()
-    arrivals = trace(args.events, args.seed)
+    arrivals = packing_trace(args.events, args.seed)
     report = {"nodes": args.nodes, "events": args.events, "budget": args.budget}
     report.update({mode: run(mode, args, arrivals) for mode in args.modes})
     print(json.dumps(report, indent=2))

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from bench import make_room as make_room_bench
-from bench.allocator import packing
+from bench.allocator import packing, packing_trace
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import Holder, Plan, compaction, make_room
 from tests.support.allocation import DRIVER, allocator, claim, exactly, h100_slices
@@ -221,7 +221,7 @@ def test_compaction_empties_the_lightest_gpu_into_a_hole_elsewhere():
 
 def test_the_bench_replays_bench_allocators_packing_trace_and_keeps_its_eviction_budget():
     small = argparse.Namespace(nodes=2, events=120, seed=3, budget=50, compaction_moves=2, departures=True)
-    arrivals = make_room_bench.trace(small.events, small.seed)
+    arrivals = packing_trace(small.events, small.seed)
     # Same arrivals and departures as `python -m bench.allocator packing`: the same GPUs in use.
     assert (
         make_room_bench.run("binpack", small, arrivals)["mean_gpus_used"] == packing(small)["binpack"]["mean_gpus_used"]
@@ -229,5 +229,5 @@ def test_the_bench_replays_bench_allocators_packing_trace_and_keeps_its_eviction
     compacted = make_room_bench.run("compaction", small, arrivals)
     assert 0 < compacted["evictions"] <= small.budget * small.events / 1000
     crowded = argparse.Namespace(**{**vars(small), "nodes": 1, "seed": 1})  # claims fail: room is made
-    made = make_room_bench.run("make-room", crowded, make_room_bench.trace(small.events, 1))
+    made = make_room_bench.run("make-room", crowded, packing_trace(small.events, 1))
     assert made["made_room"] > 0 and made["evictions"] >= made["made_room"]
