@@ -36,7 +36,7 @@ from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount
 from driver.allocator.state import AllocatedState
 
-MIX_SHARE = 0.95  # FGD's typical pods: the most common shapes up to this share of claims
+MIX_SHARE = 0.95  # FGD's typical pods: the heaviest shapes up to this share of the weight
 MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
 FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each doubling
 
