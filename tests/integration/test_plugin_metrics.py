@@ -6,52 +6,25 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from kubernetes.client import V1ResourceClaimConsumerReference
 from kubernetes.client.exceptions import ApiException
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
 from testbed.claims_api import create_allocated_claim, create_claim
+from testbed.cluster.harness import free_port
 from tests.support.chart import CHART
+from tests.support.metrics import Families, scrape, value
 
 pytestmark = pytest.mark.cluster
 SERIES_OF_TYPE = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def scrape(port: int, timeout: float = 30.0) -> dict[str, tuple[str, list[Sample]]]:
-    """Family name -> (type, samples), once the endpoint answers."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            return {f.name: (f.type, f.samples) for f in text_string_to_metric_families(text)}
-        except OSError:
-            assert time.monotonic() < deadline, f"nothing serves metrics on port {port}"
-            time.sleep(0.1)
-
-
-def value(families: dict[str, tuple[str, list[Sample]]], name: str, **labels: str) -> float | None:
-    family = re.sub(r"_(total|bucket|sum|count)$", "", name)
-    matches = [s.value for s in families.get(family, ("", []))[1] if s.name == name and s.labels == labels]
-    return matches[0] if matches else None
-
-
-def series_names(families: dict[str, tuple[str, list[Sample]]]) -> set[str]:
+def series_names(families: Families) -> set[str]:
     """Every series name a query may use: those with samples, and those of families that have
     none yet (a labelled counter before its first event)."""
     names = set()
