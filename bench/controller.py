@@ -39,7 +39,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
 from driver.allocator.model import claim_from_object
 from driver.controller.fit import node_room
-from driver.controller.labels import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
 
 CLIENT_LIMITS = ["--kube-api-qps=1000", "--kube-api-burst=2000"]

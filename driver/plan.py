@@ -31,7 +31,6 @@ from driver.allocator.model import (
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
-from driver.controller.labels import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
 from driver.flags import DEFAULT_DRIVER_NAME
 from driver.manifests import (
     WORKLOAD_KINDS,
@@ -50,6 +49,7 @@ from driver.manifests import (
     read_manifests,
 )
 from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
+from driver.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")

@@ -1,6 +1,6 @@
 """The controller loop: informer caches in, allocations and lifted scheduling gates out.
 
-Claims opt in with a label and their pods wait behind a scheduling gate (labels.py). A pass, run
+Claims opt in with a label and their pods wait behind a scheduling gate (driver/opt_in.py). A pass, run
 whenever a cache changes and this replica leads, places the waiting claims (placing.py), writes
 each unit ledger first, then status (writes.py), and lifts the gates of pods whose claims are all
 allocated (gates.py). The caches, the snapshot of the pools and the allocator are kept here from
@@ -25,13 +25,13 @@ from driver.allocator.state import AllocatedState
 from driver.controller import metrics
 from driver.controller.gates import Gates
 from driver.controller.informer import Informer
-from driver.controller.labels import pending
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers, ResultKey, allocated_results, results_of
 from driver.controller.placing import Placing
 from driver.controller.refusals import Refusal, Refusals
 from driver.controller.writes import Writes
 from driver.kube import KubeError
+from driver.opt_in import pending
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency

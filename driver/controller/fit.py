@@ -19,8 +19,8 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from driver.controller.informer import object_key
-from driver.controller.labels import gated, pod_claim_names
 from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
+from driver.opt_in import gated, pod_claim_names
 
 JsonObject = dict[str, Any]
 FINISHED = ("Succeeded", "Failed")

@@ -23,8 +23,8 @@ from typing import Any
 from driver.controller import metrics
 from driver.controller.fit import allocated_node
 from driver.controller.informer import Informer, object_key
-from driver.controller.labels import gated, known_claim_names, opted_in
 from driver.kube import KubeError
+from driver.opt_in import gated, known_claim_names, opted_in
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]

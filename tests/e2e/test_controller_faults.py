@@ -27,10 +27,10 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.controller.labels import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 from driver.discovery import discover_gpus
 from driver.nvml.session import NvmlSession
 from driver.offers import node_inventory
+from driver.opt_in import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 from driver.sharing import SharingConfig
 from driver.slices import build_slices
 from testbed.cluster.harness import Cluster, build_binaries

@@ -20,10 +20,10 @@ import yaml
 from driver.allocator.model import claim_from_object
 from driver.controller.controller import Controller
 from driver.controller.informer import Informer, object_key
-from driver.controller.labels import gang_of, known_claim_names, pending, pod_claim_names
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import FENCE_ANNOTATION, entries_of, ledger_name
 from driver.kube import ConflictError, KubeUnavailableError, NotFoundError, RefusedError
+from driver.opt_in import gang_of, known_claim_names, pending, pod_claim_names
 
 ROOT = Path(__file__).resolve().parents[2]
 

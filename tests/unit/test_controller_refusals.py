@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from driver.allocator.model import Claim
-from driver.controller.labels import OPT_IN_LABEL, SCHEDULING_GATE
 from driver.controller.refusals import given_back, pods_by_claim, refusal_reason, scheduler_says
 from driver.nodefit import REFUSED, NodeFacts, NodeRoom, PodNeeds
+from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 
 
 def allocation(node: str) -> dict[str, Any]:

@@ -6,9 +6,10 @@ metadata and every claim made from it carries it). Their pods carry the scheduli
 every claim's allocation; it then lifts the gate and kube-scheduler binds the pod to the node the
 allocation names. Gangs: claims labelled `gpu.fgpu.dev/gang=<name>` and `gpu.fgpu.dev/gang-size=<n>`
 are allocated together once all n exist, all or none (upstream PodGroups with a gang policy are
-gangs too: groups.py).
+gangs too: driver/controller/groups.py).
 
-Read by the controller and by `fgpu plan`, which plans claims as the controller would."""
+Read by the controller, by the admission webhook (it gates the pods of opt-in claims) and by
+`fgpu plan`, which plans claims as the controller would: below all three."""
 
 from __future__ import annotations
 
