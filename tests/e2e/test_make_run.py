@@ -43,6 +43,14 @@ def serve_make_run(
     return run
 
 
+def from_a_terminal() -> None:
+    """preexec_fn: Ctrl-C reaches it as in a terminal, also where this test run ignores SIGINT (a
+    shell's background job does, and Python then installs no KeyboardInterrupt handler); it dies
+    with the test run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent()
+
+
 def interrupt(run: subprocess.Popen[bytes]) -> None:
     run.send_signal(signal.SIGINT)
     run.wait(timeout=120)
@@ -56,7 +64,7 @@ def kill_session(run: subprocess.Popen[bytes]) -> None:
 def test_make_run_then_ctrl_c_leaves_the_host_as_it_was(tmp_path):
     before = HostState.take_quiet()
     output = tmp_path / "run.log"
-    run = serve_make_run(output, interrupt, preexec_fn=die_with_parent)
+    run = serve_make_run(output, interrupt, preexec_fn=from_a_terminal)
     interrupt(run)
     assert run.returncode == 0
     printed = output.read_text()
