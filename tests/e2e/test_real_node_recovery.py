@@ -28,11 +28,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 RECONCILE_S = 60  # the plugin's --reconcile-interval default
 
 IN_GPU3 = 'device.attributes["gpu.fgpu.dev"].index == 3 && device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"'
+GPU = 'device.attributes["gpu.fgpu.dev"].index == {}'
+# Each kind on a GPU of its own: the pods are created together and kube-scheduler allocates their
+# claims in any order (a share placed first on GPU 0 left the whole-GPU claim nowhere to go).
 KINDS = {  # pod -> (device class, claim template arguments)
-    "whole": ("gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].index == 0'}),
-    "mig": ("mig.gpu.fgpu.dev", {"selector": 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'}),
-    "mps": ("mps.gpu.fgpu.dev", {"capacity": {"memory": "2Gi", "compute": "10"}}),
-    "ts": ("timeslice.gpu.fgpu.dev", {"capacity": {"memory": "2Gi"}, "config": [timeslice_interval("Long")]}),
+    "whole": ("gpu.fgpu.dev", {"selector": GPU.format(0)}),
+    "mig": (
+        "mig.gpu.fgpu.dev",
+        {"selector": GPU.format(1) + ' && device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'},
+    ),
+    "mps": ("mps.gpu.fgpu.dev", {"selector": GPU.format(2), "capacity": {"memory": "2Gi", "compute": "10"}}),
+    "ts": (
+        "timeslice.gpu.fgpu.dev",
+        {"selector": GPU.format(4), "capacity": {"memory": "2Gi"}, "config": [timeslice_interval("Long")]},
+    ),
     "part-a": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "4Gi", "compute": "20"}}),
     "part-b": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "8Gi", "compute": "30"}}),
 }

@@ -42,8 +42,11 @@ def statuses(plugin: PluginUnderTest, port: int) -> tuple[int, int]:
 
 
 def start(start_plugin, grace_s: float) -> tuple[PluginUnderTest, int]:
+    """The plugin, once its health port accepts connections (it opens after the sockets)."""
     port = free_port()
     plugin = start_plugin(extra_args=[f"--registration-grace={grace_s}", f"--healthcheck-port={port}"])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
     return plugin, port
 
 
