@@ -33,7 +33,7 @@ def node_room(
     refused: Mapping[str, AbstractSet[str]] | None = None,
 ) -> NodeRoom:
     """`refused`: pod key -> nodes kube-scheduler refused for it (refusals.py)."""
-    live = _live(pods)
+    live = live_pods(pods)
     claims_by_key = {object_key(c): c for c in claims}
     needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
     running = []
@@ -47,12 +47,12 @@ def node_room(
 def claim_pods(pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> dict[str, list[PodNeeds]]:
     """Claim key -> the pods that use it (what a room's `pods_of` holds), for claims that arrive
     while a pass's room is in use."""
-    live = _live(pods)
+    live = live_pods(pods)
     needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
     return _pods_of(live, needs, {object_key(c): c for c in claims})
 
 
-def _live(pods: Iterable[JsonObject]) -> list[JsonObject]:
+def live_pods(pods: Iterable[JsonObject]) -> list[JsonObject]:
     return [p for p in pods if (p.get("status") or {}).get("phase") not in FINISHED]
 
 

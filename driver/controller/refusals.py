@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.controller import metrics
-from driver.controller.fit import allocated_node
+from driver.controller.fit import allocated_node, live_pods
 from driver.controller.informer import Informer, object_key
 from driver.kube import KubeError
 from driver.opt_in import gated, known_claim_names, opted_in
@@ -64,9 +64,7 @@ def refusal_reason(message: str) -> str:
 def pods_by_claim(pods: Iterable[JsonObject]) -> dict[str, list[JsonObject]]:
     """Claim key -> the live pods that use it (by name, or through their status for a template's)."""
     out: dict[str, list[JsonObject]] = defaultdict(list)
-    for pod in pods:
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue
+    for pod in live_pods(pods):
         for name in known_claim_names(pod):
             out[f"{pod['metadata']['namespace']}/{name}"].append(pod)
     return out
