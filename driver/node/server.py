@@ -150,6 +150,9 @@ class PluginProcess:
         if settings.health_monitor:
             self.health_monitor.start()
 
+        # Before ours are bound: kubelet keeps a killed instance's registration while its socket
+        # exists, and once our sockets accept connections nothing stale is left beside them.
+        self.instance.remove_dead_instances_sockets()
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
         add_dra_services(dra_server, self.preparer)
         if settings.health_monitor:
@@ -175,7 +178,6 @@ class PluginProcess:
         reg_server.start()
         self._registration_server = reg_server
         log.info("registration service on %s", settings.registration_socket)
-        self.instance.remove_dead_instances_sockets()  # a killed instance's registration stays otherwise
         if settings.healthcheck_port >= 0:
             self._serve_health_port(settings.healthcheck_port)
         if settings.metrics_port > 0:
