@@ -70,4 +70,20 @@ if ! fresh helm "$helm_stamp"; then
     -o "$out/helm" helm.sh/helm/v3/cmd/helm)
   echo "$helm_stamp" > "$out/.stamp-helm"
 fi
+# Kueue's manager, for the quota tests (tests/e2e/test_kueue.py): its own module in kueue/, since
+# its Kubernetes client libraries are not the control plane's versions; its CRDs and webhook
+# configurations from the same module, into kueue-config/ (testbed/cluster/kueue_manager.py).
+kueue_stamp="$(stamp_of kueue/go.mod kueue/go.sum)"
+if ! fresh kueue "$kueue_stamp"; then
+  kueue_version="$(cd kueue && go list -m -f '{{.Version}}' sigs.k8s.io/kueue)"
+  echo "building kueue ${kueue_version} (several minutes from a cold cache) ..." >&2
+  (cd kueue && go build -p 2 -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=${kueue_version}" \
+    -o "$out/kueue" sigs.k8s.io/kueue/cmd/kueue)
+  kueue_source="$(cd kueue && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  rm -rf "$out/kueue-config" && mkdir -p "$out/kueue-config/crds"
+  cp "$kueue_source"/config/components/crd/bases/*.yaml "$out/kueue-config/crds/"
+  cp "$kueue_source/config/components/crd/kustomization.yaml" "$out/kueue-config/crd-kustomization.yaml"
+  cp "$kueue_source/config/components/webhook/manifests.yaml" "$out/kueue-config/webhooks.yaml"
+  echo "$kueue_stamp" > "$out/.stamp-kueue"
+fi
 echo "$out"

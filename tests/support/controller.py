@@ -47,10 +47,10 @@ def gated_pod(name: str, claim: str) -> dict[str, Any]:
     }
 
 
-def by_kube_scheduler(resource_api, name: str) -> bool:
+def by_kube_scheduler(resource_api, name: str, namespace: str = "default") -> bool:
     """Whether kube-scheduler owns the claim's allocation (it re-allocated it): it owns the
     reservation in any case."""
-    found = resource_api.read_namespaced_resource_claim(name, "default")
+    found = resource_api.read_namespaced_resource_claim(name, namespace)
     return any(
         f.manager == "kube-scheduler" and "f:allocation" in ((f.fields_v1 or {}).get("f:status") or {})
         for f in found.metadata.managed_fields or ()
