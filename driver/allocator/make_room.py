@@ -248,18 +248,6 @@ def _gang_options(
     return list(found.values())
 
 
-def _not_held(allocator: ClusterAllocator, allocation: dict[str, Any]) -> dict[str, Any]:
-    """The allocation less devices already held exclusively (the victim's own, same device): an
-    exclusive device is counted once, so adding it again could not be undone exactly."""
-    held = allocator.state.exclusive
-    kept = [
-        r
-        for r in _results(allocation)
-        if r.get("shareID") is not None or (r.get("driver"), r.get("pool"), r.get("device")) not in held
-    ]
-    return {"devices": {"results": kept}}
-
-
 def _rest_of_shared(allocator: ClusterAllocator, holder: Holder) -> dict[str, Any]:
     """A share taking what is left of each shared device the holder has a share of: a share
     placed on a device in use draws no counters, so only this keeps moves off it."""
@@ -283,7 +271,7 @@ def _moves(
     state as it is (victims still in their old places): never into the room they made."""
     with _scratch(allocator) as scratch:
         for placement in placements:
-            scratch.add(placement.node, _not_held(allocator, placement.allocation))
+            scratch.add(placement.node, placement.allocation)
         for victim in victims:
             scratch.add(victim.node, _rest_of_shared(allocator, victim))
         moves = []

@@ -3,7 +3,7 @@ the counters they draw. Built from the claims' allocation results; the allocator
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +15,10 @@ from driver.allocator.quantity import Amount, QuantityError, parse_quantity
 
 @dataclass
 class AllocatedState:
-    exclusive: set[DeviceId] = field(default_factory=set)
+    # Devices in exclusive use, with how many results hold each: a device reserved for a pending
+    # claim (the controller's ledger) while the pods it was freed from still hold it counts twice,
+    # and stays held until both are released.
+    exclusive: Counter[DeviceId] = field(default_factory=Counter)
     shared: dict[DeviceId, dict[str, Amount]] = field(default_factory=dict)  # consumed capacity
     share_count: dict[DeviceId, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -44,7 +47,7 @@ class AllocatedState:
             return  # admin access never takes a device from others
         device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
         if result.get("shareID") is None:
-            self.exclusive.add(device)
+            self.exclusive[device] += 1
             return
         consumed = self.shared.setdefault(device, {})
         self.share_count[device] += 1
@@ -59,7 +62,9 @@ class AllocatedState:
             return
         device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
         if result.get("shareID") is None:
-            self.exclusive.discard(device)
+            self.exclusive[device] -= 1
+            if self.exclusive[device] <= 0:
+                del self.exclusive[device]
             return
         consumed = self.shared.get(device, {})
         for name, value in (result.get("consumedCapacity") or {}).items():
