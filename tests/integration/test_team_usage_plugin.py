@@ -39,6 +39,9 @@ def test_usage_metrics_follow_the_mock_and_fgpu_status_reports_them(start_plugin
     metrics = f"--metrics=http://127.0.0.1:{port}/metrics"
     try:
         fgpu("mock-usage", "--gpu=1", "--utilization=90", env=env)  # the trainer computes
+        # Each scrape takes a sample: this one sees both claims held (if the plugin's own samples,
+        # 5 s apart, have not yet), so that 3 s later the notebook has been idle for 3 s.
+        fgpu("status", "--idle=1h", metrics, "-o", "json", env=env)
         time.sleep(3)
         idle = fgpu("status", "--idle=2s", metrics, "-o", "json", env=env)["idleClaims"]
         assert [(c["claim"], c["kind"]) for c in idle] == [(f"default/{notebook['name']}", "mig")]
