@@ -13,7 +13,7 @@ import yaml
 
 from driver.allocator.scoring import POLICIES
 from driver.discovery import discover_gpus
-from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, seconds
+from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, positive, seconds
 from driver.kube import ClientKubeApi, KubeConfigError, KubeError
 from driver.logs import LOG_FORMATS, configure_logging
 from driver.node.settings import (
@@ -81,7 +81,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     api = ControllerApi(args.kubeconfig)  # a bad client configuration stops it before it serves anything
     if args.metrics_port > 0:
         start_http_server(args.metrics_port)
-    controller = Controller(api, identity, args.policy, args.lease_namespace, timings)
+    evictions = args.evictions_per_minute if args.make_room else 0
+    controller = Controller(api, identity, args.policy, args.lease_namespace, timings, evictions)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()
@@ -264,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus metrics here (0 or -1: off)")
     for flag, env, default, what in LEADER_ELECTION_FLAGS:
         controller.add_argument(flag, type=seconds, default=env_default(default, env), help=f"{what} [{env}]")
+    controller.add_argument(
+        "--make-room",
+        action="store_true",
+        help="evict movable pods (gpu.fgpu.dev/movable) and lower-priority ones to place a claim that fits nowhere",
+    )
+    controller.add_argument(
+        "--evictions-per-minute", type=positive, default=10, help="making room evicts at most this many pods a minute"
+    )
     controller.set_defaults(func=cmd_controller)
 
     health = commands.add_parser("health", help="the node's GPU faults (run where the plugin's state dir is)")

@@ -83,6 +83,17 @@ def port(value: str) -> int:
     return number
 
 
+def positive(value: str) -> int:
+    """A whole number above 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number above 0")
+    return number
+
+
 def interval(value: str) -> float:
     """A period in seconds, above 0: a loop waits this long between rounds."""
     number = seconds(value)

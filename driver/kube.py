@@ -43,6 +43,15 @@ class KubeUnavailableError(KubeError, ConnectionError):
     """The API server could not be reached or answered with a server error."""
 
 
+class TooManyRequestsError(KubeUnavailableError):
+    """HTTP 429: try again later; for an eviction, a PodDisruptionBudget does not allow it now
+    (`reason` says which)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"API server error 429: {reason}")
+        self.reason = reason
+
+
 class RefusedError(KubeError):
     """The API server refused the request (a 4xx other than 404, 409 and 429): sent again as it
     is, it would be refused again. `status` is the HTTP code; `resource_version`, where the caller
@@ -87,7 +96,9 @@ def translated_errors() -> Iterator[None]:
             raise NotFoundError(err.reason) from err
         if err.status == 409:
             raise ConflictError(f"conflict: {err.reason}") from err
-        if err.status >= 500 or err.status == 429:
+        if err.status == 429:
+            raise TooManyRequestsError(_status_message(err)) from err
+        if err.status >= 500:
             raise KubeUnavailableError(f"API server error {err.status}: {err.reason}") from err
         message = f"API server refused the request: {err.status} {_status_message(err)}"
         raise RefusedError(message, err.status) from err

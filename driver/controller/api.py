@@ -8,7 +8,7 @@ from typing import Any
 
 import kubernetes
 
-from driver.kube import ClientKubeApi
+from driver.kube import ClientKubeApi, TooManyRequestsError
 
 JsonObject = dict[str, Any]
 
@@ -86,6 +86,21 @@ class ControllerApi(ClientKubeApi):
         events = self._call(self._core.list_namespaced_event, namespace, field_selector=selector).get("items") or []
         events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "", reverse=True)
         return [str(e.get("message") or "") for e in events]
+
+    def evict_pod(self, namespace: str, name: str) -> str | None:
+        """Evict through the Eviction API, so that PodDisruptionBudgets hold: None when the pod
+        goes, the API server's reason when a budget refuses it now (429)."""
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
+        try:
+            self._call(self._core.create_namespaced_pod_eviction, name, namespace, body)
+        except TooManyRequestsError as error:
+            return error.reason
+        return None
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete the pod with its own grace period (priority preemption past a budget, as
+        kube-scheduler does)."""
+        self._call(self._core.delete_namespaced_pod, name, namespace)
 
     def get_lease(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._coordination.read_namespaced_lease, name, namespace)

@@ -27,8 +27,10 @@ from driver.controller.gates import Gates
 from driver.controller.informer import Informer
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers, ResultKey, allocated_results, results_of
+from driver.controller.making_room import MakingRoom
 from driver.controller.placing import Placing
 from driver.controller.refusals import Refusal, Refusals
+from driver.controller.victims import EvictionBudget
 from driver.controller.writes import Writes
 from driver.kube import KubeError
 from driver.opt_in import pending
@@ -46,10 +48,10 @@ class Counted:
     results: dict[ResultKey, dict[str, Any]]
 
 
-class Controller(Placing, Writes, Gates, Refusals):
-    """One replica: its caches, its lease and the loop. Placing, writing, gates and noticing
-    kube-scheduler's refusals are its parts in placing.py, writes.py, gates.py and refusals.py;
-    the state they share is made here."""
+class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
+    """One replica: its caches, its lease and the loop. Placing, writing, gates, noticing
+    kube-scheduler's refusals and making room are its parts in placing.py, writes.py, gates.py,
+    refusals.py and making_room.py; the state they share is made here."""
 
     def __init__(
         self,
@@ -58,7 +60,10 @@ class Controller(Placing, Writes, Gates, Refusals):
         policy: Policy = "binpack",
         lease_namespace: str = "kube-system",
         timings: LeaseTimings | None = None,
+        evictions_per_minute: int = 0,
     ) -> None:
+        """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
+        minute; 0 turns it off."""
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
@@ -90,6 +95,9 @@ class Controller(Placing, Writes, Gates, Refusals):
         self._placed: dict[str, str] = {}  # refusals.py: claim uid -> node of the allocation written
         self._refused: dict[str, set[str]] = {}  # refusals.py: pod key -> nodes kube-scheduler refused
         self._unreported: dict[str, Refusal] = {}
+        self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
+        self._unplaced: list[list[dict[str, Any]]] = []  # making_room.py: units that fit nowhere this pass
+        self._spared: dict[str, float] = {}  # making_room.py: claims whose eviction a budget refused
         self.stop_event = threading.Event()
 
     # --- running ------------------------------------------------------------------------------
@@ -216,8 +224,11 @@ class Controller(Placing, Writes, Gates, Refusals):
         allocator = self.allocator()  # also when nothing waits: ready for the next burst
         waiting = self._waiting()
         metrics.PENDING.set(len(waiting))
+        self._unplaced = []
         if waiting and not self.stale.is_set():
             self._allocate(allocator, waiting)
+        if self._unplaced and not self.stale.is_set():
+            self._make_room(allocator)
         if self.stale.is_set():
             self.refresh()
             return

@@ -44,18 +44,40 @@ class Entry:
     version: str  # the claim's resourceVersion its status write is conditioned on
     results: tuple[tuple[str, str], ...]  # (device, shareID or "") of the allocation in this pool
     consumed: tuple[dict[str, str], ...]  # consumedCapacity per result, {} where none
+    # A reservation (making_room.py): devices being freed for a pending claim, held for it until
+    # this time (seconds since the epoch) and never written to its status as they are.
+    until: float = 0.0
+
+    @property
+    def reservation(self) -> bool:
+        return self.until > 0
 
     def encode(self) -> str:
-        body = {"claim": self.claim, "version": self.version, "results": [list(r) for r in self.results]}
+        body: dict[str, Any] = {
+            "claim": self.claim,
+            "version": self.version,
+            "results": [list(r) for r in self.results],
+        }
         if any(self.consumed):
             body["consumed"] = list(self.consumed)
+        if self.until:
+            body["reservedUntil"] = round(self.until, 3)
         return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def decode(cls, text: str) -> Entry:
         body = json.loads(text)
         results = tuple((str(d), str(s)) for d, s in body["results"])
-        return cls(body["claim"], body["version"], results, tuple(body.get("consumed") or ({},) * len(results)))
+        consumed = tuple(body.get("consumed") or ({},) * len(results))
+        return cls(body["claim"], body["version"], results, consumed, float(body.get("reservedUntil") or 0))
+
+
+def _reservation(text: str) -> bool:
+    """Whether a recorded entry only reserves devices: its claim's own allocation replaces it."""
+    try:
+        return Entry.decode(text).reservation
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def ledger_name(pool: PoolId) -> str:
@@ -78,9 +100,9 @@ def entries_of(ledger: dict[str, Any]) -> dict[str, Entry]:
     return out
 
 
-def entries_for(claim: dict[str, Any], allocation: dict[str, Any]) -> dict[PoolId, Entry]:
+def entries_for(claim: dict[str, Any], allocation: dict[str, Any], until: float = 0.0) -> dict[PoolId, Entry]:
     """The entries that record `allocation` of `claim`, one per pool it draws from (admin access
-    takes nothing from others, so it is not recorded)."""
+    takes nothing from others, so it is not recorded); with `until`, reserved for it until then."""
     by_pool: dict[PoolId, list[dict[str, Any]]] = defaultdict(list)
     for result in (allocation.get("devices") or {}).get("results") or ():
         if not result.get("adminAccess"):
@@ -92,6 +114,7 @@ def entries_for(claim: dict[str, Any], allocation: dict[str, Any]) -> dict[PoolI
             meta["resourceVersion"],
             tuple((r["device"], r.get("shareID") or "") for r in results),
             tuple(r.get("consumedCapacity") or {} for r in results),
+            until,
         )
         for pool, results in by_pool.items()
     }
@@ -110,6 +133,18 @@ def backs(entry: Entry, uid: str, claim: dict[str, Any] | None, pool: PoolId) ->
     """Whether the claim (as given) holds exactly what the entry records."""
     return (
         claim is not None and claim["metadata"].get("uid") == uid and claim_results(claim, pool) == set(entry.results)
+    )
+
+
+def holds_reservation(entry: Entry, claim: dict[str, Any] | None, now: float) -> bool:
+    """Whether a reservation still holds: its claim (from the cache) exists, waits for an
+    allocation, and the time is not up. It is never written to the claim, so no fence is needed
+    to drop it."""
+    return (
+        claim is not None
+        and f"{claim['metadata'].get('namespace')}/{claim['metadata'].get('name')}" == entry.claim
+        and not (claim.get("status") or {}).get("allocation")
+        and now < entry.until
     )
 
 
@@ -134,14 +169,22 @@ def allocated_results(
         for key, result in results_of(claim["metadata"].get("uid", ""), allocation).items():
             seen.setdefault(key, result)
     for ledger in ledgers:
-        driver, pool = pool_of(ledger)
+        pool = pool_of(ledger)
         for uid, entry in entries_of(ledger).items():
-            for (device, share), consumed in zip(entry.results, entry.consumed, strict=True):
-                result = {"driver": driver, "pool": pool, "device": device}
-                if share:
-                    result |= {"shareID": share, "consumedCapacity": consumed}
-                seen.setdefault((uid, driver, pool, device, share), result)
+            for result in entry_results(pool, entry):
+                seen.setdefault((uid, *pool, result["device"], result.get("shareID") or ""), result)
     return seen
+
+
+def entry_results(pool: PoolId, entry: Entry) -> list[dict[str, Any]]:
+    """The device results an entry records, as a claim's allocation has them."""
+    results = []
+    for (device, share), consumed in zip(entry.results, entry.consumed, strict=True):
+        result: dict[str, Any] = {"driver": pool[0], "pool": pool[1], "device": device}
+        if share:
+            result |= {"shareID": share, "consumedCapacity": consumed}
+        results.append(result)
+    return results
 
 
 @dataclass
@@ -206,7 +249,7 @@ class Ledgers:
             for uid in change.remove:
                 data.pop(uid, None)
             for uid, entry in change.add.items():
-                if data.get(uid, entry.encode()) != entry.encode():
+                if data.get(uid, entry.encode()) != entry.encode() and not _reservation(data[uid]):
                     log.info("ledger %s: claim %s was decided elsewhere", name, entry.claim)
                     self.on_failure()
                     return False

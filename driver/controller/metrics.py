@@ -24,3 +24,8 @@ REPLACED_BY_SCHEDULER = Counter(
     "Claims kube-scheduler gave back after refusing the node the controller chose, by its reason",
     ["reason"],
 )
+EVICTIONS = Counter(
+    "fgpu_controller_evictions_total",
+    "Pods evicted to make room for a claim (movable, preemption) and evictions a PodDisruptionBudget refused",
+    ["reason"],
+)

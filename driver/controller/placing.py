@@ -45,12 +45,14 @@ class Unit:
 class Placing:
     """The Controller's placing (controller.py builds the state named here). Uses its acting(),
     _waiting() and _count() (controller.py), _write_unit() and _take_back() (writes.py),
-    _report() and _report_group() (gates.py)."""
+    _report() and _report_group() (gates.py), _set_aside() (making_room.py); the units that fit
+    nowhere go to `_unplaced`, for making_room.py."""
 
     informers: dict[str, Informer]
     stale: threading.Event
     _writers: ThreadPoolExecutor
     _refused: dict[str, set[str]]
+    _unplaced: list[list[dict[str, Any]]]
 
     def _allocate(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> None:
         """Place and hand out the waiting claims; while their writes are out (up to ABSORB_S), lone
@@ -137,11 +139,14 @@ class Placing:
         self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any], room: NodeRoom
     ) -> Placement | None:
         started = time.perf_counter()
+        aside = self._set_aside(allocator, [obj])
         outcome = allocator.allocate(claim, room=room)
         metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, Failure):
+            aside.put_back()
             metrics.ALLOCATIONS.labels("unschedulable").inc()
             self._report(obj, outcome.reason)
+            self._unplaced.append([obj])
             return None
         allocator.commit(outcome)
         room.take(outcome)
@@ -165,11 +170,15 @@ class Placing:
             for obj in objects.values():
                 self._report(obj, f"gang {name} waits for {missing} more claim(s) of {size}", warning=False)
             return None
+        aside = self._set_aside(allocator, list(present.values()))
         outcome = allocator.allocate_gang(members, room)
         if isinstance(outcome, Failure):
+            aside.put_back()
             metrics.GANGS.labels("unschedulable").inc()
-            for obj in objects.values():
+            for obj in present.values():
                 self._report(obj, outcome.reason)
+            if not allocated:
+                self._unplaced.append(list(present.values()))
             if allocated and len(allocated) < size and not self._any_released(allocated):
                 # Members left allocated by an interrupted pass: all or none, so give them back.
                 # Not once their pods are let go: a member kube-scheduler gave back (refusals.py)
@@ -199,11 +208,15 @@ class Placing:
         present = {c.key: obj for c in placing if (obj := objects[c.key]) is not None}
         if not placing or len(present) < len(state.pending):
             return None  # a claim was deleted since, or cannot be read (reported): none then
+        aside = self._set_aside(allocator, list(present.values()))
         outcome = allocator.allocate_gang(placing, room)
         if isinstance(outcome, Failure):
+            aside.put_back()
             metrics.GANGS.labels("unschedulable").inc()
             reason = f"pod group {group} (gang of {state.size} pods): {outcome.reason}"
             self._report_group(podgroup, present.values(), reason)
+            if not state.allocated:
+                self._unplaced.append(list(present.values()))
             if state.allocated and not state.whole and not state.released:
                 # Members left allocated by an interrupted pass, none let go: all or none.
                 self._take_back(state.allocated)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,17 @@ from driver.allocator.cluster import Placement
 from driver.controller import metrics
 from driver.controller.clock import timestamp
 from driver.controller.informer import Informer, object_key
-from driver.controller.ledger import FENCE_ANNOTATION, Entry, Ledgers, PoolId, backs, entries_for, entries_of, pool_of
+from driver.controller.ledger import (
+    FENCE_ANNOTATION,
+    Entry,
+    Ledgers,
+    PoolId,
+    backs,
+    entries_for,
+    entries_of,
+    holds_reservation,
+    pool_of,
+)
 from driver.controller.placing import Unit
 from driver.kube import ConflictError, KubeError, NotFoundError
 from driver.testhooks import stop_point
@@ -172,18 +183,21 @@ class Writes:
     def _resolve_undecided(self) -> None:
         """Drop ledger entries that no claim holds and none can come to hold: left by a replica
         that stopped (or was stopped) between its ledger write and its claim write, or by a claim
-        that was taken back or deleted. Entries the claim cache confirms cost nothing here."""
+        that was taken back or deleted; and reservations (making_room.py) whose claim is gone or
+        allocated, or that expired. Entries the claim cache confirms cost nothing here."""
         claims = {c["metadata"].get("uid"): c for c in self.informers["claims"].items()}
-        suspects = [
-            (pool_of(ledger), uid, entry)
-            for ledger in self.ledgers.objects()
-            for uid, entry in entries_of(ledger).items()
-            if not backs(entry, uid, claims.get(uid), pool_of(ledger))
-        ]
-        if not suspects:
-            return
-        verdicts = self._writers.map(lambda s: self._voided(*s), suspects)
+        now = time.time()
         dropped: dict[PoolId, set[str]] = defaultdict(set)
+        suspects = []
+        for ledger in self.ledgers.objects():
+            pool = pool_of(ledger)
+            for uid, entry in entries_of(ledger).items():
+                if entry.reservation:
+                    if not holds_reservation(entry, claims.get(uid), now):
+                        dropped[pool].add(uid)
+                elif not backs(entry, uid, claims.get(uid), pool):
+                    suspects.append((pool, uid, entry))
+        verdicts = self._writers.map(lambda s: self._voided(*s), suspects)
         for (pool, uid, _), voided in zip(suspects, verdicts, strict=True):
             if voided:
                 dropped[pool].add(uid)

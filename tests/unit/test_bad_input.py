@@ -257,6 +257,12 @@ CASES = [
         "migShareProfiles: expected a list of MIG profiles such as [3g.40gb], found 3",
     ),
     ("controller port too large", ["controller", "--metrics-port=99999"], {}, "--metrics-port: '99999' is not a port"),
+    (
+        "controller no evictions a minute",
+        ["controller", "--make-room", "--evictions-per-minute=0"],
+        {},
+        "--evictions-per-minute: '0' is not a whole number above 0",
+    ),
     ("controller env seconds garbage", ["controller"], {"LEASE_DURATION": "x"}, "LEASE_DURATION='x' is not a number"),
     (
         "controller lease timings",

@@ -156,6 +156,22 @@ def test_controller_non_root_with_lease_in_release_namespace() -> None:
     assert not [o for o in without if "controller" in o["metadata"]["name"]]
 
 
+def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
+    def controller(values: dict) -> tuple[list[str], set[tuple[str, str]]]:
+        objects = render(values)
+        args = find(objects, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]["args"]
+        role = find(objects, "ClusterRole", "controller")
+        granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+        return args, granted
+
+    args, granted = controller({})
+    assert not [a for a in args if "room" in a or "evictions" in a]
+    assert ("pods/eviction", "create") not in granted and ("pods", "delete") not in granted
+    args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.evictionsPerMinute": 3})
+    assert "--make-room" in args and "--evictions-per-minute=3" in args
+    assert ("pods/eviction", "create") in granted and ("pods", "delete") in granted
+
+
 def test_plugin_rbac_is_least_privilege() -> None:
     role = find(render({"driverName": "gpu.example.com"}), "ClusterRole", "kubelet-plugin")
     rules = {

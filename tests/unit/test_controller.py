@@ -1,6 +1,6 @@
 """Controller pieces without an API server: leader election on a fake clock, the ledger fence
 with two replicas that both believe they lead, conflicts, gangs (labelled, and PodGroups), gates,
-pod claims, plan CLI."""
+pod claims, plan CLI, making room (evictions, reservations, preemption)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ class FakeApi:
         self.lease_outage = False
         self.write_delay_s = 0.0
         self.ledger_writes = 0
+        self.evicted: list[str] = []  # pod names, in order
+        self.deleted: list[str] = []
+        self.budgeted: set[str] = set()  # pods a PodDisruptionBudget protects: their eviction is refused
         self._lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0
 
@@ -129,6 +132,17 @@ class FakeApi:
     def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
         self.events.append(event)
         return event
+
+    def evict_pod(self, namespace: str, name: str) -> str | None:
+        if name in self.budgeted:
+            return "Cannot evict pod as it would violate the pod's disruption budget."
+        self.store["pods"].pop(f"{namespace}/{name}")
+        self.evicted.append(name)
+        return None
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.store["pods"].pop(f"{namespace}/{name}")
+        self.deleted.append(name)
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
         if self.lease_outage:
@@ -395,8 +409,8 @@ def replicas() -> Any:
     """Controllers that believe they lead (the lease is tested above), synced with the fake."""
     started: list[Controller] = []
 
-    def start(api: FakeApi, identity: str = "a") -> Controller:
-        controller = Controller(api, identity, lease_namespace="fgpu")
+    def start(api: FakeApi, identity: str = "a", evictions_per_minute: int = 0) -> Controller:
+        controller = Controller(api, identity, lease_namespace="fgpu", evictions_per_minute=evictions_per_minute)
         controller.leader.leading = lambda: True  # type: ignore[method-assign]
         sync(controller)
         started.append(controller)
@@ -871,3 +885,199 @@ def test_an_api_the_cluster_does_not_serve_is_synced_as_empty():
             assert informer.synced.wait(5) and informer.items() == [] and informer.absent == str(error)
         finally:
             informer.stop()
+
+
+# --- making room: evicting movable and lower-priority pods, reservations ---------------------
+
+N1 = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}
+SHARE = {"clients": "1", "compute": "10", "memory": "10Gi"}
+
+
+def held(name: str, device: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    """A claim allocated earlier on n1: a whole GPU, or (device gpu-N-mps) a 10Gi MPS share."""
+    share = device.endswith("-mps")
+    exactly: dict[str, Any] = {"deviceClassName": "mps.gpu.fgpu.dev" if share else "gpu.fgpu.dev", "count": 1}
+    result: dict[str, Any] = {"request": "r", "driver": "gpu.fgpu.dev", "pool": "n1", "device": device}
+    if share:
+        exactly["capacity"] = {"requests": {"memory": "10Gi"}}
+        result |= {"shareID": f"share-{name}", "consumedCapacity": SHARE}
+    meta = {"name": name, "namespace": "ml", "creationTimestamp": created}
+    spec = {"devices": {"requests": [{"name": "r", "exactly": exactly}]}}
+    return {
+        "metadata": meta,
+        "spec": spec,
+        "status": {"allocation": {"devices": {"results": [result]}, "nodeSelector": N1}},
+    }
+
+
+def running(name: str, claim: str, movable: bool = False, owned: bool = True, priority: int = 0,
+            created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:  # fmt: skip
+    meta: dict[str, Any] = {"name": name, "namespace": "ml", "creationTimestamp": created}
+    if movable:
+        meta["annotations"] = {"gpu.fgpu.dev/movable": "true"}
+    if owned:
+        meta["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": "rs-1", "controller": True}]
+    spec = {"nodeName": "n1", "priority": priority, "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}
+    return {"metadata": meta, "spec": spec, "status": {"phase": "Running"}}
+
+
+def fragmented(api: FakeApi, movable: bool = True, owned: bool = True) -> None:
+    """n1: GPUs 0-5 whole, held by pods that are not movable; GPUs 6 and 7 each hold one 10Gi MPS
+    share (GPU 7's the younger): no GPU is free, though the two shares fit on one."""
+    for i in range(6):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}"))
+    for i, created in ((6, "2026-01-01T00:00:00Z"), (7, "2026-01-02T00:00:00Z")):
+        api.put("claims", held(f"share-{i}", f"gpu-{i}-mps", created))
+        api.put("pods", running(f"infer-{i}", f"share-{i}", movable, owned, created=created))
+
+
+def pending_gpu(api: FakeApi, name: str = "train", priority: int = 0, **spec: Any) -> None:
+    api.put("claims", opt_in_claim(name, 1))
+    pod = gated_pod(f"{name}-pod", name)
+    pod["spec"] |= {"priority": priority, **spec}
+    api.put("pods", pod)
+
+
+def events_of(api: FakeApi, name: str, reason: str | None = None) -> list[str]:
+    return [
+        e["message"]
+        for e in api.events
+        if e["involvedObject"]["name"] == name and (reason is None or e["reason"] == reason)
+    ]
+
+
+def gone(api: FakeApi, claim: str) -> None:
+    """kube-controller-manager's part once a pod is evicted: its (template's) claim is deleted."""
+    api.store["claims"].pop(f"ml/{claim}")
+
+
+def test_the_fewest_youngest_movable_pods_are_evicted_and_their_devices_held_for_the_claim(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer-7"]  # one pod is enough; GPU 7's is the younger
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.claim == "ml/train" and reservation.results == (("gpu-7", ""),) and reservation.reservation
+    assert "evicted by fgpu to make room for claim(s) ml/train on n1 (the pod is movable)" in events_of(
+        api, "infer-7", "EvictedToMakeRoom"
+    )
+    assert any("making room on n1: evicted pod(s) ml/infer-7" in m for m in events_of(api, "train"))
+
+    # The evicted pod's claim is gone; a claim older than train, pending now, may not take GPU 7.
+    gone(api, "share-7")
+    early = opt_in_claim("early", 1)
+    early["metadata"]["creationTimestamp"] = "2025-01-01T00:00:00Z"
+    api.put("claims", early)
+    sync(controller)
+    controller.run_pass()
+    claims = claims_in(api)
+    assert devices_of(claims["train"]) == [("n1", "gpu-7")] and not devices_of(claims["early"])
+    assert not any(e.reservation for e in ledger_entries(api).values())  # train's own entry replaced it
+    assert api.evicted == ["infer-7"]  # nothing is evicted for early: no movable pod would fit elsewhere
+    assert gates(api, "train-pod") == ["other"]
+    assert_no_device_given_twice(api)
+
+
+def test_a_budget_that_refuses_an_eviction_fails_the_plan_and_the_next_is_tried(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    api.budgeted = {"infer-7"}
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer-6"]
+    assert any("eviction of pod ml/infer-7 refused: Cannot evict pod" in m for m in events_of(api, "train"))
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.results == (("gpu-6", ""),)  # the refused plan's reservation is gone
+
+
+def test_nothing_is_evicted_when_every_plan_is_refused(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    api.budgeted = {"infer-6", "infer-7"}
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and api.deleted == []
+    assert not ledger_entries(api)
+
+
+@pytest.mark.parametrize(
+    "movable, owned, evictions",
+    [(False, True, 10), (True, False, 10), (True, True, 0)],
+    ids=["not annotated", "no controller recreates it", "making room off"],
+)
+def test_pods_not_movable_are_never_evicted(h100_slices, replicas, movable, owned, evictions):
+    api = fake_cluster(h100_slices)
+    fragmented(api, movable=movable, owned=owned)
+    pending_gpu(api)
+    replicas(api, evictions_per_minute=evictions).run_pass()
+    assert api.evicted == [] and not ledger_entries(api)
+
+
+def test_a_plan_over_the_eviction_budget_waits(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=1)
+    assert controller.budget is not None
+    controller.budget.spend(time.monotonic())  # the minute's one eviction is spent
+    controller.run_pass()
+    assert api.evicted == [] and not ledger_entries(api)
+    assert any("waiting for the eviction budget" in m for m in events_of(api, "train"))
+
+
+def test_a_reservation_is_dropped_once_its_claim_is_gone(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert ledger_entries(api)
+    gone(api, "train")
+    sync(controller)
+    controller.run_pass()
+    assert not ledger_entries(api)
+
+
+def test_a_higher_priority_pod_preempts_a_lower_one_that_is_not_movable(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=100 if i != 3 else 10))
+    pending_gpu(api, priority=50)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["job-3"]
+    assert "the pod has a lower priority" in events_of(api, "job-3", "Preempted")[0]
+    gone(api, "whole-3")
+    sync(controller)
+    controller.run_pass()
+    assert devices_of(claims_in(api)["train"]) == [("n1", "gpu-3")]
+
+
+@pytest.mark.parametrize("priority, spec", [(10, {}), (50, {"preemptionPolicy": "Never"})], ids=["equal", "never"])
+def test_no_preemption_at_equal_priority_or_when_the_pod_says_never(h100_slices, replicas, priority, spec):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=10))
+    pending_gpu(api, priority=priority, **spec)
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and api.deleted == []
+
+
+def test_preemption_past_every_budget_deletes_the_cheapest_victims(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=10))
+    api.budgeted = {f"job-{i}" for i in range(8)}
+    pending_gpu(api, priority=50)
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and len(api.deleted) == 1
+    assert "refused by a PodDisruptionBudget" in events_of(api, api.deleted[0], "Preempted")[0]
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.claim == "ml/train"

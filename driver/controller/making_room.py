@@ -1,0 +1,247 @@
+"""Making room: evict movable (or lower-priority) pods so that a claim or gang that fits nowhere
+can be placed, and hold the freed devices for it (docs/allocator.md, "Making room").
+
+Opt-in (`--make-room`). After a pass, each unit that could not be placed (a claim, or a gang's
+waiting members) is planned for on the pass's allocator (driver/allocator/make_room.py: fewest
+victims, then least GPU given back, then youngest; victims that are moved must fit again
+elsewhere). A plan whose pending pods would not run on its node, or that needs more evictions
+than the budget has left this minute, is not carried out. Carrying one out: first the freed
+devices are reserved for the pending claim in the pools' ledgers (the fence: a replica whose view
+is stale fails that write, and no eviction follows), then each victim's pods are evicted through
+the Eviction API. A PodDisruptionBudget that refuses an eviction fails the plan: its reservation
+is dropped, the claim is spared for a while and the next plan is tried. Priority preemption past
+the budgets (every plan refused) deletes the cheapest plan's pods, as kube-scheduler does.
+
+A reservation is counted by every pass as held (so nothing else is placed on the devices while
+the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is
+gone or allocated, or when it expires (writes.py, _resolve_undecided)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.make_room import Plan, make_room
+from driver.allocator.model import ObjectError, claim_from_object
+from driver.controller import metrics
+from driver.controller.informer import Informer, object_key
+from driver.controller.ledger import Ledgers, ResultKey, entries_for, entries_of, entry_results, pool_of
+from driver.controller.refusals import pods_by_claim
+from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
+from driver.kube import KubeError
+from driver.nodefit import NodeRoom
+
+log = logging.getLogger(__name__)
+RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is placed within a pass
+SPARED_S = 60.0  # how long a claim whose eviction a budget refused is left out of plans
+
+
+@dataclass
+class SetAside:
+    """Reserved devices freed for their own claim while it is placed (MakingRoom._set_aside)."""
+
+    allocator: ClusterAllocator
+    reserved: list[dict[str, Any]]
+    counted: dict[ResultKey, dict[str, Any]]  # the results the kept allocator counts (controller.py)
+    keys: dict[ResultKey, dict[str, Any]]  # the reservations' among them
+
+    def put_back(self) -> None:
+        """Placing failed: the devices are held for the claim again."""
+        if self.reserved:
+            self.allocator.add("", {"devices": {"results": self.reserved}})
+            self.counted.update(self.keys)
+
+
+class MakingRoom:
+    """The Controller's making room (controller.py builds the state named here). Uses its
+    acting() and _counted (controller.py), _room() (placing.py), _event() and _report() (gates.py)."""
+
+    api: Any
+    informers: dict[str, Informer]
+    ledgers: Ledgers
+    stale: threading.Event
+    budget: EvictionBudget | None  # None: making room is off
+    _counted: Any  # controller.py's Counted: the kept allocator and the results it counts
+    _unplaced: list[list[dict[str, Any]]]  # this pass's units that fit nowhere
+    _spared: dict[str, float]  # claim uid -> until (time.monotonic()): an eviction was refused
+
+    # --- reservations held for a claim ----------------------------------------------------------
+
+    def _reservations(self) -> dict[str, list[dict[str, Any]]]:
+        """Claim uid -> the device results reserved for it in the ledgers."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        for ledger in self.ledgers.objects():
+            for uid, entry in entries_of(ledger).items():
+                if entry.reservation:
+                    held.setdefault(uid, []).extend(entry_results(pool_of(ledger), entry))
+        return held
+
+    def _set_aside(self, allocator: ClusterAllocator, objects: Sequence[dict[str, Any]]) -> SetAside:
+        """Free the devices reserved for these claims, to place them; the caller puts them back
+        if placing fails. Placed, a reservation stays out of the allocator's count until a pass
+        finds it in the ledgers again (it is dropped there once the claim is allocated)."""
+        uids = {o["metadata"].get("uid", "") for o in objects}
+        reserved = [r for uid, results in self._reservations().items() if uid in uids for r in results]
+        counted = self._counted.results if self._counted is not None else {}
+        keys = {k: r for k, r in counted.items() if k[0] in uids}
+        if reserved:
+            allocator.release("", {"devices": {"results": reserved}})
+            for key in keys:
+                del counted[key]
+        return SetAside(allocator, reserved, counted, keys)
+
+    # --- planning and carrying out --------------------------------------------------------------
+
+    def _make_room(self, allocator: ClusterAllocator) -> None:
+        """For each unit that fit nowhere this pass, in order: the cheapest plan that can be
+        carried out now."""
+        if self.budget is None or not self._unplaced:
+            return
+        reserved = self._reservations()
+        now = time.monotonic()
+        self._spared = {uid: until for uid, until in self._spared.items() if until > now}
+        pods_of = pods_by_claim(self.informers["pods"].items())
+        room = self._room()  # type: ignore[attr-defined]
+        for objects in self._unplaced:
+            if self.stale.is_set() or not self.acting():  # type: ignore[attr-defined]
+                return
+            if any(o["metadata"].get("uid") in reserved for o in objects):
+                continue  # room is being made: its victims are on their way out
+            self._make_room_for(allocator, objects, pods_of, room)
+
+    def _make_room_for(
+        self,
+        allocator: ClusterAllocator,
+        objects: list[dict[str, Any]],
+        pods_of: dict[str, list[dict[str, Any]]],
+        room: NodeRoom,
+    ) -> None:
+        try:
+            claims = [claim_from_object(o) for o in objects]
+        except ObjectError:
+            return
+        pending_pods = [p for o in objects for p in pods_of.get(object_key(o), [])]
+        if not pending_pods:
+            return  # nothing would run on the room made
+        rank = max(priority(p) for p in pending_pods)
+        claim_objects = self.informers["claims"].items()
+        for preempt in (False, True):
+            if preempt and not may_preempt(pending_pods):
+                return
+            found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared))
+            by_holder = {id(c.holder): c for c in found}
+            plans = [
+                plan
+                for plan in make_room(allocator, claims, [c.holder for c in found], move=not preempt)
+                if plan.victims and all(room.fits(p.claim, p.node) for p in plan.placements)
+            ]
+            if plans:
+                self._carry_out(plans, objects, by_holder, preempt)
+                return
+
+    def _carry_out(
+        self, plans: list[Plan], objects: list[dict[str, Any]], by_holder: dict[int, Candidate], preempt: bool
+    ) -> None:
+        """The first plan whose evictions all go; a refused one is undone as far as it can be."""
+        assert self.budget is not None
+        refused_all = True
+        for plan in plans:
+            victims = [by_holder[id(v)] for v in plan.victims]
+            if any(v.holder.claim.uid in self._spared for v in victims):
+                continue
+            pods = [p for v in victims for p in v.pods]
+            if len(pods) > self.budget.left(time.monotonic()):
+                self._tell(objects, f"room can be made by evicting {len(pods)} pod(s); waiting for the eviction budget")
+                return
+            if not self._reserve(plan, objects):
+                return
+            refusal = self._evict(victims, plan, objects, preempt)
+            if refusal is None:
+                return
+            refused_all = refused_all and refusal != ""
+            self._unreserve(plan, objects)
+            if self.stale.is_set():
+                return
+        if preempt and refused_all and plans:
+            self._preempt_past_budgets(plans[0], objects, by_holder)
+
+    def _reserve(self, plan: Plan, objects: list[dict[str, Any]]) -> bool:
+        until = time.time() + RESERVED_S
+        by_key = {object_key(o): o for o in objects}
+        for placement in plan.placements:
+            obj = by_key[placement.claim.key]
+            for pool, entry in entries_for(obj, placement.allocation, until).items():
+                if not (self.acting() and self.ledgers.change(pool, add={obj["metadata"]["uid"]: entry})):  # type: ignore[attr-defined]
+                    return False
+        return True
+
+    def _unreserve(self, plan: Plan, objects: list[dict[str, Any]]) -> None:
+        by_key = {object_key(o): o for o in objects}
+        for placement in plan.placements:
+            obj = by_key[placement.claim.key]
+            for pool in entries_for(obj, placement.allocation):
+                if self.acting():  # type: ignore[attr-defined]
+                    self.ledgers.change(pool, remove=[obj["metadata"]["uid"]])
+
+    def _evict(self, victims: list[Candidate], plan: Plan, objects: list[dict[str, Any]], preempt: bool) -> str | None:
+        """Evict every victim's pods: None when all went; the refusal otherwise ("" when the
+        API server failed rather than a budget refusing)."""
+        assert self.budget is not None
+        names = ", ".join(object_key(p) for v in victims for p in v.pods)
+        target = ", ".join(sorted({p.node for p in plan.placements}))
+        reason = "Preempted" if preempt else "EvictedToMakeRoom"
+        for victim in victims:
+            for pod in victim.pods:
+                meta = pod["metadata"]
+                try:
+                    refused = self.api.evict_pod(meta["namespace"], meta["name"])
+                except KubeError as error:
+                    log.warning("cannot evict pod %s: %s", object_key(pod), error)
+                    return ""
+                self.budget.spend(time.monotonic())
+                if refused is not None:
+                    self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
+                    metrics.EVICTIONS.labels("refused").inc()
+                    self._tell(objects, f"eviction of pod {object_key(pod)} refused: {refused}")
+                    return refused or "refused"
+                metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
+                why = "has a lower priority" if victim.preempted else "is movable"
+                message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
+                self._event("v1", "Pod", pod, reason, message, True)  # type: ignore[attr-defined]
+        self._tell(objects, f"making room on {target}: evicted pod(s) {names}; devices reserved for the claim")
+        return None
+
+    def _preempt_past_budgets(self, plan: Plan, objects: list[dict[str, Any]], by_holder: dict[int, Candidate]) -> None:
+        """Every plan was refused by a PodDisruptionBudget: kube-scheduler's preemption then goes
+        ahead with the cheapest (budgets are honoured as far as victims allow, no further)."""
+        if not self._reserve(plan, objects):
+            return
+        target = ", ".join(sorted({p.node for p in plan.placements}))
+        for victim in (by_holder[id(v)] for v in plan.victims):
+            for pod in victim.pods:
+                meta = pod["metadata"]
+                try:
+                    self.api.delete_pod(meta["namespace"], meta["name"])
+                except KubeError as error:
+                    log.warning("cannot delete pod %s: %s", object_key(pod), error)
+                    continue
+                self.budget.spend(time.monotonic())  # type: ignore[union-attr]
+                metrics.EVICTIONS.labels("preemption").inc()
+                message = (
+                    f"deleted by fgpu to make room for claim(s) {_keys(objects)} on {target}: the pod has a lower "
+                    "priority and every choice of victims was refused by a PodDisruptionBudget"
+                )
+                self._event("v1", "Pod", pod, "Preempted", message, True)  # type: ignore[attr-defined]
+
+    def _tell(self, objects: list[dict[str, Any]], message: str) -> None:
+        for obj in objects:
+            self._report(obj, message, warning=False)  # type: ignore[attr-defined]
+
+
+def _keys(objects: list[dict[str, Any]]) -> str:
+    return ", ".join(object_key(o) for o in objects)

@@ -1,0 +1,110 @@
+"""Who may be evicted to make room for a pending claim (making_room.py), read from the API objects.
+
+A claim's allocation may be taken from it only by evicting every pod that uses it. It is
+*movable* when each of those pods carries `gpu.fgpu.dev/movable: "true"` and is owned by a
+controller that recreates it (a ReplicaSet, StatefulSet, Job...); nothing else is ever moved. It
+is *preemptible* for a pending pod of higher priority whose `preemptionPolicy` is not `Never`,
+whatever its annotation, as kube-scheduler preempts. Movable pods of a higher priority than the
+pending pod are not moved for it."""
+
+from __future__ import annotations
+
+import calendar
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Any
+
+from driver.allocator.make_room import Holder
+from driver.allocator.model import ObjectError, claim_from_object
+from driver.controller.fit import allocated_node
+from driver.controller.informer import object_key
+
+JsonObject = dict[str, Any]
+MOVABLE_ANNOTATION = "gpu.fgpu.dev/movable"
+
+
+def movable(pod: JsonObject) -> bool:
+    """Annotated movable and recreated by its controller when evicted."""
+    meta = pod["metadata"]
+    annotated = (meta.get("annotations") or {}).get(MOVABLE_ANNOTATION) == "true"
+    return annotated and any(ref.get("controller") for ref in meta.get("ownerReferences") or ())
+
+
+def priority(pod: JsonObject) -> int:
+    """The pod's priority (resolved from its PriorityClass by the API server at creation)."""
+    return int((pod.get("spec") or {}).get("priority") or 0)
+
+
+def may_preempt(pods: Sequence[JsonObject]) -> bool:
+    return bool(pods) and all((p.get("spec") or {}).get("preemptionPolicy") != "Never" for p in pods)
+
+
+def _created(pod: JsonObject) -> float:
+    stamp = pod["metadata"].get("creationTimestamp") or ""
+    try:
+        return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An allocated claim the planner may take (its Holder is movable), the pods that would go
+    with it, and why."""
+
+    holder: Holder
+    pods: tuple[JsonObject, ...]
+    preempted: bool  # taken for its lower priority, not because it is movable
+
+
+def candidates(
+    claims: Iterable[JsonObject],
+    pods_of: Mapping[str, Sequence[JsonObject]],
+    pending_priority: int,
+    preempt: bool,
+    spared: AbstractSet[str] = frozenset(),
+) -> list[Candidate]:
+    """The allocated claims the planner may take from: those whose pods are all movable and not
+    of a higher priority than the pending pod, or, with `preempt`, of a lower priority. Claims
+    in `spared` (uids: an eviction of theirs was refused lately), claims no pod uses and claims
+    that cannot be read are left alone."""
+    found = []
+    for claim in claims:
+        allocation = (claim.get("status") or {}).get("allocation")
+        node = allocated_node(claim) if allocation else ""
+        pods = tuple(pods_of.get(object_key(claim), ()))
+        if not node or not pods or claim["metadata"].get("deletionTimestamp"):
+            continue
+        if claim["metadata"].get("uid") in spared:
+            continue
+        top = max(priority(p) for p in pods)
+        is_movable = all(movable(p) for p in pods) and top <= pending_priority
+        preempted = preempt and top < pending_priority and not is_movable
+        if not (is_movable or preempted):
+            continue
+        try:
+            parsed = claim_from_object(claim)
+        except ObjectError:
+            continue
+        started = max(_created(p) for p in pods)
+        found.append(Candidate(Holder(parsed, node, allocation, True, started), pods, preempted))
+    return found
+
+
+@dataclass
+class EvictionBudget:
+    """At most `per_minute` evictions in any 60 seconds (time.monotonic())."""
+
+    per_minute: int
+    _times: deque[float] = field(default_factory=deque)
+
+    def left(self, now: float) -> int:
+        while self._times and now - self._times[0] >= 60.0:
+            self._times.popleft()
+        return max(0, self.per_minute - len(self._times))
+
+    def spend(self, now: float) -> None:
+        self._times.append(now)
