@@ -98,6 +98,7 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
         self._unplaced: list[list[dict[str, Any]]] = []  # making_room.py: units that fit nowhere this pass
         self._spared: dict[str, float] = {}  # making_room.py: claims whose eviction a budget refused
+        self._reserved: dict[str, list[dict[str, Any]]] = {}  # making_room.py: this pass's reservations
         self.stop_event = threading.Event()
 
     # --- running ------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         self.stale.clear()
         self.ledgers.begin(self.informers["ledgers"].items())
         self._resolve_undecided()
+        self._reserved = self._reservations()
         self._notice_refusals()
         allocator = self.allocator()  # also when nothing waits: ready for the next burst
         waiting = self._waiting()

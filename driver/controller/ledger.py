@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 LEDGER_LABEL = "gpu.fgpu.dev/ledger"
 POOL_ANNOTATION = "gpu.fgpu.dev/pool"  # <driver>/<pool>: names may be longer than a label value
 FENCE_ANNOTATION = "gpu.fgpu.dev/fenced-at"  # set on a pending claim to void an earlier decision
+RESERVED_KEY = "reservedUntil"  # in an entry that reserves devices for a pending claim (making_room.py)
 
 PoolId = tuple[str, str]  # (driver, pool)
 
@@ -61,7 +62,7 @@ class Entry:
         if any(self.consumed):
             body["consumed"] = list(self.consumed)
         if self.until:
-            body["reservedUntil"] = round(self.until, 3)
+            body[RESERVED_KEY] = round(self.until, 3)
         return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -69,7 +70,7 @@ class Entry:
         body = json.loads(text)
         results = tuple((str(d), str(s)) for d, s in body["results"])
         consumed = tuple(body.get("consumed") or ({},) * len(results))
-        return cls(body["claim"], body["version"], results, consumed, float(body.get("reservedUntil") or 0))
+        return cls(body["claim"], body["version"], results, consumed, float(body.get(RESERVED_KEY) or 0))
 
 
 def _reservation(text: str) -> bool:

@@ -30,7 +30,16 @@ from driver.allocator.make_room import Plan, make_room
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller import metrics
 from driver.controller.informer import Informer, object_key
-from driver.controller.ledger import Ledgers, ResultKey, entries_for, entries_of, entry_results, pool_of
+from driver.controller.ledger import (
+    RESERVED_KEY,
+    Ledgers,
+    PoolId,
+    ResultKey,
+    entries_for,
+    entries_of,
+    entry_results,
+    pool_of,
+)
 from driver.controller.refusals import pods_by_claim
 from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
 from driver.kube import KubeError
@@ -69,16 +78,18 @@ class MakingRoom:
     _counted: Any  # controller.py's Counted: the kept allocator and the results it counts
     _unplaced: list[list[dict[str, Any]]]  # this pass's units that fit nowhere
     _spared: dict[str, float]  # claim uid -> until (time.monotonic()): an eviction was refused
+    _reserved: dict[str, list[dict[str, Any]]]  # this pass's reservations (_reservations)
 
     # --- reservations held for a claim ----------------------------------------------------------
 
     def _reservations(self) -> dict[str, list[dict[str, Any]]]:
-        """Claim uid -> the device results reserved for it in the ledgers."""
+        """Claim uid -> the device results reserved for it in the ledgers (as of this pass)."""
         held: dict[str, list[dict[str, Any]]] = {}
         for ledger in self.ledgers.objects():
-            for uid, entry in entries_of(ledger).items():
-                if entry.reservation:
-                    held.setdefault(uid, []).extend(entry_results(pool_of(ledger), entry))
+            if any(RESERVED_KEY in text for text in (ledger.get("data") or {}).values()):  # most have none
+                for uid, entry in entries_of(ledger).items():
+                    if entry.reservation:
+                        held.setdefault(uid, []).extend(entry_results(pool_of(ledger), entry))
         return held
 
     def _set_aside(self, allocator: ClusterAllocator, objects: Sequence[dict[str, Any]]) -> SetAside:
@@ -86,7 +97,7 @@ class MakingRoom:
         if placing fails. Placed, a reservation stays out of the allocator's count until a pass
         finds it in the ledgers again (it is dropped there once the claim is allocated)."""
         uids = {o["metadata"].get("uid", "") for o in objects}
-        reserved = [r for uid, results in self._reservations().items() if uid in uids for r in results]
+        reserved = [r for uid in uids for r in self._reserved.get(uid, ())]
         counted = self._counted.results if self._counted is not None else {}
         keys = {k: r for k, r in counted.items() if k[0] in uids}
         if reserved:
@@ -102,15 +113,14 @@ class MakingRoom:
         carried out now."""
         if self.budget is None or not self._unplaced:
             return
-        reserved = self._reservations()
         now = time.monotonic()
         self._spared = {uid: until for uid, until in self._spared.items() if until > now}
         pods_of = pods_by_claim(self.informers["pods"].items())
-        room = self._room()  # type: ignore[attr-defined]
+        room = self._room()
         for objects in self._unplaced:
-            if self.stale.is_set() or not self.acting():  # type: ignore[attr-defined]
+            if self.stale.is_set() or not self.acting():
                 return
-            if any(o["metadata"].get("uid") in reserved for o in objects):
+            if any(o["metadata"].get("uid") in self._reserved for o in objects):
                 continue  # room is being made: its victims are on their way out
             self._make_room_for(allocator, objects, pods_of, room)
 
@@ -164,29 +174,39 @@ class MakingRoom:
             if refusal is None:
                 return
             refused_all = refused_all and refusal != ""
-            self._unreserve(plan, objects)
+            self._unreserve(self._reserved_by(plan, objects))
             if self.stale.is_set():
                 return
         if preempt and refused_all and plans:
             self._preempt_past_budgets(plans[0], objects, by_holder)
 
     def _reserve(self, plan: Plan, objects: list[dict[str, Any]]) -> bool:
+        """Hold the plan's devices for its claims in the ledgers; all or none."""
         until = time.time() + RESERVED_S
         by_key = {object_key(o): o for o in objects}
+        written: list[tuple[PoolId, str]] = []
         for placement in plan.placements:
             obj = by_key[placement.claim.key]
+            uid = obj["metadata"]["uid"]
             for pool, entry in entries_for(obj, placement.allocation, until).items():
-                if not (self.acting() and self.ledgers.change(pool, add={obj["metadata"]["uid"]: entry})):  # type: ignore[attr-defined]
+                if not (self.acting() and self.ledgers.change(pool, add={uid: entry})):
+                    self._unreserve(written)
                     return False
+                written.append((pool, uid))
         return True
 
-    def _unreserve(self, plan: Plan, objects: list[dict[str, Any]]) -> None:
+    def _unreserve(self, reserved: list[tuple[PoolId, str]]) -> None:
+        for pool, uid in reserved:
+            if self.acting():
+                self.ledgers.change(pool, remove=[uid])
+
+    def _reserved_by(self, plan: Plan, objects: list[dict[str, Any]]) -> list[tuple[PoolId, str]]:
         by_key = {object_key(o): o for o in objects}
-        for placement in plan.placements:
-            obj = by_key[placement.claim.key]
-            for pool in entries_for(obj, placement.allocation):
-                if self.acting():  # type: ignore[attr-defined]
-                    self.ledgers.change(pool, remove=[obj["metadata"]["uid"]])
+        return [
+            (pool, by_key[p.claim.key]["metadata"]["uid"])
+            for p in plan.placements
+            for pool in entries_for(by_key[p.claim.key], p.allocation)
+        ]
 
     def _evict(self, victims: list[Candidate], plan: Plan, objects: list[dict[str, Any]], preempt: bool) -> str | None:
         """Evict every victim's pods: None when all went; the refusal otherwise ("" when the
@@ -212,7 +232,7 @@ class MakingRoom:
                 metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
                 why = "has a lower priority" if victim.preempted else "is movable"
                 message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
-                self._event("v1", "Pod", pod, reason, message, True)  # type: ignore[attr-defined]
+                self._event("v1", "Pod", pod, reason, message, True)
         self._tell(objects, f"making room on {target}: evicted pod(s) {names}; devices reserved for the claim")
         return None
 
@@ -230,17 +250,17 @@ class MakingRoom:
                 except KubeError as error:
                     log.warning("cannot delete pod %s: %s", object_key(pod), error)
                     continue
-                self.budget.spend(time.monotonic())  # type: ignore[union-attr]
+                self.budget.spend(time.monotonic())
                 metrics.EVICTIONS.labels("preemption").inc()
                 message = (
                     f"deleted by fgpu to make room for claim(s) {_keys(objects)} on {target}: the pod has a lower "
                     "priority and every choice of victims was refused by a PodDisruptionBudget"
                 )
-                self._event("v1", "Pod", pod, "Preempted", message, True)  # type: ignore[attr-defined]
+                self._event("v1", "Pod", pod, "Preempted", message, True)
 
     def _tell(self, objects: list[dict[str, Any]], message: str) -> None:
         for obj in objects:
-            self._report(obj, message, warning=False)  # type: ignore[attr-defined]
+            self._report(obj, message, warning=False)
 
 
 def _keys(objects: list[dict[str, Any]]) -> str:
