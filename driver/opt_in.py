@@ -22,6 +22,7 @@ OPT_IN_VALUE = "fgpu"
 GANG_LABEL = "gpu.fgpu.dev/gang"
 GANG_SIZE_LABEL = "gpu.fgpu.dev/gang-size"
 SCHEDULING_GATE = "gpu.fgpu.dev/allocation"
+MOVABLE_ANNOTATION = "gpu.fgpu.dev/movable"  # on a pod: the controller may move it to make room
 
 
 def opted_in(claim: dict[str, Any]) -> bool:

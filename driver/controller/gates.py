@@ -99,9 +99,9 @@ class Gates:
             return
         metrics.GATES_LIFTED.inc()
 
-    def _report(self, obj: dict[str, Any] | None, reason: str, warning: bool = True) -> None:
+    def _report(self, obj: dict[str, Any] | None, reason: str, warning: bool = True, why: str = "") -> None:
         """One Event per claim and reason (not one a pass), on the claim and on the gated pods that
-        wait for it (where users look: kubectl describe pod)."""
+        wait for it (where users look: kubectl describe pod); `why` is the Event's reason."""
         if obj is None:
             return
         meta = obj["metadata"]
@@ -112,7 +112,7 @@ class Gates:
         pods = self._gated_pods_by_claim().get(object_key(obj), [])
         subjects = [("resource.k8s.io/v1", "ResourceClaim", obj)]
         subjects += [("v1", "Pod", pod) for key in pods if (pod := self.informers["pods"].get(key)) is not None]
-        why = "FailedAllocation" if warning else "WaitingForGang"
+        why = why or ("FailedAllocation" if warning else "WaitingForGang")
         for api_version, kind, subject in subjects:
             message = reason if kind == "ResourceClaim" else f"claim {meta['name']}: {reason}"
             self._event(api_version, kind, subject, why, message, warning)

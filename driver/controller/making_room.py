@@ -47,7 +47,7 @@ from driver.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
 RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is placed within a pass
-SPARED_S = 60.0  # how long a claim whose eviction a budget refused is left out of plans
+SPARED_S = 15.0  # how long a claim whose eviction a budget refused is left out of plans
 
 
 @dataclass
@@ -223,12 +223,12 @@ class MakingRoom:
                 except KubeError as error:
                     log.warning("cannot evict pod %s: %s", object_key(pod), error)
                     return ""
-                self.budget.spend(time.monotonic())
-                if refused is not None:
+                if refused is not None:  # nothing was disrupted: the budget is not spent
                     self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
                     metrics.EVICTIONS.labels("refused").inc()
-                    self._tell(objects, f"eviction of pod {object_key(pod)} refused: {refused}")
+                    self._tell(objects, f"eviction of pod {object_key(pod)} refused: {refused}", warning=True)
                     return refused or "refused"
+                self.budget.spend(time.monotonic())
                 metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
                 why = "has a lower priority" if victim.preempted else "is movable"
                 message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
@@ -258,9 +258,9 @@ class MakingRoom:
                 )
                 self._event("v1", "Pod", pod, "Preempted", message, True)
 
-    def _tell(self, objects: list[dict[str, Any]], message: str) -> None:
+    def _tell(self, objects: list[dict[str, Any]], message: str, warning: bool = False) -> None:
         for obj in objects:
-            self._report(obj, message, warning=False)
+            self._report(obj, message, warning, why="MakingRoom")
 
 
 def _keys(objects: list[dict[str, Any]]) -> str:
