@@ -22,6 +22,7 @@ from driver.controller.controller import Controller
 from driver.controller.informer import Informer, object_key
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import FENCE_ANNOTATION, entries_of, ledger_name
+from driver.controller.victims import EvictionBudget
 from driver.kube import ConflictError, KubeUnavailableError, NotFoundError, RefusedError
 from driver.opt_in import gang_of, known_claim_names, pending, pod_claim_names
 
@@ -921,13 +922,14 @@ def running(name: str, claim: str, movable: bool = False, owned: bool = True, pr
     return {"metadata": meta, "spec": spec, "status": {"phase": "Running"}}
 
 
-def fragmented(api: FakeApi, movable: bool = True, owned: bool = True) -> None:
-    """n1: GPUs 0-5 whole, held by pods that are not movable; GPUs 6 and 7 each hold one 10Gi MPS
-    share (GPU 7's the younger): no GPU is free, though the two shares fit on one."""
-    for i in range(6):
+def fragmented(api: FakeApi, movable: bool = True, owned: bool = True, shares: int = 2) -> None:
+    """n1: the last `shares` GPUs each hold one 10Gi MPS share (the later GPU's the younger), the
+    others are whole, held by pods that are not movable: no GPU is free, though the shares fit on one."""
+    for i in range(8 - shares):
         api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
         api.put("pods", running(f"job-{i}", f"whole-{i}"))
-    for i, created in ((6, "2026-01-01T00:00:00Z"), (7, "2026-01-02T00:00:00Z")):
+    for i in range(8 - shares, 8):
+        created = f"2026-01-0{i - 4}T00:00:00Z"
         api.put("claims", held(f"share-{i}", f"gpu-{i}-mps", created))
         api.put("pods", running(f"infer-{i}", f"share-{i}", movable, owned, created=created))
 
@@ -979,6 +981,30 @@ def test_the_fewest_youngest_movable_pods_are_evicted_and_their_devices_held_for
     assert api.evicted == ["infer-7"]  # nothing is evicted for early: no movable pod would fit elsewhere
     assert gates(api, "train-pod") == ["other"]
     assert_no_device_given_twice(api)
+
+
+def test_room_is_made_for_a_whole_gang_with_a_reservation_for_each_member(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api, shares=3)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
+    for name in ("w0", "w1"):
+        api.put("claims", opt_in_claim(name, 1, **gang))
+        api.put("pods", gated_pod(f"{name}-pod", name))
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert sorted(api.evicted) == ["infer-6", "infer-7"]  # the two youngest; both move onto GPU 5
+    reserved = {e.claim: e.results for e in ledger_entries(api).values() if e.reservation}
+    assert reserved == {"ml/w0": (("gpu-6", ""),), "ml/w1": (("gpu-7", ""),)} or reserved == {
+        "ml/w0": (("gpu-7", ""),),
+        "ml/w1": (("gpu-6", ""),),
+    }
+    for claim in ("share-6", "share-7"):
+        gone(api, claim)
+    sync(controller)
+    controller.run_pass()
+    placed = {n: devices_of(c) for n, c in claims_in(api).items() if n in ("w0", "w1")}
+    assert sorted(d for devices in placed.values() for d in devices) == [("n1", "gpu-6"), ("n1", "gpu-7")]
+    assert gates(api, "w0-pod") == gates(api, "w1-pod") == ["other"]
 
 
 def test_a_budget_that_refuses_an_eviction_fails_the_plan_and_the_next_is_tried(h100_slices, replicas):
@@ -1081,3 +1107,12 @@ def test_preemption_past_every_budget_deletes_the_cheapest_victims(h100_slices, 
     assert "refused by a PodDisruptionBudget" in events_of(api, api.deleted[0], "Preempted")[0]
     (reservation,) = ledger_entries(api).values()
     assert reservation.claim == "ml/train"
+
+
+def test_the_eviction_budget_is_a_sliding_minute():
+    budget = EvictionBudget(2)
+    budget.spend(0.0)
+    budget.spend(30.0)
+    assert budget.left(59.9) == 0
+    assert budget.left(60.0) == 1  # the first eviction is a minute old
+    assert budget.left(90.0) == 2
