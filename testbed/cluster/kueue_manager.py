@@ -7,8 +7,9 @@ mappings) completed with where it serves.
 Kueue keeps its certificate in a Secret and renews it itself (internal certificate management,
 cert-controller; without it, Kueue reads its metrics certificate from /etc/kueue on the host): we
 put ours there first, valid for its Service's name (what Kueue checks) and for 127.0.0.1 (what
-kube-apiserver dials), long enough that Kueue keeps it. Kueue then writes it to its certificate
-directory and the CA into the webhook configurations' caBundle.
+kube-apiserver dials), long enough that Kueue keeps it. In a cluster kubelet mounts that Secret as
+Kueue's certificate directory, and Kueue waits for the files there before it starts: we write them
+as that mount would. Kueue then writes the CA into the webhook configurations' and CRDs' caBundle.
 """
 
 from __future__ import annotations
@@ -156,7 +157,12 @@ class KueueManager:
             self._apply(client, with_conversion(crd, webhook_port) if crd["metadata"]["name"] in converted else crd)
         self._wait_for_crds(client)
         core.delete_collection_namespaced_secret(NAMESPACE, field_selector=f"metadata.name={SECRET}")
-        self._apply(client, certificate_secret(self.workdir / "pki"))
+        secret = certificate_secret(self.workdir / "pki")
+        self._apply(client, secret)
+        cert_dir = self.workdir / "certs"  # the Secret's mount in a cluster
+        cert_dir.mkdir(mode=0o700, exist_ok=True)
+        for name in ("tls.crt", "tls.key"):
+            (cert_dir / name).write_text(secret["stringData"][name])
         for configuration in webhook_configurations((config_dir / "webhooks.yaml").read_text(), webhook_port):
             self._apply(client, configuration)
             self._created.append((configuration["kind"], configuration["metadata"]["name"]))

@@ -15,8 +15,9 @@ import kubernetes
 import pytest
 import yaml
 from kubernetes.stream import stream
+from kubernetes.utils import parse_quantity
 
-from driver.controller.labels import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.kueue_manager import KueueManager
 from testbed.workloads import delete_namespace, wait_until
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 EXAMPLES = ROOT / "examples" / "kueue"
 TEAMS = ("team-a", "team-b")
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
-GPUS, MIG_SLICES, SHARE_MEMORY = "gpu.fgpu.dev/gpus", "gpu.fgpu.dev/mig-slices", "gpu.fgpu.dev/share-memory"
+GPUS, MIG_MEMORY, SHARE_MEMORY = "gpu.fgpu.dev/gpus", "gpu.fgpu.dev/mig-memory", "gpu.fgpu.dev/share-memory"
+MiB = 2**20
 FINISH = "/tmp/finish"
 WAIT_S = 120
 
@@ -128,11 +130,11 @@ class Teams:
         conditions = (workload.get("status") or {}).get("conditions") or ()
         return next((c for c in conditions if c["type"] == kind and c["status"] == "True"), None)
 
-    def usage(self, team: str, job: str) -> dict[str, str]:
-        """What Kueue charged the team's quota for the Job."""
+    def usage(self, team: str, job: str) -> dict[str, int]:
+        """What Kueue charged the team's quota for the Job (in units: bytes, devices)."""
         workload = self.workload(team, job) or {}
         (assignment,) = workload["status"]["admission"]["podSetAssignments"]
-        return assignment["resourceUsage"]
+        return {name: int(parse_quantity(value)) for name, value in assignment["resourceUsage"].items()}
 
     def running_pod(self, team: str, job: str) -> Any:
         pods = self.core.list_namespaced_pod(team, label_selector=f"batch.kubernetes.io/job-name={job}").items
@@ -142,7 +144,15 @@ class Teams:
         def running() -> Any:
             return self.condition(team, job, "Admitted") and self.running_pod(team, job)
 
-        return wait_until(f"{team}/{job} admitted and running", running, timeout_s=WAIT_S)
+        return self._wait(team, job, "admitted and running", running)
+
+    def _wait(self, team: str, job: str, what: str, probe: Any) -> Any:
+        """wait_until, failing with what Kueue says of the Job's workload."""
+        try:
+            return wait_until(f"{team}/{job} {what}", probe, timeout_s=WAIT_S)
+        except AssertionError as err:
+            status = (self.workload(team, job) or {}).get("status")
+            raise AssertionError(f"{err}; its workload's status: {status}") from None
 
     def suspended(self, team: str, job: str) -> bool:
         return bool(self.batch.read_namespaced_job(job, team).spec.suspend)
@@ -154,7 +164,7 @@ class Teams:
             pending = self.condition(team, job, "QuotaReserved") is None and self.workload(team, job) is not None
             return pending and self.suspended(team, job) and self.running_pod(team, job) is None
 
-        wait_until(f"{team}/{job} suspended, waiting for quota", waiting, timeout_s=WAIT_S)
+        self._wait(team, job, "suspended, waiting for quota", waiting)
 
     def finish(self, team: str, job: str) -> None:
         pod = self.running_pod(team, job)
@@ -175,22 +185,23 @@ class Teams:
 
 
 def test_within_quota_jobs_run_and_over_quota_they_wait_suspended_until_another_finishes(teams: Teams):
-    # MIG: team-a has 4 memory slices and lends none. A 3g.40gb takes 4, so a 1g.10gb waits.
+    # MIG: team-a has 40Gi of MIG memory and lends none. A 3g.40gb (40448Mi on an H100: four of
+    # its eight memory slices) leaves too little for a 1g.10gb (9984Mi), which waits.
     teams.submit("team-a", "eval-3g", "eval")
     teams.wait_running("team-a", "eval")
-    assert teams.usage("team-a", "eval") == {MIG_SLICES: "4"}
+    assert teams.usage("team-a", "eval") == {MIG_MEMORY: 40448 * MiB}
     teams.submit("team-a", "notebook-1g", "notebook")
     teams.wait_waiting("team-a", "notebook")
     teams.finish("team-a", "eval")
     teams.wait_running("team-a", "notebook")
-    assert teams.usage("team-a", "notebook") == {MIG_SLICES: "1"}
+    assert teams.usage("team-a", "notebook") == {MIG_MEMORY: 9984 * MiB}
 
     # MPS: team-b has 20Gi of share memory; two 10Gi shares run, a third waits for one to finish.
     for name in ("serve-1", "serve-2", "serve-3"):
         teams.submit("team-b", "serve-mps", name)
     teams.wait_running("team-b", "serve-1")
     teams.wait_running("team-b", "serve-2")
-    assert teams.usage("team-b", "serve-1") == {SHARE_MEMORY: "10Gi"}
+    assert teams.usage("team-b", "serve-1") == {SHARE_MEMORY: 10 * 1024 * MiB}
     teams.wait_waiting("team-b", "serve-3")
     teams.finish("team-b", "serve-1")
     teams.wait_running("team-b", "serve-3")
@@ -202,7 +213,7 @@ def test_within_quota_jobs_run_and_over_quota_they_wait_suspended_until_another_
 def test_a_team_borrows_idle_gpus_of_the_cohort_and_gives_them_back_when_the_owner_needs_them(teams: Teams):
     teams.submit("team-a", "train", "train-1")
     teams.wait_running("team-a", "train-1")
-    assert teams.usage("team-a", "train-1") == {GPUS: "1"}
+    assert teams.usage("team-a", "train-1") == {GPUS: 1}
     teams.submit("team-a", "train", "train-2")  # over team-a's 1 GPU: borrows team-b's idle one
     teams.wait_running("team-a", "train-2")
 
@@ -224,7 +235,7 @@ def test_a_team_borrows_idle_gpus_of_the_cohort_and_gives_them_back_when_the_own
 def test_a_higher_priority_job_preempts_a_lower_one_in_the_same_queue(teams: Teams):
     teams.submit("team-b", "eval-3g", "batch-eval", priority="batch")
     teams.wait_running("team-b", "batch-eval")
-    teams.submit("team-b", "eval-3g", "urgent-eval", priority="urgent")  # 4 more slices: none to borrow
+    teams.submit("team-b", "eval-3g", "urgent-eval", priority="urgent")  # 40448Mi more: none to borrow
     teams.wait_running("team-b", "urgent-eval")
     evicted = teams.condition("team-b", "batch-eval", "Evicted")
     assert evicted is not None and evicted["reason"] == "Preempted", evicted
@@ -249,7 +260,7 @@ def test_kueue_admits_and_the_fgpu_controller_places_opt_in_claims(teams: Teams,
     assert job["spec"]["template"]["spec"]["schedulingGates"] == [{"name": SCHEDULING_GATE}]
     teams.submit("team-a", "train-placed", "placed")
     pod = teams.wait_running("team-a", "placed")  # admitted by quota, then placed and ungated
-    assert teams.usage("team-a", "placed") == {GPUS: "1"}
+    assert teams.usage("team-a", "placed") == {GPUS: 1}
     (status,) = pod.status.resource_claim_statuses
     claim = teams.resource.read_namespaced_resource_claim(status.resource_claim_name, "team-a")
     assert claim.metadata.labels[OPT_IN_LABEL] == "fgpu" and claim.status.allocation is not None
