@@ -5,7 +5,8 @@ GPU 0 or 1), a pod that is not movable beside one of them, a PodDisruptionBudget
 then fits nowhere. While the budget allows no disruption the controller evicts nothing; once it
 allows one, the controller evicts the one movable pod whose GPU it empties, the Deployment's new
 pod is placed beside its sibling (the freed GPU is reserved), and the whole-GPU pod runs there.
-A pod of higher priority preempts one of lower priority, never one of its own."""
+A pod of higher priority preempts one of lower priority, never one of its own. The benchmark of
+how long such a claim waits (bench/make_room_wait.py) runs one round."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from bench import make_room_wait
 from driver.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.harness import free_port
 from testbed.workloads import NS, claim_template, deployment, pod, unique, wait_until
@@ -218,3 +220,15 @@ def test_a_higher_priority_pod_preempts_a_lower_one_never_an_equal(
     finally:
         for name in (low, high):
             scheduling.delete_priority_class(name)
+
+
+def test_the_making_room_benchmark_measures_a_round(cluster, resource_api, real_node, node_plugin, controller):
+    client = cluster.api_client()
+    for template in make_room_wait.templates():
+        kubernetes.utils.create_from_dict(client, template, namespace=NS)
+    try:
+        seen = make_room_wait.Round(client, real_node.name).measure()
+    finally:
+        for template in make_room_wait.templates():
+            resource_api.delete_namespaced_resource_claim_template(template["metadata"]["name"], NS)
+    assert 0 < seen["evicted"] <= seen["victim_claim_gone"] <= seen["allocated"] <= seen["running"]
