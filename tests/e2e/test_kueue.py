@@ -172,16 +172,26 @@ class Teams:
                stderr=True, stdin=False, stdout=True, tty=False)  # fmt: skip
         wait_until(f"{team}/{job} finished", lambda: self.condition(team, job, "Finished"), timeout_s=WAIT_S)
 
-    def delete(self, team: str, *jobs: str) -> None:
-        for job in jobs:
-            self.batch.delete_namespaced_job(job, team, propagation_policy="Foreground", grace_period_seconds=1)
+    def delete_all(self) -> None:
+        """Every team's Jobs, waited for until their pods are gone (their quota then is free)."""
+        for team in TEAMS:
+            for job in self.batch.list_namespaced_job(team).items:
+                self.batch.delete_namespaced_job(
+                    job.metadata.name, team, propagation_policy="Foreground", grace_period_seconds=1
+                )
 
         def gone() -> bool:
-            left = {j.metadata.name for j in self.batch.list_namespaced_job(team).items}
-            pods = self.core.list_namespaced_pod(team).items
-            return not (left & set(jobs)) and not pods
+            # Foreground: a Job is gone once its pods and its Workload (Kueue's quota) are.
+            return not any(self.batch.list_namespaced_job(team).items for team in TEAMS)
 
-        wait_until(f"{team}'s jobs {jobs} gone", gone, timeout_s=WAIT_S)
+        wait_until("the teams' jobs and pods gone", gone, timeout_s=WAIT_S)
+
+
+@pytest.fixture(autouse=True)
+def _jobs_deleted(teams: Teams) -> Iterator[None]:
+    """Each test starts with the teams' quotas free, also after one that failed half-way."""
+    yield
+    teams.delete_all()
 
 
 def test_within_quota_jobs_run_and_over_quota_they_wait_suspended_until_another_finishes(teams: Teams):
@@ -197,17 +207,17 @@ def test_within_quota_jobs_run_and_over_quota_they_wait_suspended_until_another_
     assert teams.usage("team-a", "notebook") == {MIG_MEMORY: 9984 * MiB}
 
     # MPS: team-b has 20Gi of share memory; two 10Gi shares run, a third waits for one to finish.
-    for name in ("serve-1", "serve-2", "serve-3"):
+    # (The third is submitted once two run: Kueue orders by creation time, whole seconds, so three
+    # submitted together could be admitted in any order.)
+    for name in ("serve-1", "serve-2"):
         teams.submit("team-b", "serve-mps", name)
     teams.wait_running("team-b", "serve-1")
     teams.wait_running("team-b", "serve-2")
     assert teams.usage("team-b", "serve-1") == {SHARE_MEMORY: 10 * 1024 * MiB}
+    teams.submit("team-b", "serve-mps", "serve-3")
     teams.wait_waiting("team-b", "serve-3")
     teams.finish("team-b", "serve-1")
     teams.wait_running("team-b", "serve-3")
-
-    teams.delete("team-a", "eval", "notebook")
-    teams.delete("team-b", "serve-1", "serve-2", "serve-3")
 
 
 def test_a_team_borrows_idle_gpus_of_the_cohort_and_gives_them_back_when_the_owner_needs_them(teams: Teams):
@@ -228,8 +238,6 @@ def test_a_team_borrows_idle_gpus_of_the_cohort_and_gives_them_back_when_the_own
 
     teams.finish("team-b", "own")  # team-b's GPU idle again: team-a borrows it again
     teams.wait_running("team-a", borrower)
-    teams.delete("team-a", "train-1", "train-2")
-    teams.delete("team-b", "own")
 
 
 def test_a_higher_priority_job_preempts_a_lower_one_in_the_same_queue(teams: Teams):
@@ -242,7 +250,6 @@ def test_a_higher_priority_job_preempts_a_lower_one_in_the_same_queue(teams: Tea
     teams.wait_waiting("team-b", "batch-eval")
     teams.finish("team-b", "urgent-eval")
     teams.wait_running("team-b", "batch-eval")
-    teams.delete("team-b", "batch-eval", "urgent-eval")
 
 
 @pytest.fixture(scope="module")
@@ -266,4 +273,3 @@ def test_kueue_admits_and_the_fgpu_controller_places_opt_in_claims(teams: Teams,
     assert claim.metadata.labels[OPT_IN_LABEL] == "fgpu" and claim.status.allocation is not None
     assert not by_kube_scheduler(teams.resource, claim.metadata.name, "team-a")
     assert not pod.spec.scheduling_gates
-    teams.delete("team-a", "placed")
