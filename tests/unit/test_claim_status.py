@@ -11,7 +11,15 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from driver.claims.refs import ClaimRef
-from driver.kube import ConflictError, KubeError, KubeUnavailableError, NotFoundError, RefusedError, translated_errors
+from driver.kube import (
+    ConflictError,
+    KubeError,
+    KubeUnavailableError,
+    NotFoundError,
+    RefusedError,
+    TooManyRequestsError,
+    translated_errors,
+)
 from driver.node import metrics
 from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, device_data, device_entry, up_to_date
 from driver.node.reconcile import ClaimReconciler
@@ -269,7 +277,7 @@ def test_a_refusal_names_the_servers_reason_in_one_line():
         (400, RefusedError),
         (404, NotFoundError),
         (409, ConflictError),
-        (429, KubeUnavailableError),
+        (429, TooManyRequestsError),  # a KubeUnavailableError: retried as one
         (503, KubeUnavailableError),
     ],
 )
@@ -277,5 +285,6 @@ def test_only_refusals_that_a_retry_cannot_fix_are_refused_errors(status: int, r
     with pytest.raises(KubeError) as caught, translated_errors():
         raise ApiException(status=status, reason="x")
     assert type(caught.value) is raised
+    assert isinstance(caught.value, KubeUnavailableError) == (status in (429, 503))
     if raised is RefusedError:
         assert caught.value.status == status
