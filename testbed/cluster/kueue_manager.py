@@ -14,6 +14,7 @@ as that mount would. Kueue then writes the CA into the webhook configurations' a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 import kubernetes
 import kubernetes.dynamic
 import yaml
+from kubernetes.dynamic.exceptions import NotFoundError
 
 from testbed.cluster.harness import Cluster, free_port, poll_until, spawn, stop_process
 
@@ -134,7 +136,7 @@ class KueueManager:
     configuration: dict[str, Any]  # a config.kueue.x-k8s.io/v1beta2 Configuration
     workdir: Path
     process: subprocess.Popen[bytes] | None = None
-    _created: list[tuple[str, str]] = field(default_factory=list)
+    _created: list[tuple[str, str, str]] = field(default_factory=list)  # apiVersion, kind, name
 
     def start(self) -> KueueManager:
         try:
@@ -149,12 +151,13 @@ class KueueManager:
         self.workdir.mkdir(parents=True, exist_ok=True)
         client = self.cluster.api_client()
         core = kubernetes.client.CoreV1Api(client)
-        self._apply(client, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        self._apply(client, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}, created=True)
         webhook_port, health_port = free_port(), free_port()
         converted = converted_crds((config_dir / "crd-kustomization.yaml").read_text())
         for path in sorted((config_dir / "crds").glob("*.yaml")):
             crd = yaml.safe_load(path.read_text())
-            self._apply(client, with_conversion(crd, webhook_port) if crd["metadata"]["name"] in converted else crd)
+            crd = with_conversion(crd, webhook_port) if crd["metadata"]["name"] in converted else crd
+            self._apply(client, crd, created=True)
         self._wait_for_crds(client)
         core.delete_collection_namespaced_secret(NAMESPACE, field_selector=f"metadata.name={SECRET}")
         secret = certificate_secret(self.workdir / "pki")
@@ -164,8 +167,7 @@ class KueueManager:
         for name in ("tls.crt", "tls.key"):
             (cert_dir / name).write_text(secret["stringData"][name])
         for configuration in webhook_configurations((config_dir / "webhooks.yaml").read_text(), webhook_port):
-            self._apply(client, configuration)
-            self._created.append((configuration["kind"], configuration["metadata"]["name"]))
+            self._apply(client, configuration, created=True)
         config_file = self.workdir / "configuration.yaml"
         config = manager_configuration(self.configuration, self.workdir, webhook_port, health_port)
         config_file.write_text(yaml.safe_dump(config))
@@ -185,12 +187,13 @@ class KueueManager:
         print(f"kueue up in {(datetime.datetime.now() - started).total_seconds():.1f}s ({logs})")
         return self
 
-    @staticmethod
-    def _apply(client: kubernetes.client.ApiClient, obj: dict[str, Any]) -> None:
-        """Server-side apply: a second start (another module) replaces what the first left."""
+    def _apply(self, client: kubernetes.client.ApiClient, obj: dict[str, Any], created: bool = False) -> None:
+        """Server-side apply: what a failed start left is replaced. `created`: stop() takes it out."""
         dynamic = kubernetes.dynamic.DynamicClient(client)
         resource = dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
         dynamic.server_side_apply(resource, obj, field_manager="fgpu-testbed", force_conflicts=True)
+        if created:
+            self._created.append((obj["apiVersion"], obj["kind"], obj["metadata"]["name"]))
 
     @staticmethod
     def _wait_for_crds(client: kubernetes.client.ApiClient) -> None:
@@ -214,21 +217,30 @@ class KueueManager:
         return True
 
     def stop(self) -> None:
-        """Stops the manager and removes its webhook configurations (with Kueue gone they would
-        refuse every Job); its CRDs stay, as a cluster keeps them."""
+        """Takes out what start() added, newest first, and then stops the manager: the cluster
+        outlives this module. The webhook configurations go first (with Kueue gone they would refuse
+        every Job), then the CRDs, while Kueue runs to remove its finalizers from what is left
+        (their conversion webhooks would point at nothing), and its namespace."""
         client = self.cluster.api_client()
-        admission = kubernetes.client.AdmissionregistrationV1Api(client)
-        for kind, name in self._created:
+        dynamic = kubernetes.dynamic.DynamicClient(client)
+        for api_version, kind, name in reversed(self._created):
+            with contextlib.suppress(NotFoundError):
+                dynamic.resources.get(api_version=api_version, kind=kind).delete(name=name)
+
+        def exists(api_version: str, kind: str, name: str) -> bool:
             try:
-                getattr(admission, f"delete_{_snake(kind)}")(name)
-            except kubernetes.client.ApiException as err:
-                if err.status != 404:
-                    raise
-        self._created.clear()
-        if self.process is not None:
-            stop_process(self.process)
-            self.process = None
+                dynamic.resources.get(api_version=api_version, kind=kind).get(name=name)
+            except NotFoundError:
+                return False
+            return True
 
+        def gone() -> bool:
+            return not any(exists(*created) for created in self._created)
 
-def _snake(kind: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind).lstrip("_")
+        try:
+            poll_until("kueue's objects gone", gone, START_TIMEOUT_S, lambda: None)
+        finally:
+            self._created.clear()
+            if self.process is not None:
+                stop_process(self.process)
+                self.process = None
