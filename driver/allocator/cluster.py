@@ -3,15 +3,15 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.fragmentation import Choice, Fragmentation, NodeView, Unit, request_key, units_of
-from driver.allocator.model import Claim, Device, DeviceClass, Slice
+from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
@@ -19,19 +19,6 @@ from driver.allocator.state import AllocatedState
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 RESCORED = 16  # fragmentation: best nodes scored again with the claim's pods counted
-
-
-@dataclass(frozen=True)
-class Placement:
-    claim: Claim
-    node: str
-    allocation: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Failure:
-    claim: Claim
-    reason: str
 
 
 PoolId = tuple[str, str]
@@ -155,6 +142,7 @@ class ClusterAllocator:
         self._used: set[str] = set()  # nodes whose usage is not 0 (most are 0 in a large cluster)
         self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
+        self._no_fit: dict[str, set[Hashable]] = {}  # node -> search keys of claims its devices cannot take now
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         self._fragmentation = Fragmentation() if policy == "fragmentation" else None
         self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
@@ -166,6 +154,7 @@ class ClusterAllocator:
         """How full a node is: the share of its counters drawn and of its uncounted devices taken.
         Called whenever its allocations change, so what was cached for it goes too."""
         self._candidates.pop(node, None)
+        self._no_fit.pop(node, None)
         self._views.pop(node, None)
         used = total = 0
         partial = False
@@ -233,6 +222,21 @@ class ClusterAllocator:
         error upstream's order might not (SearchOrderError), the node is searched again in
         upstream's order, which ends exactly as upstream does: a claim kube-scheduler would
         allocate is never refused because our order tried another device first."""
+        return self._search(node, claims, tuple(claim.search_key for claim in claims))
+
+    def _search(self, node: str, claims: Sequence[Claim], key: Hashable) -> list[dict[str, Any]] | None:
+        """allocate_on, remembering a search that found nothing until the node's allocations
+        change: the search is complete, so nothing is found in any order, and a cluster that is
+        full is asked for the same shapes on the same nodes again and again."""
+        no_fit = self._no_fit.setdefault(node, set())
+        if key in no_fit:
+            return None
+        result = self._search_in_order(node, claims)
+        if result is None:
+            no_fit.add(key)
+        return result
+
+    def _search_in_order(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
         order, cache = self._order, self._candidates.setdefault(node, {})
         if self._prefer.get(node):  # this claim's own order: not one to cache for the next
             order, cache = _preferring(self._prefer[node], order), None
@@ -252,7 +256,7 @@ class ClusterAllocator:
             if node in self.snapshot.pools:
                 self._measure(node)
             else:
-                for cached in (self._usage, self._candidates, self._partial, self._views):
+                for cached in (self._usage, self._candidates, self._no_fit, self._partial, self._views):
                     cached.pop(node, None)
                 self._used.discard(node)
 
@@ -266,21 +270,26 @@ class ClusterAllocator:
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
         SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one. Under
         fragmentation, nodes in the order of the rise in fragmentation (fragmentation.py)."""
+        # Whether the claim's pods fit a node, asked once a node: the room stays as it is meanwhile.
+        pods_fit = functools.cache(functools.partial(room.fits, claim)) if room is not None else None
         if self._fragmentation is not None:
-            nodes = self._by_fragmentation(claim, nodes, room)
+            nodes = self._by_fragmentation(claim, nodes, room, pods_fit)
         errors: list[str] = []
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
+        key = (claim.search_key,)
         order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
         while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
-            if room is not None and not room.fits(claim, node):
+            if not why and key in self._no_fit.get(node, ()):
+                continue  # its devices cannot take it: whether its pods could is only asked to explain
+            if pods_fit is not None and not pods_fit(node):
                 unfit.append(node)
                 continue
             try:
-                result = self.allocate_on(node, [claim])
+                result = self._search(node, [claim], key)
             except AllocationError as error:
                 errors.append(str(error))
                 continue
@@ -325,7 +334,13 @@ class ClusterAllocator:
             self._views[node] = view
         return self._views[node]
 
-    def _by_fragmentation(self, claim: Claim, nodes: Sequence[str] | None, room: PodRoom | None) -> list[str]:
+    def _by_fragmentation(
+        self,
+        claim: Claim,
+        nodes: Sequence[str] | None,
+        room: PodRoom | None,
+        pods_fit: Callable[[str], bool] | None,
+    ) -> list[str]:
         """The nodes by the rise in fragmentation the claim's best placement there causes (ties in
         binpack's order), the first RESCORED that fit its pods by the rise with its pods counted
         too; nodes the model sees no room on last, for the search to try all the same. The GPUs
@@ -355,12 +370,12 @@ class ClusterAllocator:
             scored.append((choice.score, position, node))
             self._prefer[node] = [view.units[i] for i in choice.units]  # type: ignore[union-attr]
         scored.sort()
-        if room is not None:
+        if room is not None and pods_fit is not None:
             rescored: list[tuple[float, int, str]] = []
             for _, position, node in scored:
                 if len(rescored) == RESCORED:
                     break
-                if room.fits(claim, node):
+                if pods_fit(node):
                     view = self._views[node]
                     assert view is not None
                     exact = learned.rescore(

@@ -27,11 +27,11 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from driver.allocator.allocate import NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
-from driver.allocator.model import Claim, Device, Request
+from driver.allocator.model import Claim, Device, Placement, Request
 from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount
 from driver.allocator.state import AllocatedState
@@ -50,8 +50,8 @@ class ScoredRoom(Protocol):
 
     def fits(self, claim: Claim, node: str) -> bool: ...
     def demand(self, claim: Claim) -> Hashable: ...
-    def take(self, placement: Any) -> None: ...
-    def give_back(self, placement: Any) -> None: ...
+    def take(self, placement: Placement) -> None: ...
+    def give_back(self, placement: Placement) -> None: ...
 
 
 def request_key(claim: Claim) -> RequestKey | None:
@@ -392,8 +392,6 @@ class Fragmentation:
     ) -> float:
         """The rise in F with the claim's pods (`demand`) counted too: shapes that fit the room before and
         no longer do once they are there make the node's free units fragments for them."""
-        from driver.allocator.cluster import Placement  # cluster builds on this module
-
         fits_room = self.room_fits(view, room, node)
         fits_after = view.room_after.get(demand)
         if fits_after is None:

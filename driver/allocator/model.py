@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +237,44 @@ class Claim:
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @functools.cached_property
+    def search_key(self) -> Hashable:
+        """All the device search reads of the claim (its requests and constraints): claims with
+        equal keys fit the same devices (names, configs and labels only shape the result)."""
+        return tuple(tuple(map(_request_key, alternatives)) for alternatives in self.requests), self.constraints
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A claim's allocation on a node, found and not yet committed."""
+
+    claim: Claim
+    node: str
+    allocation: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a claim fits nowhere (empty where the caller did not ask)."""
+
+    claim: Claim
+    reason: str
+
+
+def _request_key(request: Request) -> Hashable:
+    capacity = tuple(sorted(request.capacity.items())) if request.capacity is not None else None
+    return (
+        request.name,
+        request.parent,
+        request.class_name,
+        request.selectors,
+        request.mode,
+        request.count,
+        request.admin_access,
+        request.tolerations,
+        capacity,
+    )
 
 
 def _quantity(value: Any, where: str) -> Amount:

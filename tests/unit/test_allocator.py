@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from driver.allocator.allocate import NodeAllocator
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
@@ -283,3 +285,31 @@ def test_an_error_only_our_order_meets_is_searched_again_in_upstreams_order(case
         outcomes[policy] = cluster.allocate(claim_from_object(scenario["claim"]))
     assert all(isinstance(o, Placement) for o in outcomes.values()), outcomes
     assert devices(outcomes["binpack"]) == devices(outcomes["spread"]) == devices(outcomes["first-fit"])
+
+
+@pytest.mark.parametrize("policy", ["binpack", "fragmentation"])
+def test_a_search_that_found_nothing_is_not_run_again_until_the_node_changes(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+):
+    searches: list[str] = []
+    search = NodeAllocator.allocate
+
+    def counted(self: NodeAllocator, claims: Any) -> Any:
+        searches.append(self.node.name)
+        return search(self, claims)
+
+    monkeypatch.setattr(NodeAllocator, "allocate", counted)
+    cluster = allocator(h100_slices("n1", "n2"), policy=policy)
+    full = [place(cluster, claim(f"full{i}", exactly("gpu.fgpu.dev", count=8))) for i in range(2)]
+    whole = exactly("gpu.fgpu.dev")
+    searches.clear()
+    first = cluster.allocate(claim("a", whole))
+    assert isinstance(first, Failure) and sorted(searches) == ["n1", "n2"]
+    # The same request under another name, configs and labels: both nodes known full, why told as before.
+    again = cluster.allocate(claim("b", whole, config=[{"opaque": {"driver": DRIVER, "parameters": {}}}]))
+    assert isinstance(again, Failure) and again.reason == first.reason.replace("ns/a", "ns/b")
+    assert sorted(searches) == ["n1", "n2"]
+    assert isinstance(cluster.allocate(claim("c", exactly("gpu.fgpu.dev", count=2)), why=False), Failure)
+    assert sorted(searches) == ["n1", "n1", "n2", "n2"]  # another request: searched
+    cluster.release(full[1].node, full[1].allocation)  # that node changed: searched again, and fits
+    assert place(cluster, claim("d", whole)).node == full[1].node
