@@ -1,5 +1,5 @@
 """The `fgpu` command: discover, kubelet-plugin, controller, webhook, plan, status, health, mock-fault,
-mock-usage."""
+mock-driver, mock-usage."""
 
 from __future__ import annotations
 
@@ -182,14 +182,14 @@ def cmd_health_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fake_smi_state(state_dir: str | None) -> Path:
+def _fake_smi_state(state_dir: str | None, command: str) -> Path:
     """Where the fake nvidia-smi keeps its settings: as the plugin's tools see it."""
     from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env
 
     if os.environ.get(SMI_STATE_ENV):
         return Path(os.environ[SMI_STATE_ENV])
     if not state_dir:
-        raise SettingsError(f"mock-fault reset needs --state-dir (or STATE_DIR): the plugin's, or {SMI_STATE_ENV}")
+        raise SettingsError(f"{command} needs --state-dir (or STATE_DIR): the plugin's, or {SMI_STATE_ENV}")
     return Path(fake_tools_env(Path(state_dir))[SMI_STATE_ENV])
 
 
@@ -209,11 +209,32 @@ def cmd_mock_fault(args: argparse.Namespace) -> int:
             mock.inject_double_bit_ecc(args.gpu)
         elif args.fault == "reset":
             mock.reset_gpu(args.gpu)
-            forget_timeslices(_fake_smi_state(args.state_dir), {mock.gpu_uuid(args.gpu)})
+            forget_timeslices(_fake_smi_state(args.state_dir, "mock-fault reset"), {mock.gpu_uuid(args.gpu)})
         else:
             mock.set_gpu_lost(args.gpu, args.fault == "lost")
     except mock.NVMLError as err:
         raise SettingsError(f"mock-fault on GPU {args.gpu}: {err}") from err
+    return 0
+
+
+def cmd_mock_driver(args: argparse.Namespace) -> int:
+    """Unload or load the mock GPUs' driver (docs/operations.md); an unload takes the time-slice
+    intervals with it, as it does every GPU's volatile state."""
+    from driver.nvml.mock import MockNvml
+    from driver.nvml.mock_driver_root import forget_timeslices
+    from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
+
+    if not is_mock(args.nvml) or not os.environ.get(MOCK_STATE_ENV):
+        raise SettingsError(f"mock-driver needs --nvml mock:<machine> and {MOCK_STATE_ENV} (the plugin's mock state)")
+    mock: MockNvml = open_backend(args.nvml)
+    try:
+        if args.action == "unload":
+            mock.unload_driver()
+            forget_timeslices(_fake_smi_state(args.state_dir, "mock-driver unload"))
+        else:
+            mock.load_driver(args.version)
+    except mock.NVMLError as err:
+        raise SettingsError(f"mock-driver {args.action}: {err}") from err
     return 0
 
 
@@ -297,6 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
     mock_fault.add_argument("--gi", type=int, help="GPU instance id the XID is attributed to (with --ci)")
     mock_fault.add_argument("--ci", type=int, default=0, help="compute instance id (with --gi)")
     mock_fault.set_defaults(func=cmd_mock_fault)
+
+    mock_driver = commands.add_parser(
+        "mock-driver", help="unload or load the mock GPUs' driver, for tests and demos (docs/operations.md)"
+    )
+    mock_driver.add_argument("--nvml", default=env_default("", "NVML"), help="mock:<machine> [NVML]")
+    mock_driver.add_argument("action", choices=["unload", "load"])
+    mock_driver.add_argument("--version", default="", help="the driver version loaded (an upgrade; load)")
+    mock_driver.add_argument(
+        "--state-dir", default=env_default(None, "STATE_DIR"), help="the plugin's state dir (unload) [STATE_DIR]"
+    )
+    mock_driver.set_defaults(func=cmd_mock_driver)
 
     mock_usage = commands.add_parser(
         "mock-usage", help="set what a mock GPU's NVML reports as used, for tests and demos (docs/kueue.md)"

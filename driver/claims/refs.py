@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Where a claim's error came from, a small fixed set (the plugin's metrics count errors by it).
-ErrorReason = Literal["invalid", "not_found", "not_allocated", "mig", "mps", "timeslice", "io", "api", "internal"]
+ErrorReason = Literal[
+    "invalid", "not_found", "not_allocated", "driver", "mig", "mps", "timeslice", "io", "api", "internal"
+]
 
 
 class ClaimError(ValueError):

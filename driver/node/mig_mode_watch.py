@@ -8,10 +8,13 @@ changes."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
+import pynvml
+
 from driver.devices import Inventory
-from driver.discovery import GpuInfo, with_current_mig_mode
+from driver.discovery import GpuInfo, discover_gpus, with_current_mig_mode
 from driver.kube import KubeError
 from driver.node.background import BackgroundWorker
 from driver.nvml.session import NvmlSession
@@ -37,6 +40,7 @@ class MigModeWatch(BackgroundWorker):
         self._session, self._sharing, self._publish, self._interval_s = session, sharing, publish, interval_s
         self._gpus = gpus
         self._published = node_inventory(gpus, sharing)  # what the publisher was created with
+        self._lock = threading.Lock()  # check() runs here and, after a driver reload, in the health monitor
 
     def log_shortfalls(self) -> None:
         for gpu in self._gpus:
@@ -44,9 +48,23 @@ class MigModeWatch(BackgroundWorker):
             if reason is not None:
                 log.info("%s", reason)
 
+    def rediscover(self) -> None:
+        """The GPUs read afresh, after the driver was loaded again: its version is in the slices'
+        attributes, published as check() publishes. The same GPUs, or a restart is needed."""
+        with self._lock:
+            gpus = discover_gpus(self._session)
+            if [g.uuid for g in gpus] != [g.uuid for g in self._gpus]:
+                raise RuntimeError("the driver loaded again reports other GPUs; restart the plugin to publish them")
+            self._gpus = gpus
+            self._check()
+
     def check(self) -> None:
         """Read the MIG modes; publish the inventory when what the GPUs can offer changed (again
         after a failed write)."""
+        with self._lock:
+            self._check()
+
+    def _check(self) -> None:
         gpus = with_current_mig_mode(self._session, self._gpus)
         for old, new in zip(self._gpus, gpus, strict=True):
             before, now = shortfall(old, self._sharing), shortfall(new, self._sharing)
@@ -68,5 +86,7 @@ class MigModeWatch(BackgroundWorker):
         while not self._stop.wait(self._interval_s):
             try:
                 self.check()
+            except pynvml.NVMLError as err:  # the driver unloaded: the health monitor says so
+                log.warning("reading the GPUs' MIG mode failed (%s); going on", err)
             except Exception:
                 log.exception("reading the GPUs' MIG mode failed; going on")

@@ -87,9 +87,11 @@ class ClaimPreparer:
         instance: InstanceLock,
         node_lock: NodeClaimLock | None = None,
         proc_root: Path = Path("/proc"),
+        driver_missing: Callable[[], str] = lambda: "",
     ) -> None:
         """`node_lock`: each claim operation holds it (the plugin process); None where this is the
-        only instance (in-process tests)."""
+        only instance (in-process tests). `driver_missing()`: why the NVIDIA driver does not answer
+        ("" while it does; the health monitor's finding)."""
         self.driver_name = driver_name
         self.pool = node_name
         # What the preparer works with; start-up recovery (recovery.py) works with the same.
@@ -104,6 +106,7 @@ class ClaimPreparer:
         self.instance = instance
         self._node_lock = node_lock
         self._proc_root = proc_root
+        self._driver_missing = driver_missing
         self.status = ClaimStatusWriter(api, driver_name, node_name)
         # One claim UID at a time (kubelet retries while a call runs), one GPU's changes at a time.
         self.locks = KeyedLocks()
@@ -119,6 +122,13 @@ class ClaimPreparer:
 
     def _prepare_one(self, ref: ClaimRef) -> ClaimResult:
         ref.validate()
+        missing = self._driver_missing()
+        if missing:  # nothing can be made or checked; the record and the claim's status stay as they are
+            raise ClaimError(
+                f"the NVIDIA driver is not loaded on this node ({missing}); kubelet's retry prepares the claim "
+                "once it is back",
+                reason="driver",
+            )
         existing = self.claims.get(ref.uid)
         if existing is not None and existing.state == "PrepareCompleted":
             return self._prepare_again(ref, existing)

@@ -93,6 +93,7 @@ class PluginProcess:
             partitioners=partitioners,
             instance=self.instance,
             node_lock=NodeClaimLock(settings.state_dir),
+            driver_missing=lambda: self.health_monitor.driver_missing(),  # made below, asked at prepares
         )
         self.reconciler = ClaimReconciler(
             self.api, self.preparer, self.claims, settings.unprepare_grace_s, settings.reconcile_interval_s
@@ -114,6 +115,7 @@ class PluginProcess:
             self.device_health,
             self._mig_slices_of,
             on_gpu_back=self.preparer.check_prepared,
+            on_driver_back=self._driver_back,
         )
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
@@ -131,6 +133,11 @@ class PluginProcess:
             return ToolRunner(settings.driver_root)
         mock_driver_root.lay_out(settings.driver_root, self._nvml.driver_versions()[0])
         return ToolRunner(settings.driver_root, mock_driver_root.fake_tools_env(settings.state_dir))
+
+    def _driver_back(self) -> None:
+        """The driver loaded again destroyed every GPU's volatile state, and may be a new version."""
+        self.preparer.check_prepared()
+        self.mig_mode_watch.rediscover()
 
     def _mig_slices_of(self, gpu_index: int, gi_id: int) -> MigSlices | None:
         """The memory slices of a GPU instance, for a fault NVML attributes to it."""

@@ -150,6 +150,9 @@ class MachineState:
     gpus: list[GpuState]
     serial: int = 0
     events: list[MockEvent] = field(default_factory=list)
+    driver_loaded: bool = True
+    driver_generation: int = 0  # counts loads: a session opened under an earlier one is stale
+    driver_version: str = ""  # after an upgrade (`load_driver`); "": the machine profile's
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -167,7 +170,8 @@ class MachineState:
             gpu["processes"] = [MockProcess(**process) for process in gpu.get("processes", [])]
             gpus.append(GpuState(**gpu))
         events = [MockEvent(**event) for event in raw.get("events", [])]
-        return cls(gpus=gpus, serial=raw["serial"], events=events)
+        driver = {key: raw[key] for key in ("driver_loaded", "driver_generation", "driver_version") if key in raw}
+        return cls(gpus=gpus, serial=raw["serial"], events=events, **driver)
 
 
 def _fail(code: int) -> NVMLError:
@@ -178,6 +182,12 @@ def _clear_volatile(gpu: GpuState) -> None:
     gpu.gpu_instances.clear()
     gpu.compute_mode = pynvml.NVML_COMPUTEMODE_DEFAULT
     gpu.mig_current, gpu.lost, gpu.ecc_uncorrected = gpu.mig_pending, False, 0
+
+
+def _clear_all_volatile(machine: MachineState) -> None:
+    for gpu in machine.gpus:
+        gpu.processes.clear()
+        _clear_volatile(gpu)
 
 
 def _on_mig(gpu: GpuState, mig: MockMigDevice) -> list[MockProcess]:
@@ -199,6 +209,7 @@ class MockNvml:
         self._state_file = state_file
         self._lock = threading.RLock()
         self._initialized = 0
+        self._generation = 0  # the driver load this process's NVML was initialised under
         self._state = MachineState(gpus=[GpuState() for _ in range(machine.gpu_count)])
         if state_file is not None and not state_file.exists():
             state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -214,9 +225,21 @@ class MockNvml:
 
     @contextlib.contextmanager
     def _machine(self, write: bool = False) -> Iterator[MachineState]:
-        with self._lock:
+        """The machine's state for an NVML call: UNINITIALIZED before nvmlInit and, once the driver
+        was unloaded and loaded again, for a process initialised under the earlier load (its NVML
+        state and handles belong to a driver that is gone); DRIVER_NOT_LOADED while none is loaded."""
+        with self._stored(write) as machine:
             if self._initialized == 0:
                 raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            if not machine.driver_loaded:
+                raise _fail(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            if machine.driver_generation != self._generation:
+                raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            yield machine
+
+    @contextlib.contextmanager
+    def _stored(self, write: bool = False) -> Iterator[MachineState]:
+        with self._lock:
             if self._state_file is None:
                 yield self._state
                 return
@@ -237,6 +260,12 @@ class MockNvml:
             if machine.gpus[index].lost:
                 raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
             return action(machine.gpus[index])
+
+    def _attached_index(self, device: object) -> int:
+        """The GPU index of a handle, for properties NVML answers without the GPU's state: still
+        only while the driver it was initialised under is loaded."""
+        with self._machine():
+            return self._gpu_index(device)
 
     def _gpu_index(self, device: object) -> int:
         if isinstance(device, MockDevice | MockMigDevice):
@@ -263,7 +292,12 @@ class MockNvml:
     # --- library and system ---------------------------------------------------------------------
 
     def nvmlInit(self) -> None:
-        with self._lock:
+        """DRIVER_NOT_LOADED without a loaded driver; the first init attaches to the loaded one."""
+        with self._stored() as machine:
+            if not machine.driver_loaded:
+                raise _fail(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            if self._initialized == 0:
+                self._generation = machine.driver_generation
             self._initialized += 1
 
     def nvmlShutdown(self) -> None:
@@ -273,8 +307,8 @@ class MockNvml:
             self._initialized -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        with self._machine():
-            return self.machine.driver_version
+        with self._machine() as machine:
+            return machine.driver_version or self.machine.driver_version
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         with self._machine():
@@ -298,7 +332,7 @@ class MockNvml:
     def nvmlDeviceGetUUID(self, device: object) -> str:
         if isinstance(device, MockMigDevice):
             return self._with_gpu(device, lambda gpu: self._mig_uuid(device, gpu))
-        return self.gpu_uuid(self._gpu_index(device))
+        return self.gpu_uuid(self._attached_index(device))
 
     def _mig_uuid(self, mig: MockMigDevice, gpu: GpuState) -> str:
         instance = gpu.gpu_instances.get(mig.gi_id)
@@ -309,17 +343,17 @@ class MockNvml:
         return f"MIG-{uuid.uuid5(UUID_NAMESPACE, key)}"
 
     def nvmlDeviceGetName(self, device: object) -> str:
-        self._gpu_index(device)
+        self._attached_index(device)
         return self.machine.gpu.product_name
 
     def nvmlDeviceGetIndex(self, device: object) -> int:
-        return self._gpu_index(device)
+        return self._attached_index(device)
 
     def nvmlDeviceGetMinorNumber(self, device: object) -> int:
-        return self._gpu_index(device)
+        return self._attached_index(device)
 
     def nvmlDeviceGetPciInfo(self, device: object) -> pynvml.nvmlPciInfo_t:
-        index = self._gpu_index(device)
+        index = self._attached_index(device)
         bus = self.machine.pci_bus(index)
         info = pynvml.nvmlPciInfo_t()
         bus_id = f"00000000:{bus:02X}:00.0".encode()
@@ -400,15 +434,15 @@ class MockNvml:
         return samples
 
     def nvmlDeviceGetCudaComputeCapability(self, device: object) -> tuple[int, int]:
-        self._gpu_index(device)
+        self._attached_index(device)
         return self.machine.gpu.cuda_compute_capability
 
     def nvmlDeviceGetArchitecture(self, device: object) -> int:
-        self._gpu_index(device)
+        self._attached_index(device)
         return ARCHITECTURES[self.machine.gpu.architecture]
 
     def nvmlDeviceGetAttributes(self, device: object) -> pynvml.c_nvmlDeviceAttributes:
-        index = self._gpu_index(device)
+        index = self._attached_index(device)
         attributes = pynvml.c_nvmlDeviceAttributes()
         if isinstance(device, MockMigDevice):
             with self._machine() as machine:
@@ -659,7 +693,7 @@ class MockNvml:
     # --- MIG devices ----------------------------------------------------------------------------
 
     def nvmlDeviceGetMaxMigDeviceCount(self, device: object) -> int:
-        self._gpu_index(device)
+        self._attached_index(device)
         return COMPUTE_SLICES if self.machine.gpu.mig_capable else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: object, index: int) -> MockMigDevice:
@@ -786,11 +820,32 @@ class MockNvml:
             _clear_volatile(machine.gpus[index])
 
     def reboot(self) -> None:
-        """What a reboot (or a driver reload) leaves of every GPU: what a reset leaves of each."""
-        with self._machine(write=True) as machine:
-            for state in machine.gpus:
-                state.processes.clear()
-                _clear_volatile(state)
+        """What a reboot leaves of every GPU: what a reset leaves of each, with the driver loaded."""
+        with self._stored(write=True) as machine:
+            machine.driver_loaded = True
+            _clear_all_volatile(machine)
+
+    def unload_driver(self) -> None:
+        """`rmmod nvidia` (a driver container's upgrade or restart): IN_USE while a compute process
+        runs on a GPU (the module is in use). Every GPU's volatile state goes with the driver (a
+        reload starts them as a reboot does); NVML calls fail with DRIVER_NOT_LOADED meanwhile."""
+        with self._stored(write=True) as machine:
+            if not machine.driver_loaded:
+                return
+            if any(gpu.processes for gpu in machine.gpus):
+                raise _fail(pynvml.NVML_ERROR_IN_USE)
+            machine.driver_loaded = False
+            _clear_all_volatile(machine)
+
+    def load_driver(self, version: str = "") -> None:
+        """The driver loaded again (`version`: an upgrade's, else the one before): processes that
+        had NVML initialised must initialise it again (their calls fail with UNINITIALIZED)."""
+        with self._stored(write=True) as machine:
+            if machine.driver_loaded:
+                return
+            machine.driver_loaded = True
+            machine.driver_generation += 1
+            machine.driver_version = version or machine.driver_version
 
     def set_utilization(self, gpu: int, percent: int | None) -> None:
         """The GPU's utilisation as NVML will report it (None: the simulated load again)."""

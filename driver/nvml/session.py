@@ -29,6 +29,10 @@ MOCK_STATE_ENV = "FGPU_NVML_MOCK_STATE"
 MAX_GPU_INSTANCE_ID = 14  # GPU instance ids NVML hands out are below 15
 
 
+# NVML without a driver: none loaded, or this process's NVML initialised under one since unloaded.
+DRIVER_GONE_ERRORS = frozenset({pynvml.NVML_ERROR_DRIVER_NOT_LOADED, pynvml.NVML_ERROR_UNINITIALIZED})
+
+
 class NvmlUnavailableError(RuntimeError):
     """NVML could not be loaded or initialised; the message says why."""
 
@@ -113,6 +117,7 @@ class NvmlSession:
         self.nvml = backend
         self._handles: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self.driver_loads = 0  # how often NVML was initialised anew (driver_missing): each time a new driver
         try:
             backend.nvmlInit()
         except pynvml.NVMLError as err:
@@ -123,7 +128,32 @@ class NvmlSession:
         return cls(open_backend(spec))
 
     def close(self) -> None:
-        self.nvml.nvmlShutdown()
+        try:
+            self.nvml.nvmlShutdown()
+        except pynvml.NVMLError as err:
+            if err.value not in DRIVER_GONE_ERRORS:  # the driver went: nothing left to shut down
+                raise
+
+    def driver_missing(self) -> str:
+        """ "" while the NVIDIA driver answers, else why not. Once it failed, NVML is initialised
+        anew at each call: a driver loaded again (an upgrade, a restart of the driver container)
+        is a new one, and the handles and init of the earlier one are stale."""
+        try:
+            self.nvml.nvmlSystemGetDriverVersion()
+            return ""
+        except pynvml.NVMLError as err:
+            if err.value not in DRIVER_GONE_ERRORS:
+                raise
+        with self._lock:
+            self._handles.clear()
+            with contextlib.suppress(pynvml.NVMLError):  # not initialised any more is fine
+                self.nvml.nvmlShutdown()
+            try:
+                self.nvml.nvmlInit()
+            except pynvml.NVMLError as err:
+                return f"NVML init failed: {err}"
+            self.driver_loads += 1
+        return ""
 
     def handle(self, index: int) -> Any:
         with self._lock:
@@ -349,21 +379,36 @@ class GpuLostError(RuntimeError):
     """NVML says a watched GPU fell off the bus (GPU_IS_LOST)."""
 
 
+class DriverGoneError(RuntimeError):
+    """NVML says the driver went while a watch or probe waited on it (NvmlSession.driver_missing)."""
+
+
 class EventWatch:
     """An NVML event set with XID and double-bit ECC events of the given GPUs registered."""
 
     def __init__(self, session: NvmlSession, indices: list[int]) -> None:
+        self._session, self._indices = session, indices
         self._nvml = session.nvml
-        self._set = self._nvml.nvmlEventSetCreate()
-        for index in indices:
-            handle = session.handle(index)
+        self._set = self._register()
+
+    def renew(self) -> None:
+        """A new event set, for a driver loaded again: the old one belonged to the driver that went."""
+        with contextlib.suppress(pynvml.NVMLError):
+            self.close()
+        self._set = self._register()
+
+    def _register(self) -> Any:
+        event_set = self._nvml.nvmlEventSetCreate()
+        for index in self._indices:
+            handle = self._session.handle(index)
             try:
                 wanted = HEALTH_EVENTS & self._nvml.nvmlDeviceGetSupportedEventTypes(handle)
                 if wanted:
-                    self._nvml.nvmlDeviceRegisterEvents(handle, wanted, self._set)
+                    self._nvml.nvmlDeviceRegisterEvents(handle, wanted, event_set)
             except pynvml.NVMLError as err:
                 if err.value != pynvml.NVML_ERROR_GPU_IS_LOST:
                     raise  # a lost GPU is found by the reachability probe
+        return event_set
 
     def next(self, timeout_s: float) -> NvmlEvent | None:
         """The next event, or None when none came within the timeout."""
@@ -374,6 +419,8 @@ class EventWatch:
                 return None
             if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLostError(str(err)) from err
+            if err.value in DRIVER_GONE_ERRORS:
+                raise DriverGoneError(str(err)) from err
             raise
         index = self._nvml.nvmlDeviceGetIndex(data.device)
         gi = None if data.gpuInstanceId == NO_INSTANCE else data.gpuInstanceId
@@ -396,6 +443,8 @@ def gpu_reachable(session: NvmlSession, index: int) -> bool:
     except pynvml.NVMLError as err:
         if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
             return False
+        if err.value in DRIVER_GONE_ERRORS:
+            raise DriverGoneError(str(err)) from err
         if err.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
             raise
     return True

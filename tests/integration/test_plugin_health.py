@@ -68,8 +68,9 @@ def test_an_injected_xid_reaches_kubelet_and_the_slices_until_cleared(plugin, re
         bad = {d.device.device_name: d.message for d in report.devices if d.health == unhealthy}
         assert len(bad) == PER_GPU and all(n == "gpu-4" or n.startswith("gpu-4-mig-") for n in bad)
         assert bad["gpu-4"] == "XID 79"  # and nothing of GPU 6: XID 13 is the application's
-        taints = wait_for(lambda: tainted(resource_api))
-        assert set(taints) == set(bad) and taints["gpu-4"] == [("gpu.fgpu.dev/xid", "79", "NoSchedule")]
+        # A GPU's devices span slices, which are written one at a time: wait for all of them.
+        taints = wait_for(lambda: (found := tainted(resource_api)) and set(found) == set(bad) and found)
+        assert taints["gpu-4"] == [("gpu.fgpu.dev/xid", "79", "NoSchedule")]
 
         fgpu("health", "clear", "--state-dir", str(instance.state_dir), env={})
         healed = next(r for r in stream if not any(d.health == unhealthy for d in r.devices))

@@ -257,7 +257,9 @@ def test_the_claim_error_reasons_are_the_documented_set():
         for s in family.samples
         if s.name == "fgpu_claim_errors_total"
     }
-    assert values == {"invalid", "not_found", "not_allocated", "mig", "mps", "timeslice", "io", "api", "internal"}
+    assert values == {
+        "invalid", "not_found", "not_allocated", "driver", "mig", "mps", "timeslice", "io", "api", "internal"
+    }  # fmt: skip
 
 
 def test_metrics_port_in_use_is_tried_again_until_free():

@@ -19,7 +19,7 @@ from driver.node import metrics
 from driver.node.background import BackgroundWorker
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices
 from driver.node.health.taints import DeviceHealthReport, HealthPolicy, describe, device_health, device_taints
-from driver.nvml.session import EventWatch, GpuLostError, NvmlEvent, NvmlSession, gpu_reachable
+from driver.nvml.session import DriverGoneError, EventWatch, GpuLostError, NvmlEvent, NvmlSession, gpu_reachable
 
 log = logging.getLogger(__name__)
 ROUND_S = 1.0  # how long one wait for NVML events lasts; also the probe and re-read period
@@ -67,11 +67,14 @@ class HealthMonitor(BackgroundWorker):
         board: HealthBoard,
         mig_slices_of: Callable[[int, int], MigSlices | None],
         on_gpu_back: Callable[[int], object] = lambda _: None,
+        on_driver_back: Callable[[], object] = lambda: None,
     ) -> None:
         """`on_gpu_back(index)`: a GPU that was unreachable answers again, so it was reset (the driver's
-        recovery or an admin's `nvidia-smi -r`), which destroyed its volatile state."""
+        recovery or an admin's `nvidia-smi -r`), which destroyed its volatile state. `on_driver_back()`:
+        the NVIDIA driver was unloaded and is loaded again (maybe another version), which destroyed
+        every GPU's volatile state."""
         super().__init__()
-        self._on_gpu_back = on_gpu_back
+        self._on_gpu_back, self._on_driver_back = on_gpu_back, on_driver_back
         self._session, self._gpus, self._targets = session, gpus, targets
         self._record, self._policy, self._publish_taints, self._board = record, policy, publish_taints, board
         self._mig_slices_of = mig_slices_of  # (GPU index, GPU instance id) -> its memory slices
@@ -79,6 +82,12 @@ class HealthMonitor(BackgroundWorker):
         self._retry_at = 0.0
         self._backoff = 1.0
         self._lost: set[int] = set()  # GPU indices seen unreachable at the last probe
+        self._driver_missing = ""  # why NVML found no driver at the last round; "": it answered
+        self._driver_loads = session.driver_loads  # the session's reopenings seen: one more is a new driver
+
+    def driver_missing(self) -> str:
+        """Why the NVIDIA driver did not answer at the last round ("": it did)."""
+        return self._driver_missing
 
     def _run(self) -> None:
         watch = EventWatch(self._session, [g.index for g in self._gpus])
@@ -93,15 +102,27 @@ class HealthMonitor(BackgroundWorker):
             watch.close()
 
     def round(self, watch: EventWatch) -> None:
-        """Wait up to a round for events, probe the GPUs, then bring taints and health up to date."""
+        """Wait up to a round for events, probe the GPUs, then bring taints and health up to date.
+        Without a driver, every GPU is out of reach: faults of kind driver until it is back."""
+        missing = self._session.driver_missing()
+        if missing:
+            self._without_driver(missing)
+            self.refresh()
+            self._stop.wait(ROUND_S)
+            return
+        if self._driver_missing or self._session.driver_loads != self._driver_loads:
+            self._driver_back(watch)
         try:
-            event = watch.next(ROUND_S)
-            while event is not None:
-                self._on_event(event)
-                event = watch.next(0)
-        except GpuLostError:
-            self._stop.wait(ROUND_S)  # the probe below says which GPU
-        self._probe()
+            try:
+                event = watch.next(ROUND_S)
+                while event is not None:
+                    self._on_event(event)
+                    event = watch.next(0)
+            except GpuLostError:
+                self._stop.wait(ROUND_S)  # the probe below says which GPU
+            self._probe()
+        except DriverGoneError:
+            return  # gone since this round began: the next one finds it gone
         self.refresh()
 
     def _on_event(self, event: NvmlEvent) -> None:
@@ -115,6 +136,23 @@ class HealthMonitor(BackgroundWorker):
             return
         log.warning("GPU %s: %s", gpu.uuid, describe(fault))
         self._record.record(fault)
+
+    def _without_driver(self, why: str) -> None:
+        if not self._driver_missing:
+            log.warning("the NVIDIA driver does not answer (%s): every GPU's devices tainted, prepares refused", why)
+        self._driver_missing = why
+        now = time.time()
+        self._record.record(*(GpuFault(gpu.uuid, "driver", first_seen=now, last_seen=now) for gpu in self._gpus))
+
+    def _driver_back(self, watch: EventWatch) -> None:
+        """A driver loaded again: the event set is the old driver's, the GPUs lost their volatile
+        state. The claims are checked (made again) before the taints go, so that no new claim is
+        allocated beside one whose MIG instance is not there yet; a failure is retried next round."""
+        log.warning("the NVIDIA driver answers again; checking every prepared claim")
+        watch.renew()
+        self._on_driver_back()
+        self._record.update(lambda faults: [f for f in faults if f.kind != "driver"])
+        self._driver_missing, self._driver_loads = "", self._session.driver_loads
 
     def _probe(self) -> None:
         for gpu in self._gpus:

@@ -15,7 +15,7 @@ from typing import Literal
 from driver.files import atomic_write, locked
 
 log = logging.getLogger(__name__)
-FaultKind = Literal["xid", "ecc", "lost"]
+FaultKind = Literal["xid", "ecc", "lost", "driver"]  # driver: not loaded, every GPU out of reach
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,17 @@ class HealthRecord:
             atomic_write(self.path, data, durable=False)
             return faults
 
-    def record(self, fault: GpuFault) -> list[GpuFault]:
-        """Add a fault, or refresh when an equal one was seen before (its first sighting stays)."""
+    def record(self, *seen: GpuFault) -> list[GpuFault]:
+        """Add faults, or refresh those seen before (their first sighting stays), in one write."""
 
         def add(faults: list[GpuFault]) -> list[GpuFault]:
-            for i, known in enumerate(faults):
-                if known.key == fault.key:
-                    faults[i] = replace(known, last_seen=fault.last_seen)
-                    return faults
-            return [*faults, fault]
+            for fault in seen:
+                known = next((i for i, f in enumerate(faults) if f.key == fault.key), None)
+                if known is None:
+                    faults.append(fault)
+                else:
+                    faults[known] = replace(faults[known], last_seen=fault.last_seen)
+            return faults
 
         return self.update(add)
 

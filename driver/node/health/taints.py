@@ -18,7 +18,8 @@ from driver.nvml.geometry import memory_slots
 
 TaintEffect = Literal["NoSchedule", "NoExecute", "None"]
 TAINT_DOMAIN = "gpu.fgpu.dev"
-TAINT_KEYS = {"xid": f"{TAINT_DOMAIN}/xid", "ecc": f"{TAINT_DOMAIN}/ecc", "lost": f"{TAINT_DOMAIN}/unreachable"}
+UNREACHABLE = f"{TAINT_DOMAIN}/unreachable"
+TAINT_KEYS = {"xid": f"{TAINT_DOMAIN}/xid", "ecc": f"{TAINT_DOMAIN}/ecc", "lost": UNREACHABLE, "driver": UNREACHABLE}
 # Device faults (driver/hardware), not application errors (13, 31, 43, 45: a kernel's own bug).
 DEFAULT_FAULT_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
 
@@ -27,7 +28,7 @@ DEFAULT_FAULT_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
 class HealthPolicy:
     fault_xids: frozenset[int] = DEFAULT_FAULT_XIDS
     fault_effect: TaintEffect = "NoSchedule"  # XIDs in fault_xids, double-bit ECC errors
-    lost_effect: TaintEffect = "NoExecute"  # a GPU NVML can no longer reach
+    lost_effect: TaintEffect = "NoExecute"  # a GPU NVML can no longer reach (also: no driver loaded)
     recovery_s: float = 300.0
 
 
@@ -52,15 +53,20 @@ def affects(fault: GpuFault, target: DeviceTarget) -> bool:
 
 
 def taint_of(fault: GpuFault, policy: HealthPolicy) -> DeviceTaint:
-    effect = policy.lost_effect if fault.kind == "lost" else policy.fault_effect
-    value = {"xid": str(fault.xid), "ecc": "double-bit", "lost": "gpu-lost"}[fault.kind]
+    effect = policy.lost_effect if fault.kind in ("lost", "driver") else policy.fault_effect
+    value = {"xid": str(fault.xid), "ecc": "double-bit", "lost": "gpu-lost", "driver": "driver-not-loaded"}[fault.kind]
     added = datetime.fromtimestamp(fault.first_seen, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return DeviceTaint(TAINT_KEYS[fault.kind], value, effect, added)
 
 
 def describe(fault: GpuFault) -> str:
     where = f" in MIG slices {fault.mig.start}-{fault.mig.start + fault.mig.size - 1}" if fault.mig else ""
-    what = {"xid": f"XID {fault.xid}", "ecc": "double-bit ECC error", "lost": "GPU unreachable"}[fault.kind]
+    what = {
+        "xid": f"XID {fault.xid}",
+        "ecc": "double-bit ECC error",
+        "lost": "GPU unreachable",
+        "driver": "NVIDIA driver not loaded",
+    }[fault.kind]
     return what + where
 
 
