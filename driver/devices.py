@@ -207,6 +207,8 @@ def mig_device(gpu: GpuInfo, placement: MigPlacement) -> PublishedDevice:
         attributes=_placement_attributes(gpu, placement, "mig"),
         capacity={
             "memory": profile.memory_mib * MiB,
+            # The hardware's unit of a partition (8 a GPU): what a quota counts it in (docs/kueue.md).
+            "memorySlices": placement.size,
             "multiprocessors": profile.multiprocessors,
             "copyEngines": profile.copy_engines,
             "decoders": profile.decoders,

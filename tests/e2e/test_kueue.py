@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 EXAMPLES = ROOT / "examples" / "kueue"
 TEAMS = ("team-a", "team-b")
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
-GPUS, MIG_MEMORY, SHARE_MEMORY = "gpu.fgpu.dev/gpus", "gpu.fgpu.dev/mig-memory", "gpu.fgpu.dev/share-memory"
+GPUS, MIG_SLICES, SHARE_MEMORY = "gpu.fgpu.dev/gpus", "gpu.fgpu.dev/mig-slices", "gpu.fgpu.dev/share-memory"
 MiB = 2**20
 FINISH = "/tmp/finish"
 WAIT_S = 120
@@ -195,16 +195,16 @@ def _jobs_deleted(teams: Teams) -> Iterator[None]:
 
 
 def test_within_quota_jobs_run_and_over_quota_they_wait_suspended_until_another_finishes(teams: Teams):
-    # MIG: team-a has 40Gi of MIG memory and lends none. A 3g.40gb (40448Mi on an H100: four of
-    # its eight memory slices) leaves too little for a 1g.10gb (9984Mi), which waits.
+    # MIG: team-a has 4 MIG memory slices and lends none. A 3g.40gb (four of the GPU's eight
+    # memory slices, as the hardware gives it) leaves none for a 1g.10gb (one slice), which waits.
     teams.submit("team-a", "eval-3g", "eval")
     teams.wait_running("team-a", "eval")
-    assert teams.usage("team-a", "eval") == {MIG_MEMORY: 40448 * MiB}
+    assert teams.usage("team-a", "eval") == {MIG_SLICES: 4}
     teams.submit("team-a", "notebook-1g", "notebook")
     teams.wait_waiting("team-a", "notebook")
     teams.finish("team-a", "eval")
     teams.wait_running("team-a", "notebook")
-    assert teams.usage("team-a", "notebook") == {MIG_MEMORY: 9984 * MiB}
+    assert teams.usage("team-a", "notebook") == {MIG_SLICES: 1}
 
     # MPS: team-b has 20Gi of share memory; two 10Gi shares run, a third waits for one to finish.
     # (The third is submitted once two run: Kueue orders by creation time, whole seconds, so three
