@@ -78,11 +78,15 @@ def cmd_controller(args: argparse.Namespace) -> int:
                                args.leader_elect_retry_period)  # fmt: skip
     except ValueError as err:
         raise SettingsError(f"--leader-elect-*: {err}") from err
+    if args.compact_when_idle and not args.make_room:
+        raise SettingsError("--compact-when-idle moves pods as making room does: give --make-room too")
     api = ControllerApi(args.kubeconfig)  # a bad client configuration stops it before it serves anything
     if args.metrics_port > 0:
         start_http_server(args.metrics_port)
     evictions = args.evictions_per_minute if args.make_room else 0
-    controller = Controller(api, identity, args.policy, args.lease_namespace, timings, evictions)
+    controller = Controller(
+        api, identity, args.policy, args.lease_namespace, timings, evictions, args.compact_when_idle
+    )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()
@@ -293,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     controller.add_argument(
         "--evictions-per-minute", type=positive, default=10, help="making room evicts at most this many pods a minute"
+    )
+    controller.add_argument(
+        "--compact-when-idle",
+        action="store_true",
+        help="with --make-room: while nothing waits, move movable pods so that lightly used GPUs empty",
     )
     controller.set_defaults(func=cmd_controller)
 

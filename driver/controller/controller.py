@@ -33,7 +33,7 @@ from driver.controller.refusals import Refusal, Refusals
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import Writes
 from driver.kube import KubeError
-from driver.opt_in import pending
+from driver.opt_in import gated, pending
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency
@@ -61,9 +61,10 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         lease_namespace: str = "kube-system",
         timings: LeaseTimings | None = None,
         evictions_per_minute: int = 0,
+        compact: bool = False,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
-        minute; 0 turns it off."""
+        minute; 0 turns it off. `compact`: with it, also move pods while nothing waits."""
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
@@ -96,6 +97,7 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         self._refused: dict[str, set[str]] = {}  # refusals.py: pod key -> nodes kube-scheduler refused
         self._unreported: dict[str, Refusal] = {}
         self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
+        self.compact = compact and self.budget is not None
         self._unplaced: list[list[dict[str, Any]]] = []  # making_room.py: units that fit nowhere this pass
         self._spared: dict[str, float] = {}  # making_room.py: claims whose eviction a budget refused
         self._reserved: dict[str, list[dict[str, Any]]] = {}  # making_room.py: this pass's reservations
@@ -231,6 +233,8 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
             self._allocate(allocator, waiting)
         if self._unplaced and not self.stale.is_set():
             self._make_room(allocator)
+        elif self.compact and not waiting and not self._reserved and not self._any_gated():
+            self._compact(allocator)
         if self.stale.is_set():
             self.refresh()
             return
@@ -245,6 +249,10 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         self._counted = None
         self.stale.clear()
         self.changed.set()
+
+    def _any_gated(self) -> bool:
+        """A pod waits at our gate (its claim perhaps not made yet): the controller is not idle."""
+        return any(gated(pod) for pod in self.informers["pods"].items())
 
     def _waiting(self) -> list[dict[str, Any]]:
         return sorted(

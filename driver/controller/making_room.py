@@ -19,6 +19,7 @@ gone or allocated, or when it expires (writes.py, _resolve_undecided)."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator
-from driver.allocator.make_room import Plan, make_room
+from driver.allocator.make_room import COMPACTION_MOVES, Plan, compaction, make_room
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller import metrics
 from driver.controller.informer import Informer, object_key
@@ -75,6 +76,7 @@ class MakingRoom:
     ledgers: Ledgers
     stale: threading.Event
     budget: EvictionBudget | None  # None: making room is off
+    compact: bool  # compaction when nothing waits (with a budget)
     _counted: Any  # controller.py's Counted: the kept allocator and the results it counts
     _unplaced: list[list[dict[str, Any]]]  # this pass's units that fit nowhere
     _spared: dict[str, float]  # claim uid -> until (time.monotonic()): an eviction was refused
@@ -257,6 +259,37 @@ class MakingRoom:
                     "priority and every choice of victims was refused by a PodDisruptionBudget"
                 )
                 self._event("v1", "Pod", pod, "Preempted", message, True)
+
+    def _compact(self, allocator: ClusterAllocator) -> None:
+        """Nothing waits: move movable pods off lightly used GPUs into holes on GPUs in use, so that
+        whole GPUs are free for the next large claim (the planner's `compaction`), within the
+        eviction budget. The moved pods' new claims are placed as any other (no reservation): a
+        pass after the moves waits until nothing waits again."""
+        assert self.budget is not None
+        left = min(self.budget.left(time.monotonic()), COMPACTION_MOVES)
+        if left < 1:
+            return
+        pods_of = pods_by_claim(self.informers["pods"].items())
+        claims = self.informers["claims"].items()
+        found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True)
+        by_holder = {id(c.holder): c for c in found}
+        for move in compaction(allocator, [c.holder for c in found], left):
+            victim = by_holder[id(move.holder)]
+            for pod in victim.pods:
+                meta = pod["metadata"]
+                try:
+                    refused = self.api.evict_pod(meta["namespace"], meta["name"])
+                except KubeError as error:
+                    log.warning("cannot evict pod %s: %s", object_key(pod), error)
+                    return
+                if refused is not None:
+                    self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
+                    metrics.EVICTIONS.labels("refused").inc()
+                    return
+                self.budget.spend(time.monotonic())
+                metrics.EVICTIONS.labels("compaction").inc()
+                message = f"evicted by fgpu to compact: its GPU empties, and the pod fits on {move.to.node}"
+                self._event("v1", "Pod", pod, "Compacted", message, False)
 
     def _tell(self, objects: list[dict[str, Any]], message: str, warning: bool = False) -> None:
         for obj in objects:

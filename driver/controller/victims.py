@@ -52,8 +52,8 @@ def _created(pod: JsonObject) -> float:
 
 @dataclass(frozen=True)
 class Candidate:
-    """An allocated claim the planner may take (its Holder is movable), the pods that would go
-    with it, and why."""
+    """An allocated claim, whether the planner may take it (its Holder's `movable`), the pods that
+    would go with it, and why."""
 
     holder: Holder
     pods: tuple[JsonObject, ...]
@@ -66,31 +66,32 @@ def candidates(
     pending_priority: int,
     preempt: bool,
     spared: AbstractSet[str] = frozenset(),
+    held_too: bool = False,
 ) -> list[Candidate]:
     """The allocated claims the planner may take from: those whose pods are all movable and not
     of a higher priority than the pending pod, or, with `preempt`, of a lower priority. Claims
     in `spared` (uids: an eviction of theirs was refused lately), claims no pod uses and claims
-    that cannot be read are left alone."""
+    that cannot be read are left alone; with `held_too` the others are listed as well, not
+    movable (compaction must see what holds a GPU)."""
     found = []
     for claim in claims:
         allocation = (claim.get("status") or {}).get("allocation")
         node = allocated_node(claim) if allocation else ""
         pods = tuple(pods_of.get(object_key(claim), ()))
-        if not node or not pods or claim["metadata"].get("deletionTimestamp"):
+        if not node or claim["metadata"].get("deletionTimestamp"):
             continue
-        if claim["metadata"].get("uid") in spared:
-            continue
-        top = max(priority(p) for p in pods)
-        is_movable = all(movable(p) for p in pods) and top <= pending_priority
-        preempted = preempt and top < pending_priority and not is_movable
-        if not (is_movable or preempted):
+        top = max((priority(p) for p in pods), default=0)
+        is_movable = bool(pods) and all(movable(p) for p in pods) and top <= pending_priority
+        preempted = preempt and bool(pods) and top < pending_priority and not is_movable
+        takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
+        if not (takeable or held_too):
             continue
         try:
             parsed = claim_from_object(claim)
         except ObjectError:
             continue
-        started = max(_created(p) for p in pods)
-        found.append(Candidate(Holder(parsed, node, allocation, True, started), pods, preempted))
+        started = max((_created(p) for p in pods), default=0.0)
+        found.append(Candidate(Holder(parsed, node, allocation, takeable, started), pods, preempted and takeable))
     return found
 
 

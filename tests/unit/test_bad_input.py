@@ -263,6 +263,12 @@ CASES = [
         {},
         "--evictions-per-minute: '0' is not a whole number above 0",
     ),
+    (
+        "controller compaction without making room",
+        ["controller", "--compact-when-idle"],
+        {},
+        "--compact-when-idle moves pods as making room does: give --make-room too",
+    ),
     ("controller env seconds garbage", ["controller"], {"LEASE_DURATION": "x"}, "LEASE_DURATION='x' is not a number"),
     (
         "controller lease timings",

@@ -168,8 +168,10 @@ def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
     assert not [a for a in args if "room" in a or "evictions" in a]
     assert ("pods/eviction", "create") not in granted and ("pods", "delete") not in granted
     args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.evictionsPerMinute": 3})
-    assert "--make-room" in args and "--evictions-per-minute=3" in args
+    assert "--make-room" in args and "--evictions-per-minute=3" in args and "--compact-when-idle" not in args
     assert ("pods/eviction", "create") in granted and ("pods", "delete") in granted
+    args, _ = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.compactWhenIdle": True})
+    assert "--compact-when-idle" in args
 
 
 def test_plugin_rbac_is_least_privilege() -> None:

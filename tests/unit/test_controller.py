@@ -410,8 +410,10 @@ def replicas() -> Any:
     """Controllers that believe they lead (the lease is tested above), synced with the fake."""
     started: list[Controller] = []
 
-    def start(api: FakeApi, identity: str = "a", evictions_per_minute: int = 0) -> Controller:
-        controller = Controller(api, identity, lease_namespace="fgpu", evictions_per_minute=evictions_per_minute)
+    def start(api: FakeApi, identity: str = "a", evictions_per_minute: int = 0, compact: bool = False) -> Controller:
+        controller = Controller(
+            api, identity, lease_namespace="fgpu", evictions_per_minute=evictions_per_minute, compact=compact
+        )
         controller.leader.leading = lambda: True  # type: ignore[method-assign]
         sync(controller)
         started.append(controller)
@@ -1116,3 +1118,31 @@ def test_the_eviction_budget_is_a_sliding_minute():
     assert budget.left(59.9) == 0
     assert budget.left(60.0) == 1  # the first eviction is a minute old
     assert budget.left(90.0) == 2
+
+
+def test_while_nothing_waits_compaction_empties_the_lightest_gpu_into_a_hole(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)  # GPUs 6 and 7 each hold one movable 10Gi share
+    controller = replicas(api, evictions_per_minute=10, compact=True)
+    controller.run_pass()
+    assert len(api.evicted) == 1 and api.evicted[0] in ("infer-6", "infer-7")
+    assert "its GPU empties" in events_of(api, api.evicted[0], "Compacted")[0]
+    assert not ledger_entries(api)  # no reservation: the moved pod's new claim is placed as any other
+
+
+@pytest.mark.parametrize("busy", ["a claim waits", "a gated pod waits", "a share that may not move"])
+def test_compaction_waits_while_anything_waits_and_leaves_a_gpu_something_holds(h100_slices, replicas, busy):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    if busy == "a claim waits":
+        api.put("claims", opt_in_claim("later", 99))
+    elif busy == "a gated pod waits":
+        pod = gated_pod("replacement", "")
+        pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "t"}]  # claim not made yet
+        api.put("pods", pod)
+    else:
+        for i in (6, 7):  # beside each movable share, one that stays
+            api.put("claims", held(f"stays-{i}", f"gpu-{i}-mps"))
+            api.put("pods", running(f"stays-{i}", f"stays-{i}"))
+    replicas(api, evictions_per_minute=10, compact=True).run_pass()
+    assert api.evicted == []
