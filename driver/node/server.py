@@ -228,9 +228,10 @@ class PluginProcess:
         self.health.enter_graceful_shutdown()
         if self._registration_server is not None:
             self._remove_socket(self.settings.registration_socket)
+            log.info("registration withdrawn: its socket removed")  # kubelet sees it go now (bench.pod_start times it)
             self._registration_server.stop(grace=1).wait()
         if self._dra_server is not None and self.settings.shutdown_drain_s > 0:
-            log.info("registration withdrawn; serving DRA calls for %.1fs more", self.settings.shutdown_drain_s)
+            log.info("serving DRA calls for %.1fs more", self.settings.shutdown_drain_s)
             time.sleep(self.settings.shutdown_drain_s)
         self.api.close()  # unblocks the publisher's watch
         self.health_monitor.stop()

@@ -145,7 +145,9 @@ def test_sigterm_withdraws_the_registration_and_serves_a_while(pair, resource_ap
     assert old.prepare([claim])[claim["uid"]].error == ""  # a call kubelet sent before it noticed
     assert old.stop() == 0
     assert not old.dra_socket.exists()
-    assert "registration withdrawn; serving DRA calls for 3.0s more" in old.logs()
+    assert (
+        "registration withdrawn: its socket removed" in old.logs() and "serving DRA calls for 3.0s more" in old.logs()
+    )
 
 
 def test_a_killed_instances_sockets_are_removed_by_the_next(pair, cluster):
