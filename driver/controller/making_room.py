@@ -213,29 +213,39 @@ class MakingRoom:
     def _evict(self, victims: list[Candidate], plan: Plan, objects: list[dict[str, Any]], preempt: bool) -> str | None:
         """Evict every victim's pods: None when all went; the refusal otherwise ("" when the
         API server failed rather than a budget refusing)."""
-        assert self.budget is not None
         names = ", ".join(object_key(p) for v in victims for p in v.pods)
         target = ", ".join(sorted({p.node for p in plan.placements}))
         reason = "Preempted" if preempt else "EvictedToMakeRoom"
         for victim in victims:
             for pod in victim.pods:
-                meta = pod["metadata"]
-                try:
-                    refused = self.api.evict_pod(meta["namespace"], meta["name"])
-                except KubeError as error:
-                    log.warning("cannot evict pod %s: %s", object_key(pod), error)
-                    return ""
-                if refused is not None:  # nothing was disrupted: the budget is not spent
-                    self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
-                    metrics.EVICTIONS.labels("refused").inc()
+                refused = self._evict_pod(victim, pod)
+                if refused:
                     self._tell(objects, f"eviction of pod {object_key(pod)} refused: {refused}", warning=True)
-                    return refused or "refused"
-                self.budget.spend(time.monotonic())
+                if refused is not None:
+                    return refused
                 metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
                 why = "has a lower priority" if victim.preempted else "is movable"
                 message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
                 self._event("v1", "Pod", pod, reason, message, True)
         self._tell(objects, f"making room on {target}: evicted pod(s) {names}; devices reserved for the claim")
+        return None
+
+    def _evict_pod(self, victim: Candidate, pod: dict[str, Any]) -> str | None:
+        """Evict one of a victim's pods: None when it goes (the budget spent), else why not: a
+        budget's refusal (the victim's claim is then spared a while; nothing was disrupted, so the
+        budget is not spent), or "" when the API server failed."""
+        assert self.budget is not None
+        meta = pod["metadata"]
+        try:
+            refused = self.api.evict_pod(meta["namespace"], meta["name"])
+        except KubeError as error:
+            log.warning("cannot evict pod %s: %s", object_key(pod), error)
+            return ""
+        if refused is not None:
+            self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
+            metrics.EVICTIONS.labels("refused").inc()
+            return refused or "refused by a disruption budget"
+        self.budget.spend(time.monotonic())
         return None
 
     def _preempt_past_budgets(self, plan: Plan, objects: list[dict[str, Any]], by_holder: dict[int, Candidate]) -> None:
@@ -276,17 +286,8 @@ class MakingRoom:
         for move in compaction(allocator, [c.holder for c in found], left):
             victim = by_holder[id(move.holder)]
             for pod in victim.pods:
-                meta = pod["metadata"]
-                try:
-                    refused = self.api.evict_pod(meta["namespace"], meta["name"])
-                except KubeError as error:
-                    log.warning("cannot evict pod %s: %s", object_key(pod), error)
+                if self._evict_pod(victim, pod) is not None:
                     return
-                if refused is not None:
-                    self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
-                    metrics.EVICTIONS.labels("refused").inc()
-                    return
-                self.budget.spend(time.monotonic())
                 metrics.EVICTIONS.labels("compaction").inc()
                 message = f"evicted by fgpu to compact: its GPU empties, and the pod fits on {move.to.node}"
                 self._event("v1", "Pod", pod, "Compacted", message, False)
