@@ -147,8 +147,20 @@ class ClusterAllocator:
         self._fragmentation = Fragmentation() if policy == "fragmentation" else None
         self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
         self._prefer: dict[str, list[Unit]] = {}  # fragmentation: node -> the GPUs this claim should take
+        self._units: dict[str, list[Unit]] = {}  # fragmentation: node -> its GPUs, as counted in its census
         for name in snapshot.pools:
             self._measure(name)
+            self._count_units(name)
+
+    def _count_units(self, node: str) -> None:
+        """The fragmentation policy's census of the cluster's GPUs, kept as nodes' slices change."""
+        if self._fragmentation is None:
+            return
+        self._fragmentation.count_units(self._units.pop(node, []), -1)
+        found = units_of(self.snapshot.pools.get(node, []))
+        if found:
+            self._units[node] = [unit for _, unit in found]
+            self._fragmentation.count_units(self._units[node], 1)
 
     def _measure(self, node: str) -> None:
         """How full a node is: the share of its counters drawn and of its uncounted devices taken.
@@ -253,6 +265,7 @@ class ClusterAllocator:
         for node in self.snapshot.update(added, removed):
             if node not in self._usage or node not in self.snapshot.pools:
                 self._names = None  # a node comes or goes
+            self._count_units(node)
             if node in self.snapshot.pools:
                 self._measure(node)
             else:

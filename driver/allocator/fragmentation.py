@@ -16,7 +16,12 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
 - F(node) = sum over the mix of weight x free share of the units that are fragments for it. A
   claim goes to the node and units whose choice raises F least (ties: a GPU in use before a free
   one, then best fit; nodes in binpack's order); the best RESCORED nodes are scored again with the
-  claim's own pods counted, so a pod's CPU does not strand a node's free GPUs.
+  claim's own pods counted, so a pod's CPU does not strand a node's free GPUs;
+- scarcity: F does not see that some GPUs are all that restricted shapes (a request's own
+  selectors, e.g. a GPU model) can use. Taking a unit's free share costs SCARCITY_WEIGHT x that
+  share x the unit's scarcity: the sum over the restricted shapes that select a device of its kind
+  of their weight over the share of the cluster's units they select (their supply). With no
+  restricted shape in the mix it is 0 and F alone decides.
 
 Scores are kept by unit state (interned), the node's room answers by demand, so a claim costs a
 look-up per node where nothing changed."""
@@ -39,6 +44,9 @@ from driver.allocator.state import AllocatedState
 MIX_SHARE = 0.95  # FGD's typical pods: the heaviest shapes up to this share of the weight
 MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
 FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each doubling
+# Scarcity against F: 16 on the openb gpuspec33 trace (a quarter of the cluster, seeds 42-43:
+# 2 gives 9.1/11.5% unallocated, 8 gives 6.1/7.9, 16 and 64 give 5.9/7.5; BENCHMARKS.md, openb).
+SCARCITY_WEIGHT = 16.0
 
 RequestKey = tuple[Hashable, ...]
 UnitState = tuple[Hashable, ...]
@@ -187,6 +195,7 @@ class Choice:
     score: float
     units: tuple[int, ...]  # positions in NodeView.units the placement should use
     ids: tuple[int, ...] = ()  # the units' states after it
+    scarcity: float = 0.0  # the part of `score` that is the scarcity cost of the units taken
 
 
 @dataclass
@@ -206,6 +215,8 @@ class Fragmentation:
     _amounts: dict[Hashable, float] = field(default_factory=dict)
     _choices: dict[Hashable, Choice | None] = field(default_factory=dict)
     _matches: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # (unit kind, request) -> per device
+    census: dict[Hashable, tuple[Unit, int]] = field(default_factory=dict)  # the cluster's units: kind -> one, count
+    _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
 
     def observe(self, claim: Claim, demand: Hashable) -> None:
         key = request_key(claim)
@@ -238,6 +249,18 @@ class Fragmentation:
         self.version += 1
         self._vectors.clear()
         self._amounts.clear()
+        self._choices.clear()
+        self._scarcity.clear()
+
+    def count_units(self, units: Sequence[Unit], sign: int) -> None:
+        """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""
+        for unit in units:
+            example, count = self.census.get(unit.kind, (unit, 0))
+            if count + sign:
+                self.census[unit.kind] = (example, count + sign)
+            else:
+                del self.census[unit.kind]
+        self._scarcity.clear()
         self._choices.clear()
 
     # --- units ----------------------------------------------------------------------------------
@@ -280,6 +303,22 @@ class Fragmentation:
             selectors = compiled_selectors(node_allocator.classes, claim.requests[0][0], claim)
             found = self._matches[memo] = tuple(node_allocator.selectable(d, selectors) for d in unit.devices)
         return found
+
+    def scarcity(self, allocator: Callable[[], NodeAllocator], unit: Unit) -> float:
+        """How much the mix's restricted shapes need units of this kind (see the module's doc)."""
+        found = self._scarcity.get(unit.kind)
+        if found is None:
+            total = sum(count for _, count in self.census.values())
+            found = 0.0
+            for shape in self.mix:
+                if shape.key and shape.key[1] and self._selects(allocator, unit, shape):  # restricted, to this kind
+                    supply = sum(n for example, n in self.census.values() if self._selects(allocator, example, shape))
+                    found += shape.weight * total / max(supply, 1)
+            self._scarcity[unit.kind] = found
+        return found
+
+    def _selects(self, allocator: Callable[[], NodeAllocator], unit: Unit, shape: Shape) -> bool:
+        return any(self._matching(allocator, unit, shape.claim, shape.key))
 
     def _vector(self, allocator: Callable[[], NodeAllocator], uid: int) -> tuple[bool, ...]:
         found = self._vectors.get(uid)
@@ -356,27 +395,34 @@ class Fragmentation:
             total = sum(self._states[u][2] for u in view.ids)
             choice = Choice(total * sum(s.weight for s, ok in zip(self.mix, fits_room, strict=True) if ok), ())
         else:
-            # Each unit that could take the request: (rise in F, position, state after), best first
-            # (ties: a GPU in use before a free one, then the least left after it: best fit).
+            # Each unit that could take the request: (rise in F + scarcity cost, position, state
+            # after, scarcity cost), best first (ties: a GPU in use before a free one, then the
+            # least left after it: best fit).
             request, options = claim.requests[0][0], []
             for position, uid in enumerate(view.ids):
                 index = self._usable_device(allocator, uid, claim, key)
                 if index is None:
                     continue
-                unit, state, _ = self._states[uid]
+                unit, state, free_before = self._states[uid]
                 new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
                 ids = (*view.ids[:position], new, *view.ids[position + 1 :])
-                options.append((self.amount(allocator, ids, fits_room) - before, position, new))
+                cost = SCARCITY_WEIGHT * (free_before - self._states[new][2]) * self.scarcity(allocator, unit)
+                options.append((self.amount(allocator, ids, fits_room) - before + cost, position, new, cost))
             free = [self._states[u][2] for u in view.ids]
             options.sort(key=lambda o: (o[0], free[o[1]] == 1.0, self._states[o[2]][2], o[1]))
             count = key[2]
             if len(options) >= count:
                 ids_after = list(view.ids)
-                for _, position, new in options[:count]:
+                for _, position, new, _ in options[:count]:
                     ids_after[position] = new
-                chosen = tuple(position for _, position, _ in options[:count])
-                score = options[0][0] if count == 1 else self.amount(allocator, tuple(ids_after), fits_room) - before
-                choice = Choice(score, chosen, tuple(ids_after))
+                chosen = tuple(position for _, position, _, _ in options[:count])
+                scarcity = sum(cost for *_, cost in options[:count])
+                score = (
+                    options[0][0]
+                    if count == 1
+                    else self.amount(allocator, tuple(ids_after), fits_room) - before + scarcity
+                )
+                choice = Choice(score, chosen, tuple(ids_after), scarcity)
         self._choices[memo] = choice
         return choice
 
@@ -402,4 +448,5 @@ class Fragmentation:
             finally:
                 room.give_back(placement)
         ids = choice.ids or view.ids
-        return self.amount(allocator, ids, fits_after) - self.amount(allocator, view.ids, fits_room)
+        rise = self.amount(allocator, ids, fits_after) - self.amount(allocator, view.ids, fits_room)
+        return rise + choice.scarcity

@@ -11,10 +11,13 @@ from fractions import Fraction
 
 from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.fragmentation import request_key
+from driver.allocator.model import slice_from_object
 from driver.allocator.state import AllocatedState
 from driver.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
 from tests.support import ROOT
-from tests.support.allocation import allocator, claim, devices, exactly, h100_slices, place, profile
+from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
+
+COMPUTE_32 = {"requests": {"compute": "32"}}
 
 
 def mps(name: str, compute: int) -> object:
@@ -68,6 +71,31 @@ def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
         assert isinstance(outcome, Placement) and outcome.allocation["devices"]["results"] == []
         results[policy] = outcome.node
     assert results == {"fragmentation": "n1", "binpack": "n2"}
+
+
+def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_claims_come():
+    # n2's GPUs are of a model some claims ask for by name; GPU 0 of n2 has 35% of its compute
+    # left. F alone fills that hole with a 32% share; with 32% shares restricted to n2's model in
+    # the mix, the share goes to n1's GPUs, which those claims cannot use.
+    slices = h100_slices("n1", "n2")
+    for s in slices:
+        if s["spec"]["nodeName"] == "n2":
+            for device in s["spec"].get("devices", []):
+                device["attributes"]["productName"] = {"string": "Scarce"}
+    hole = allocator(slices, policy="first-fit").allocate(mps("hole", 65), nodes=["n2"])
+    assert isinstance(hole, Placement) and devices(hole) == ["gpu-0-mps"]
+    nodes = {}
+    for restricted in (False, True):
+        cluster = allocator(slices, policy="fragmentation", allocated=(hole.allocation,))
+        for i in range(20):
+            cluster.allocate(claim(f"whole{i}", exactly("gpu.fgpu.dev")))
+            if restricted:
+                scarce = f'device.attributes["{DRIVER}"].productName == "Scarce"'
+                cluster.allocate(claim(f"r{i}", exactly("mps.gpu.fgpu.dev", selector=scarce, capacity=COMPUTE_32)))
+            else:
+                cluster.allocate(mps(f"s{i}", 32))
+        nodes[restricted] = place(cluster, mps("x", 32)).node
+    assert nodes == {False: "n2", True: "n1"}
 
 
 def test_a_mig_placement_keeps_the_common_profile_placeable():
@@ -129,3 +157,14 @@ def test_fgpu_plan_takes_the_policy_and_places_the_examples_as_binpack_does(tmp_
         run = fgpu("plan", "--policy", policy, "--slices", str(slices), "--classes", classes, "--claims", *examples)
         summaries[policy] = next(line for line in run.stdout.splitlines() if " allocated, " in line)
     assert summaries["fragmentation"] == summaries["binpack"] and "0 allocated" not in summaries["binpack"]
+
+
+def test_the_census_of_gpus_follows_the_slices():
+    cluster = allocator(h100_slices("n1", "n2"), policy="fragmentation")
+    learned = cluster._fragmentation
+    assert learned is not None and sum(n for _, n in learned.census.values()) == 16  # 8 H100s a node
+    n2 = [slice_from_object(s) for s in h100_slices("n2")]
+    cluster.update_slices([], n2)
+    assert sum(n for _, n in learned.census.values()) == 8
+    cluster.update_slices(n2, [])
+    assert sum(n for _, n in learned.census.values()) == 16
