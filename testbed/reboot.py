@@ -5,12 +5,12 @@ modes and time-slice intervals (driver settings, Default again), every process (
 every mount (their tmpfs), and /var/run (a tmpfs: the CDI specs). `reboot` does it to the test
 bed's real node: a power cut (RealNode.power_cut: containers, kubelet, containerd), the plugin
 killed, the GPUs' volatile state cleared, then the node booted and the plugin started again, as a
-DaemonSet's pod would be."""
+DaemonSet's pod would be (maybe late: kubelet has tried its pods' claims by then)."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from driver.nvml.mock import MockNvml
@@ -30,7 +30,8 @@ def clear_volatile_state(nvml: MockNvml, smi_state: Path, cdi_dir: Path, run_roo
         spec.unlink()
 
 
-def reboot(node: RealNode, plugin: NodePlugin) -> None:
+def reboot(node: RealNode, plugin: NodePlugin, before_plugin: Callable[[], object] = lambda: None) -> None:
+    """`before_plugin`: run once the node is up, before the plugin starts (a DaemonSet's pod late)."""
     plugin.stop(signal.SIGKILL)
     node.power_cut()
     gpus = plugin.gpus()
@@ -40,4 +41,5 @@ def reboot(node: RealNode, plugin: NodePlugin) -> None:
     finally:
         gpus.close()
     node.boot()
+    before_plugin()
     plugin.start_registered()

@@ -69,6 +69,17 @@ def running(core_api, name: str) -> str | None:
     return statuses[0].container_id if ready else None
 
 
+def all_back(core_api, names: dict[str, str], containers: dict[str, str | None]) -> bool:
+    """Every pod running in a container other than the one it ran in before."""
+    return all(running(core_api, name) not in (None, containers[kind]) for kind, name in names.items())
+
+
+def failed_prepare(core_api, name: str) -> bool:
+    """Kubelet reported that it could not prepare the pod's claims."""
+    selector = f"involvedObject.name={name},reason=FailedPrepareDynamicResources"
+    return bool(core_api.list_namespaced_event(NS, field_selector=selector).items)
+
+
 def claim_of(resource_api, pod_name: str):
     claims = resource_api.list_namespaced_resource_claim(NS).items
     return next(c for c in claims if any(r.name == pod_name for r in c.status.reserved_for or []))
@@ -112,10 +123,7 @@ def test_a_reboot_brings_every_pod_back_with_devices_that_exist(
 
     reboot(real_node, node_plugin)
 
-    def all_back() -> bool:
-        return all(running(core_api, name) not in (None, containers[kind]) for kind, name in names.items())
-
-    wait_until("every pod running again in a new container", all_back, timeout_s=180)
+    wait_until("every pod running again in a new container", lambda: all_back(core_api, names, containers), 180)
     seen = {kind: report(core_api, name) for kind, name in names.items()}
 
     # MIG 1g: a new instance at the same placement, its UUID and ids in the claim's status, and
@@ -144,6 +152,30 @@ def test_a_reboot_brings_every_pod_back_with_devices_that_exist(
     assert any(name.startswith("cuda.shm") for name in seen["part-a"].shm & seen["part-b"].shm)
     assert (node_plugin.state_dir / "mps" / partition["uuid"] / "pipe" / "nvidia-cuda-mps-control.pid").exists()
     assert not (node_plugin.state_dir / "mps" / partition_before["uuid"]).exists()
+    no_orphans(node_plugin)
+
+
+def test_a_reboot_with_the_plugin_late_brings_the_pods_back_once_it_registers(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """A DaemonSet's pod may start after kubelet has tried its pods' claims again: those prepares
+    fail (no gpu.fgpu.dev registered), and kubelet tries each again at its next sync of the pod,
+    once the plugin is there (the plugin starts here only once kubelet reported a failure for
+    every pod)."""
+    names = start_pods(cluster, core_api, workloads, real_node.name)
+    containers = {kind: running(core_api, name) for kind, name in names.items()}
+    assert not any(failed_prepare(core_api, name) for name in names.values())
+
+    def kubelet_tried_every_pod() -> bool:
+        return all(failed_prepare(core_api, name) for name in names.values())
+
+    reboot(
+        real_node,
+        node_plugin,
+        before_plugin=lambda: wait_until("kubelet failing to prepare every pod's claims", kubelet_tried_every_pod),
+    )
+
+    wait_until("every pod running again in a new container", lambda: all_back(core_api, names, containers), 240)
     no_orphans(node_plugin)
 
 
