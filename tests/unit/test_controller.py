@@ -862,9 +862,12 @@ def test_a_claim_with_gang_labels_follows_them_and_its_pod_still_waits_for_its_g
     api.put("pods", pod)  # the group's second pod; its claim is a labelled gang of 1
     controller = replicas(api)
     controller.run_pass()
-    assert api.status_writes == ["w0"]  # the group's other claims wait until it is placed
-    assert gates(api, "w") == ["gpu.fgpu.dev/allocation", "other"]
-    controller.run_pass()
+    # w0 is written as a gang of its own by a writer thread while the pass goes on to the group:
+    # the group is placed in this pass if the write was done by then, else in the next; either
+    # way no pod of the group goes before the whole group is allocated.
+    if api.status_writes == ["w0"]:
+        assert gates(api, "w") == ["gpu.fgpu.dev/allocation", "other"]
+        controller.run_pass()
     assert api.status_writes == ["w0", "p0-gpu-x1"]
     assert gates(api, "w") == gates(api, "p0") == ["other"]  # released together: the group is whole
 
