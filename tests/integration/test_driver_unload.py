@@ -5,9 +5,6 @@ makes the prepared MIG claim's instance again, untaints and publishes the new dr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,17 +18,13 @@ from testbed.claims_api import create_claim
 from testbed.cluster.host_state import short_temp_dir
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
+from tests.support.cli import fgpu
 from tests.support.pools import node_slices
 
 pytestmark = pytest.mark.cluster
 NODE = "node-driver"
 DEVICES = 8 * 26  # the whole GPU and 25 MIG placements of each of 8 H100s
 NEW_VERSION = "580.105.08"
-
-
-def fgpu(*args: str, env: dict[str, str]) -> None:
-    command = [sys.executable, "-m", "driver.cli", *args]
-    subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **env}, check=True)
 
 
 @pytest.fixture

@@ -4,9 +4,6 @@ slices as taints that the real apiserver accepts; `fgpu health clear` takes them
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,16 +20,12 @@ from driver.nvml.session import MOCK_STATE_ENV
 from testbed.cluster.host_state import short_temp_dir
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
+from tests.support.cli import fgpu
 from tests.support.pools import node_slices
 
 pytestmark = pytest.mark.cluster
 NODE = "node-health"
 PER_GPU = 26  # the whole GPU and 25 MIG placements of an H100
-
-
-def fgpu(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "driver.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **env}, check=True)
 
 
 @pytest.fixture

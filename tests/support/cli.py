@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,3 +17,9 @@ KUBECONFIG = (  # never dialled: the plugin stops before it serves
 def status(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "driver.cli", "status", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+
+
+def fgpu(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`fgpu ARGS` with `env` over this process's environment; a failure raises."""
+    command = [sys.executable, "-m", "driver.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **env}, check=True)
