@@ -19,6 +19,7 @@ class InMemoryKubeApi:
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], JsonObject] = {}
         self.nodes: dict[str, JsonObject] = {}
+        self.pods: dict[tuple[str, str], JsonObject] = {}
         self.slices: dict[str, JsonObject] = {}
         self.unavailable = False
         self.claim_gets = 0
@@ -135,6 +136,21 @@ class InMemoryKubeApi:
             return copy.deepcopy(self.nodes[name])
         except KeyError:
             raise NotFoundError(name) from None
+
+    def list_all_claims(self) -> list[JsonObject]:
+        self._check()
+        return [copy.deepcopy(claim) for claim in self.claims.values()]
+
+    def annotate_pod(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None:
+        self._check()
+        with self._lock:
+            pod = self.pods.get((namespace, name))
+            if pod is None:
+                raise NotFoundError(f"{namespace}/{name}")
+            if pod["metadata"].get("uid") != uid:
+                raise ConflictError(f"Precondition failed: UID in precondition: {uid}")
+            pod["metadata"].setdefault("annotations", {}).update(annotations)
+            self._bump(pod)
 
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
         self._check()

@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from driver.controller import metrics
-from driver.controller.clock import timestamp
+from driver.controller.clock import wall_now
 from driver.controller.groups import Groups, group_name
 from driver.controller.informer import Informer, object_key
+from driver.events import object_event
 from driver.kube import KubeError
 from driver.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
 
@@ -137,26 +138,7 @@ class Gates:
         self, api_version: str, kind: str, subject: dict[str, Any], reason: str, message: str, warning: bool
     ) -> None:
         meta = subject["metadata"]
-        now = timestamp()
-        event = {
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": api_version,
-                "kind": kind,
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        event = object_event(api_version, kind, meta, reason, message, COMPONENT, wall_now(), warning)
         try:
             self.api.create_event(meta["namespace"], event)
         except KubeError as error:

@@ -43,6 +43,7 @@ from typing import Any
 
 from driver.claim_protobuf import DeviceKey
 from driver.claims.refs import ClaimRef
+from driver.events import object_event
 from driver.kube import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
 from driver.node import metrics
 from driver.node.state import PreparedDevice
@@ -151,30 +152,13 @@ class Refusal:
 
 
 def refusal_event(ref: ClaimRef, refusal: Refusal, reporter: str, now: datetime) -> JsonObject:
-    """The Warning Event on the claim (core/v1, as `kubectl describe` shows them)."""
-    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """The Warning Event on the claim."""
     message = (
         f"{reporter} cannot write status.devices of claim {ref}: {refusal.cause}; tried again when the claim changes"
     )
-    return {
-        "metadata": {"generateName": f"{ref.name}.", "namespace": ref.namespace},
-        "involvedObject": {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "namespace": ref.namespace,
-            "name": ref.name,
-            "uid": ref.uid,
-            "resourceVersion": refusal.resource_version,
-        },
-        "reason": REFUSED_EVENT_REASON,
-        "message": message[:1024],
-        "type": "Warning",
-        "source": {"component": reporter},
-        "reportingComponent": reporter,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
+    metadata = {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid}
+    metadata["resourceVersion"] = refusal.resource_version
+    return object_event("resource.k8s.io/v1", "ResourceClaim", metadata, REFUSED_EVENT_REASON, message, reporter, now)
 
 
 def _utc_now() -> datetime:

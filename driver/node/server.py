@@ -28,6 +28,7 @@ from driver.node.health.service import HEALTH_SERVICES, add_health_services
 from driver.node.instance_lock import InstanceLock
 from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
+from driver.node.kubelet.prepare_retries import PrepareRetries
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
@@ -117,6 +118,9 @@ class PluginProcess:
             on_gpu_back=self.preparer.check_prepared,
             on_driver_back=self._driver_back,
         )
+        self.prepare_retries = PrepareRetries(
+            self.api, settings.driver_name, settings.node_name, lambda: self.claims.all().keys()
+        )
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
         self._registration_server: grpc.Server | None = None
@@ -138,6 +142,16 @@ class PluginProcess:
         """The driver loaded again destroyed every GPU's volatile state, and may be a new version."""
         self.preparer.check_prepared()
         self.mig_mode_watch.rediscover()
+        self._retry_waiting_pods(f"the NVIDIA driver on node {self.settings.node_name} is loaded again")
+
+    def _registered(self, registered: bool) -> None:
+        self.health.set_ready(registered)
+        if registered:
+            self._retry_waiting_pods(f"the {self.settings.driver_name} plugin is registered with kubelet")
+
+    def _retry_waiting_pods(self, why: str) -> None:
+        if self.settings.retry_waiting_pods:
+            self.prepare_retries.request(why)
 
     def _mig_slices_of(self, gpu_index: int, gi_id: int) -> MigSlices | None:
         """The memory slices of a GPU instance, for a fault NVML attributes to it."""
@@ -154,6 +168,7 @@ class PluginProcess:
         self.publisher.start()
         self.mig_mode_watch.start()
         self.reconciler.start()
+        self.prepare_retries.start()
         if settings.health_monitor:
             self.health_monitor.start()
 
@@ -171,7 +186,7 @@ class PluginProcess:
         log.info("DRA service on %s", settings.dra_socket)
 
         # The grace period starts with the registration socket; Ready as soon as kubelet registers us.
-        registration_state = RegistrationState(on_change=self.health.set_ready)
+        registration_state = RegistrationState(on_change=self._registered)
         registration = RegistrationService(
             settings.driver_name,
             str(settings.dra_socket.absolute()),
@@ -238,6 +253,7 @@ class PluginProcess:
         self.mig_mode_watch.stop()
         self.publisher.stop()
         self.reconciler.stop()
+        self.prepare_retries.stop()
         for server in (self._dra_server, self._health_server):
             if server is not None:
                 server.stop(grace=5).wait()

@@ -56,6 +56,7 @@ class PluginSettings:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_monitor: bool = True
     metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
+    retry_waiting_pods: bool = True
 
     @property
     def mock_gpus(self) -> bool:
@@ -203,6 +204,14 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         "created or a registration failed [REGISTRATION_GRACE]",
     )
     parser.add_argument(
+        "--retry-waiting-pods",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("true", "RETRY_WAITING_PODS"),
+        help="once kubelet registers the plugin or the NVIDIA driver is back, annotate the node's pending pods "
+        "whose claims it could not prepare meanwhile, so that kubelet tries them now rather than at its next "
+        "pod sync (up to 90 s); needs pods list and patch [RETRY_WAITING_PODS=true|false]",
+    )
+    parser.add_argument(
         "--shutdown-drain",
         type=seconds,
         default=env_default("3", "SHUTDOWN_DRAIN"),
@@ -334,6 +343,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         health=health_policy(args),
         health_monitor=args.health_monitor,
         metrics_port=args.metrics_port,
+        retry_waiting_pods=args.retry_waiting_pods,
     )
     for flag, directory in (("--registrar-dir", settings.registrar_dir), ("--plugin-dir", settings.plugin_dir),
                             ("--cdi-dir", settings.cdi_dir), ("--state-dir", settings.state_dir)):  # fmt: skip

@@ -373,16 +373,51 @@ def test_plugin_service_account_is_held_to_its_node(cluster, real_node, release:
     # The admission policy, on the node the pod-bound token names (a policy's denial is 422 Invalid):
     status, message = outcome(lambda: resource.create_resource_slice(slice_of("node-a"), dry_run="All"))
     assert status == 422 and f"node '{real_node.name}' may not write ResourceSlices of node 'node-a'" in message
-    # Reads it does not need, and writes to anything but slices (RBAC):
+    # Reads it does not need, and writes to anything but slices and its retry annotation (RBAC):
     for call in (
         core.list_secret_for_all_namespaces,
         core.list_pod_for_all_namespaces,
-        resource.list_resource_claim_for_all_namespaces,
         lambda: core.patch_node(real_node.name, {"metadata": {"labels": {"x": "y"}}}),
         lambda: core.create_namespaced_config_map(NS, {"metadata": {"name": "x"}}),
     ):
         assert outcome(call)[0] == 403
     assert outcome(lambda: core.read_node(real_node.name))[0] == 200
+    assert outcome(resource.list_resource_claim_for_all_namespaces)[0] == 200  # what names waiting pods
+
+
+def test_plugin_may_only_annotate_its_own_nodes_pods_for_a_retry(cluster, real_node, release: Release) -> None:
+    admin = kubernetes.client.CoreV1Api(cluster.api_client())
+    core = kubernetes.client.CoreV1Api(plugin_client(cluster, release))
+    here, elsewhere = unique("here"), unique("elsewhere")
+    for name, node in ((here, real_node.name), (elsewhere, "node-a")):  # no kubelet runs node-a: Pending
+        manifest = {
+            "metadata": {"name": name},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 0,
+                "containers": [{"name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                                "command": ["sleep", "3600"]}],
+            },
+        }  # fmt: skip
+        admin.create_namespaced_pod(NS, manifest)
+
+    def patch(name: str, metadata: dict[str, Any]) -> tuple[int, str]:
+        body = {"metadata": metadata}
+        return outcome(lambda: core.patch_namespaced_pod(name, NS, body, dry_run="All"))
+
+    try:
+        retry = {"annotations": {"gpu.fgpu.dev/prepare-retry": "2026-12-01T00:00:00.000000Z"}}
+        assert patch(here, retry) == (200, "")
+        status, message = patch(elsewhere, retry)
+        assert status == 422 and f"node '{real_node.name}' may not change pods of another node" in message
+        for other in ({"labels": {"x": "y"}}, {"annotations": {"x": "y"}}, {"finalizers": ["example.com/x"]}):
+            status, message = patch(here, other)
+            assert status == 422 and "may change only the annotation gpu.fgpu.dev/prepare-retry" in message
+        assert outcome(lambda: core.read_namespaced_pod(here, NS))[0] == 403  # it reads no pods
+    finally:
+        for name in (here, elsewhere):
+            with contextlib.suppress(kubernetes.client.ApiException):  # pod GC may have taken node-a's
+                admin.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 
 
 # --- the examples users apply ---------------------------------------------------------------------

@@ -379,6 +379,34 @@ def test_plugin_and_kubelet_restarts_keep_pods_running(
     wait_until("the MPS share unprepared after the restarts", lambda: not list(node_plugin.cdi_dir.glob(f"*{uid}*")))
 
 
+def test_a_pod_that_met_no_plugin_starts_once_the_plugin_is_back(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """A pod created while the plugin is down (killed, its container not back yet): kubelet's
+    prepare fails and kubelet would try again only at its next sync of the pod, 60-90 s later.
+    The plugin, once registered again, annotates the pod, and kubelet starts it at once."""
+    node_plugin.stop(signal.SIGKILL)
+    template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev")
+    name = unique("pod")
+    create(cluster, workloads, template, pod(name, real_node.name, template["metadata"]["name"]))
+    wait_until("kubelet failed to prepare the pod's claim", lambda: failed_prepares(core_api, name))
+    node_plugin.start_registered()
+    # Well inside kubelet's own retry (its pod resync comes 60 s or more after the failure).
+    wait_until(f"pod {name} running", lambda: running(core_api, name), timeout_s=40)
+    events = pod_events(core_api, name)
+    assert [e for e in events if e.startswith("PrepareRetried: the gpu.fgpu.dev plugin is registered with kubelet")]
+    assert "gpu.fgpu.dev/prepare-retry" in core_api.read_namespaced_pod(name, NS).metadata.annotations
+    assert report(core_api, name).devices  # it got its MIG device
+
+
+def failed_prepares(core_api, name: str) -> list[str]:
+    return [e for e in pod_events(core_api, name) if e.startswith("FailedPrepareDynamicResources")]
+
+
+def running(core_api, name: str) -> bool:
+    return core_api.read_namespaced_pod(name, NS).status.phase == "Running"
+
+
 def _container_started(core_api, name: str) -> tuple[str, int]:
     status = core_api.read_namespaced_pod(name, NS).status.container_statuses[0]
     return status.container_id, status.restart_count

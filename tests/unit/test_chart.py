@@ -174,25 +174,50 @@ def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
     assert "--compact-when-idle" in args
 
 
-def test_plugin_rbac_is_least_privilege() -> None:
-    role = find(render({"driverName": "gpu.example.com"}), "ClusterRole", "kubelet-plugin")
-    rules = {
+def plugin_rules(objects: list[dict[str, Any]]) -> dict[tuple[str, ...], set[str]]:
+    role = find(objects, "ClusterRole", "kubelet-plugin")
+    return {
         (rule["apiGroups"][0], resource, *rule.get("resourceNames", [])): set(rule["verbs"])
         for rule in role["rules"]
         for resource in rule["resources"]
     }
-    assert rules == {
-        ("resource.k8s.io", "resourceclaims"): {"get"},
+
+
+def test_plugin_rbac_is_least_privilege() -> None:
+    objects = render({"driverName": "gpu.example.com"})
+    assert plugin_rules(objects) == {
+        # list: the claims allocated to its node name the pods that wait for it (retryWaitingPods)
+        ("resource.k8s.io", "resourceclaims"): {"get", "list"},
         # status.devices by a PUT of the status, of this driver's entries, on claims of its own node only
         ("resource.k8s.io", "resourceclaims/status"): {"update"},
         ("resource.k8s.io", "resourceclaims/driver", "gpu.example.com"): {"associated-node:update"},
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
         ("", "nodes"): {"get"},
-        ("", "events"): {"create"},  # a refused status write, on its claim
+        ("", "events"): {"create"},  # a refused status write, on its claim; a retried prepare, on its pod
+        ("", "pods"): {"patch"},  # the prepare-retry annotation only, on its node's pods (the policy below)
     }
-    policy = find(render(namespace="gpus"), "ValidatingAdmissionPolicy")
-    condition = policy["spec"]["matchConditions"][0]["expression"]
-    assert '"system:serviceaccount:gpus:fgpu-kubelet-plugin"' in condition
+    slices = find(objects, "ValidatingAdmissionPolicy", "own-slices")
+    assert slices["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceslices"]
+    pods = find(objects, "ValidatingAdmissionPolicy", "retry-annotation")
+    assert {"name": "key", "expression": "'gpu.example.com/prepare-retry'"} in pods["spec"]["variables"]
+    assert container_env(find(objects, "DaemonSet"))["RETRY_WAITING_PODS"] == "true"
+    for policy in find_all(render(namespace="gpus"), "ValidatingAdmissionPolicy"):
+        condition = policy["spec"]["matchConditions"][0]["expression"]
+        assert '"system:serviceaccount:gpus:fgpu-kubelet-plugin"' in condition
+
+
+def test_without_prepare_retries_the_plugin_neither_lists_claims_nor_patches_pods() -> None:
+    objects = render({"kubeletPlugin": {"retryWaitingPods": False}})
+    rules = plugin_rules(objects)
+    assert rules[("resource.k8s.io", "resourceclaims")] == {"get"} and ("", "pods") not in rules
+    assert [p["metadata"]["name"] for p in find_all(objects, "ValidatingAdmissionPolicy")] == [
+        "fgpu-kubelet-plugin-own-slices"
+    ]
+    assert container_env(find(objects, "DaemonSet"))["RETRY_WAITING_PODS"] == "false"
+
+
+def find_all(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
 
 
 def test_device_classes_follow_the_driver_name() -> None:

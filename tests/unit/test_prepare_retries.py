@@ -1,0 +1,99 @@
+"""Pods whose claims kubelet could not prepare while the plugin was away are annotated once it is
+back, which makes kubelet sync them at once instead of at its next periodic pod sync."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from driver.node.kubelet.prepare_retries import EVENT_REASON, PrepareRetries, WaitingPod, waiting_pods
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.workloads import wait_until
+
+DRIVER, NODE = "gpu.fgpu.dev", "node-a"
+ANNOTATION = "gpu.fgpu.dev/prepare-retry"
+
+
+def reserved(claim: dict, *pods: tuple[str, str]) -> dict:
+    claim["status"]["reservedFor"] = [{"resource": "pods", "name": name, "uid": uid} for name, uid in pods]
+    return claim
+
+
+def pod(name: str, uid: str, namespace: str = "ns") -> dict:
+    return {"metadata": {"namespace": namespace, "name": name, "uid": uid}, "spec": {"nodeName": NODE}}
+
+
+def test_only_unprepared_claims_of_this_drivers_pool_name_their_pods():
+    claims = [
+        reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1")),
+        reserved(allocated_claim("ns", "b", "ub", [result("gpu-1")]), ("p1", "u1"), ("p2", "u2")),
+        reserved(allocated_claim("ns", "prepared", "up", [result("gpu-2")]), ("p3", "u3")),
+        reserved(allocated_claim("ns", "elsewhere", "ue", [result("gpu-0", pool="node-b")]), ("p4", "u4")),
+        reserved(allocated_claim("ns", "other-driver", "uo", [result("x", driver="other.dev")]), ("p5", "u5")),
+        allocated_claim("ns", "unreserved", "uu", [result("gpu-3")]),
+        {"metadata": {"namespace": "ns", "name": "pending", "uid": "un"}, "spec": {}},
+    ]
+    deleting = reserved(allocated_claim("ns", "deleting", "ud", [result("gpu-4")]), ("p6", "u6"))
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    claims.append(deleting)
+    assert waiting_pods(claims, DRIVER, NODE, prepared={"up"}) == [
+        WaitingPod("ns", "p1", "u1", ("a", "b")),
+        WaitingPod("ns", "p2", "u2", ("b",)),
+    ]
+
+
+def test_a_waiting_pod_is_annotated_with_an_event_each_time_the_plugin_comes_back():
+    api = InMemoryKubeApi()
+    api.claims[("ns", "a")] = reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1"))
+    api.claims[("ns", "done")] = reserved(allocated_claim("ns", "done", "ud", [result("gpu-1")]), ("p2", "u2"))
+    api.pods = {("ns", "p1"): pod("p1", "u1"), ("ns", "p2"): pod("p2", "u2")}
+    now = [datetime(2026, 12, 1, 0, 0, 0, tzinfo=UTC)]
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=lambda: {"ud"}, clock=lambda: now[0])
+
+    assert retries.retry_once("the plugin is registered") == ["ns/p1"]
+    first = api.pods[("ns", "p1")]["metadata"]["annotations"][ANNOTATION]
+    assert first == "2026-12-01T00:00:00.000000Z"
+    assert "annotations" not in api.pods[("ns", "p2")]["metadata"]  # its claim is prepared
+    (event,) = api.events
+    assert event["reason"] == EVENT_REASON and event["type"] == "Normal"
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "ns",
+        "name": "p1",
+        "uid": "u1",
+        "resourceVersion": None,
+    }
+    assert event["message"].startswith("the plugin is registered: asked kubelet to prepare claim(s) a now")
+
+    now[0] += timedelta(microseconds=1)  # a second return within the same second still changes the pod
+    retries.retry_once("the driver is loaded again")
+    assert api.pods[("ns", "p1")]["metadata"]["annotations"][ANNOTATION] != first
+    assert len(api.events) == 2
+
+
+def test_a_pod_gone_or_recreated_under_its_name_is_left_alone():
+    api = InMemoryKubeApi()
+    api.claims[("ns", "a")] = reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1"), ("p2", "u2"))
+    api.pods = {("ns", "p1"): pod("p1", "another-uid")}  # p2 is gone
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=set)
+    assert retries.retry_once("back") == []
+    assert "annotations" not in api.pods[("ns", "p1")]["metadata"] and not api.events
+
+
+def test_requests_are_served_on_the_workers_thread_until_it_stops(caplog):
+    api = InMemoryKubeApi()
+    api.claims[("ns", "a")] = reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1"))
+    api.pods = {("ns", "p1"): pod("p1", "u1")}
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=set)
+    api.unavailable = True
+    retries.start()
+    try:
+        retries.request("registered")  # the API server away: logged, the worker goes on
+        failed = "cannot ask kubelet to retry waiting pods: connection refused"
+        wait_until("the failure logged", lambda: failed in caplog.text, timeout_s=5, interval=0.01)
+        api.unavailable = False
+        retries.request("registered")
+        wait_until("the pod annotated", lambda: api.events, timeout_s=5, interval=0.01)
+    finally:
+        retries.stop()
+    assert ANNOTATION in api.pods[("ns", "p1")]["metadata"]["annotations"]
