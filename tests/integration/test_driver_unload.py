@@ -5,7 +5,8 @@ makes the prepared MIG claim's instance again, untaints and publishes the new dr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
 from testbed.claims_api import create_claim
 from testbed.cluster.host_state import short_temp_dir
 from testbed.plugin_process import PluginUnderTest
-from testbed.workloads import wait_for
+from testbed.workloads import pod_events, unique, wait_for
 from tests.support.cli import fgpu
 from tests.support.pools import node_slices
 
@@ -25,17 +26,50 @@ pytestmark = pytest.mark.cluster
 NODE = "node-driver"
 DEVICES = 8 * 26  # the whole GPU and 25 MIG placements of each of 8 H100s
 NEW_VERSION = "580.105.08"
+NS = "default"
+RETRY = "gpu.fgpu.dev/prepare-retry"
 
 
 @pytest.fixture
 def plugin(cluster, core_api, start_plugin) -> Iterator[tuple[PluginUnderTest, dict[str, str]]]:
+    yield registered_plugin(cluster, core_api, start_plugin, short_temp_dir("driver"))
+
+
+def registered_plugin(
+    cluster, core_api, start_plugin, root: str, *flags: str
+) -> tuple[PluginUnderTest, dict[str, str]]:
+    """The plugin on NODE with its state under `root`, registered as kubelet does."""
     if not core_api.list_node(field_selector=f"metadata.name={NODE}").items:
         cluster.add_node(NODE)
-    root = short_temp_dir("driver")
     mock_env = {MOCK_STATE_ENV: str(Path(root) / "gpus.json"), "NVML": "mock:dgx-h100"}
-    instance = start_plugin(node=NODE, root=root, extra_env=mock_env, extra_args=["--offer=whole,mig"])
+    instance = start_plugin(node=NODE, root=root, extra_env=mock_env, extra_args=["--offer=whole,mig", *flags])
     instance.register()
-    yield instance, mock_env
+    return instance, mock_env
+
+
+@pytest.fixture
+def pod_using(core_api, resource_api) -> Iterator[Callable[[dict[str, str]], str]]:
+    """Makes a pod bound to the node (no kubelet runs it: it stays Pending) that the claim is
+    reserved for, as kube-scheduler leaves it; deleted afterwards."""
+    made = []
+
+    def make(claim: dict[str, str]) -> str:
+        name = unique("waiting")
+        container = {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
+        spec = {
+            "nodeName": NODE,
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim["name"]}],
+            "containers": [container],
+        }
+        created = core_api.create_namespaced_pod(NS, {"metadata": {"name": name}, "spec": spec})
+        made.append(name)
+        reserved = {"status": {"reservedFor": [{"resource": "pods", "name": name, "uid": created.metadata.uid}]}}
+        resource_api.patch_namespaced_resource_claim_status(claim["name"], claim["namespace"], reserved)
+        return name
+
+    yield make
+    for name in made:
+        core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 
 
 def devices(resource_api) -> dict:
@@ -72,7 +106,7 @@ def recorded(instance: PluginUnderTest, resource_api, claim: dict[str, str]) -> 
     return (instance.state_dir / "checkpoint.json").read_text() + str(status.devices)
 
 
-def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, resource_api):
+def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, core_api, resource_api, pod_using):
     instance, mock_env = plugin
     state_file = mock_env[MOCK_STATE_ENV]
     wait_for(lambda: len(devices(resource_api)) == DEVICES)
@@ -90,6 +124,7 @@ def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, resou
         error = refused[claim["uid"]].error
         assert f"claim default/{claim['name']} (uid {claim['uid']})" in error
         assert "the NVIDIA driver is not loaded on this node" in error and "Driver Not Loaded" in error
+    waiting = pod_using(whole)  # kubelet would retry it only at its next pod sync
     assert instance.process.poll() is None and instance.health() == health_pb2.HealthCheckResponse.SERVING
     assert recorded(instance, resource_api, mig).count(before) == 2  # nothing released while it cannot be checked
 
@@ -100,9 +135,32 @@ def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, resou
     now = recorded(instance, resource_api, mig)
     assert now.count(made_again[3]) == 2 and before not in now
     wait_for(lambda: driver_versions(resource_api) == {"580.105.8"} != old_versions)
+    # The pod waiting for the unprepared claim is annotated, so that kubelet syncs it now.
+    wait_for(lambda: RETRY in (core_api.read_namespaced_pod(waiting, NS).metadata.annotations or {}))
+    events = " ".join(pod_events(core_api, waiting))
+    assert f"PrepareRetried: the NVIDIA driver on node {NODE} is loaded again: asked kubelet" in events
 
     prepared = instance.prepare([whole, mig])
     assert {uid: result.error for uid, result in prepared.items()} == {whole["uid"]: "", mig["uid"]: ""}
     logs = instance.logs()
     assert "already prepared, checked" in logs and "the NVIDIA driver answers again" in logs
     assert "Traceback" not in logs  # an outage it expects, handled as one
+
+
+def test_a_pod_that_met_no_plugin_is_retried_once_kubelet_registers_it_unless_turned_off(
+    cluster, core_api, resource_api, start_plugin, pod_using
+):
+    if not core_api.list_node(field_selector=f"metadata.name={NODE}").items:
+        cluster.add_node(NODE)
+    claim = create_claim(resource_api, devices=[("gpu", "gpu-5")], pool=NODE)
+    waiting = pod_using(claim)  # kubelet met no plugin for it
+    root = short_temp_dir("retry")
+    off, _ = registered_plugin(cluster, core_api, start_plugin, root, "--no-retry-waiting-pods")
+    time.sleep(2)  # with retries on, the annotation comes within a few hundred ms of the registration
+    assert RETRY not in (core_api.read_namespaced_pod(waiting, NS).metadata.annotations or {})
+    off.stop()
+
+    registered_plugin(cluster, core_api, start_plugin, root)
+    wait_for(lambda: RETRY in (core_api.read_namespaced_pod(waiting, NS).metadata.annotations or {}))
+    why = "PrepareRetried: the gpu.fgpu.dev plugin is registered with kubelet"
+    assert f"{why}: asked kubelet to prepare claim(s) {claim['name']} now" in " ".join(pod_events(core_api, waiting))
