@@ -419,6 +419,18 @@ def test_the_pod_start_benchmark_measures_a_pod(cluster, real_node, node_plugin)
     assert result["plugin_prepare_p50_ms"] is not None  # and the plugin logged its prepare
 
 
+def test_the_gap_benchmark_times_pods_created_through_a_crash_and_rollouts(cluster, real_node, node_plugin):
+    figures = pod_start.gaps(cluster.api_client(), real_node, node_plugin, times=1)
+    assert [f["scenario"] for f in figures] == ["crash", "rollout", "rollout without readiness"]
+    crash, rollout, unready = figures
+    assert crash["pods"] == 1 and rollout["pods"] >= 2 and unready["pods"] >= 2
+    assert crash["no_plugin_s"][0] > 0 and rollout["no_plugin_s"] == [0]  # the new one registered first
+    # Every pod started before kubelet's own retry of a failed prepare could have come (60 s at
+    # the earliest): the crash's pod met no plugin and was retried once the plugin was back.
+    assert max(f["pod_start_max_s"] for f in figures) < 60
+    assert node_plugin.health() == health_pb2.HealthCheckResponse.SERVING  # the node's plugin serves again
+
+
 def test_rolling_update_with_two_instances_on_the_node(
     cluster, core_api, resource_api, real_node, node_plugin, workloads
 ):
