@@ -100,5 +100,6 @@ def build_node(root: Path, api: KubeApi, machine: str = "dgx-h100", session: Nvm
         cdi=cdi,
         partitioners=Partitioners(mig=MigPartitioner(session), mps=mps, timeslice=TimeSlicer(runner)),
         instance=InstanceLock(state_dir),
+        driver_missing=session.driver_missing,  # the plugin asks its health monitor, which asks NVML
     )
     return NodeEnv(root, session, gpus, claims, cdi, mps, preparer)

@@ -444,7 +444,14 @@ class ClaimPreparer:
         if existing is None:
             self.cdi.remove(ref.uid)  # a spec without a record is an orphan all the same
             return ClaimResult(summary="not prepared on this node, nothing destroyed")
-        summary = self._undo(existing)
+        missing = self._driver_missing()
+        # An unloaded driver took the claim's MIG instances, MPS daemons and GPU settings with it
+        # (nothing of it is there once a driver loads again): only the record and the spec are left.
+        if missing:
+            self._forget(existing)
+            summary = f"the NVIDIA driver is not loaded ({missing}): nothing of it left on the GPU"
+        else:
+            summary = self._undo(existing)
         self.status.clear(ref)  # best effort: the reconciler retries it
         return ClaimResult(summary=summary)
 
@@ -478,6 +485,11 @@ class ClaimPreparer:
         crash_point("unprepare:cdi-removed")
         self.claims.commit(removed=[claim.uid])
         return "; ".join(released)
+
+    def _forget(self, claim: PreparedClaim) -> None:
+        """The record and the CDI spec of a claim whose devices are gone."""
+        self.cdi.remove(claim.uid)
+        self.claims.commit(removed=[claim.uid])
 
     def _release_or_fail(self, device: PreparedDevice, others: list[PreparedClaim]) -> str:
         try:

@@ -127,3 +127,23 @@ def test_a_reload_between_two_rounds_is_seen_by_the_stale_session(watched):
     monitor.round(watch)
     assert published == [{"driver back": ()}]  # never tainted, but the claims were checked
     assert mig_uuid(env) != before and env.session.gpu_instances(2)[0].compute_instances[0][1] == mig_uuid(env)
+
+
+def test_an_unprepare_while_the_driver_is_gone_forgets_the_claim_and_the_reload_makes_nothing_for_it(node):
+    """Kubelet unprepares the claims of pods evicted off the tainted devices while no driver is
+    loaded: what they held went with the driver, so the records and specs go, and the next driver
+    gets nothing made again for them."""
+    api, env = node
+    refs = []
+    for name, device in (("mig", "gpu-2-mig-1g10gb-3"), ("whole", "gpu-4")):
+        api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", [result(device)])
+        refs.append(ClaimRef("default", name, f"uid-{name}"))
+    assert {r.error for r in env.preparer.prepare(refs).values()} == {""}
+    env.session.nvml.unload_driver()
+
+    assert env.preparer.unprepare(refs) == {"uid-mig": "", "uid-whole": ""}
+    assert env.claims.all() == {} and not list(env.cdi.cdi_dir.glob("*.json"))
+    env.session.nvml.load_driver(NEW_VERSION)
+    assert env.session.driver_missing() == ""  # the health monitor's check: NVML initialised anew
+    env.preparer.check_prepared()
+    assert env.session.gpu_instances(2) == []
