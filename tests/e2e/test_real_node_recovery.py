@@ -20,8 +20,10 @@ from driver.nvml.session import MOCK_STATE_ENV
 from partitioner.mig import caps_minor
 from testbed.node_plugin import NodePlugin
 from testbed.reboot import reboot
-from testbed.workloads import NS, claim_template, pod, report, unique, wait_until
+from testbed.workloads import NS, claim_template, deployment, pod, report, unique, wait_until
+from tests.support.cli import fgpu
 from tests.support.configs import timeslice_interval
+from tests.support.pools import node_slices
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -211,3 +213,80 @@ def test_an_admins_gpu_reset_under_a_running_mig_pod_makes_its_instance_again(
     assert all(path in spec for path in caps_of(gpu, after["gpuInstanceID"], after["computeInstanceID"]))
     assert "a prepared claim's MIG instance is gone (a GPU reset)" in node_plugin.logs()
     no_orphans(node_plugin)
+
+
+NEW_DRIVER = "580.105.08"
+
+
+def test_the_driver_gone_and_back_under_a_running_deployment(
+    cluster, core_api, resource_api, real_node, node_plugin, workloads
+):
+    """An NVIDIA driver upgrade as the GPU operator's driver container does it (`fgpu mock-driver
+    unload`, then `load --version`), under a pod that holds a MIG 1g device but runs nothing on it
+    (a process on the GPU would keep the driver loaded). While no driver answers, every device is
+    tainted NoExecute (`gpu.fgpu.dev/unreachable=driver-not-loaded`): kube-controller-manager
+    evicts the pod, kubelet unprepares its claim (what it held went with the driver) and the
+    replacement's claim is not allocated. Once the new driver answers, the taints go, the new
+    version is published, and the replacement runs on a MIG instance that exists."""
+    client = cluster.api_client()
+    template = claim_template(unique("tpl"), "mig.gpu.fgpu.dev",
+                              selector='device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"')  # fmt: skip
+    name = unique("upgrade")
+    for obj in (template, deployment(name, real_node.name, template["metadata"]["name"], replicas=1)):
+        kubernetes.utils.create_from_dict(client, obj, namespace=NS)
+        workloads.append((obj["kind"], obj["metadata"]["name"]))
+    (first,) = wait_until("the replica running", lambda: replicas(core_api, name, running_only=True))
+    first_claim = claim_of(resource_api, first).metadata.uid
+    env = {MOCK_STATE_ENV: str(node_plugin.mock_state), "NVML": node_plugin.nvml}
+
+    fgpu("mock-driver", "unload", "--state-dir", str(node_plugin.state_dir), env=env)
+    wait_until("every device tainted", lambda: driver_tainted(resource_api, real_node.name))
+    wait_until("the replica evicted", lambda: first not in replicas(core_api, name))
+    wait_until("its claim unprepared", lambda: first_claim not in checkpoint(node_plugin))
+    (second,) = wait_until("the replacement created", lambda: replicas(core_api, name))
+    wait_until("kube-scheduler finding no device for it", lambda: failed_scheduling(core_api, second))
+    assert not allocated(resource_api, second)
+
+    fgpu("mock-driver", "load", "--version", NEW_DRIVER, env=env)
+    wait_until("the replacement running", lambda: running(core_api, second), timeout_s=120)
+    assert not driver_tainted(resource_api, real_node.name)
+    assert driver_versions(resource_api, real_node.name) == {"580.105.8"}
+    status = mig_status(resource_api, second)
+    caps = {path for path in report(core_api, second).devices if "nvidia-caps" in path}
+    gpu = claim_of(resource_api, second).status.devices[0].data["gpuIndex"]
+    assert caps == caps_of(gpu, status["gpuInstanceID"], status["computeInstanceID"])
+    no_orphans(node_plugin)  # the evicted replica's instance is not made again by the new driver
+
+
+def replicas(core_api, deployment_name: str, running_only: bool = False) -> list[str]:
+    """The Deployment's pods that are not being deleted (each Running, if asked)."""
+    pods = core_api.list_namespaced_pod(NS, label_selector=f"app={deployment_name}").items
+    live = [p.metadata.name for p in pods if p.metadata.deletion_timestamp is None]
+    return [n for n in live if running(core_api, n)] if running_only else live
+
+
+def failed_scheduling(core_api, name: str) -> bool:
+    selector = f"involvedObject.name={name},reason=FailedScheduling"
+    return bool(core_api.list_namespaced_event(NS, field_selector=selector).items)
+
+
+def allocated(resource_api, pod_name: str) -> bool:
+    claims = resource_api.list_namespaced_resource_claim(NS).items
+    return any(c.metadata.name.startswith(f"{pod_name}-") and c.status and c.status.allocation for c in claims)
+
+
+def node_devices(resource_api, node: str) -> list:
+    return [d for s in node_slices(resource_api, node) for d in s.spec.devices or []]
+
+
+def driver_tainted(resource_api, node: str) -> bool:
+    """Every device of the node carries the driver-not-loaded taint."""
+    devices = node_devices(resource_api, node)
+    return bool(devices) and all(
+        any(t.key == "gpu.fgpu.dev/unreachable" and t.value == "driver-not-loaded" for t in d.taints or [])
+        for d in devices
+    )
+
+
+def driver_versions(resource_api, node: str) -> set[str]:
+    return {d.attributes["driverVersion"].version for d in node_devices(resource_api, node)}
