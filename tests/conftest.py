@@ -101,8 +101,8 @@ def core_api(cluster: Cluster) -> kubernetes.client.CoreV1Api:
 def start_plugin(cluster: Cluster) -> Iterator:
     started: list[PluginUnderTest] = []
 
-    def start(node: str = "node-a", **kwargs: object) -> PluginUnderTest:
-        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig), **kwargs).start()
+    def start(node: str = "node-a", wait: bool = True, **kwargs: object) -> PluginUnderTest:
+        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig), **kwargs).start(wait)
         started.append(plugin)
         return plugin
 

@@ -22,12 +22,19 @@ from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
 from driver.node.claim_locks import NodeClaimLock
+from driver.node.driver_wait import wait_for_driver
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import HealthRecord, MigSlices
 from driver.node.health.service import HEALTH_SERVICES, add_health_services
 from driver.node.instance_lock import InstanceLock
 from driver.node.kubelet.dra_service import add_dra_services
-from driver.node.kubelet.liveness import GatedHealthServicer, LivenessMonitor, RegistrationState, self_probe
+from driver.node.kubelet.liveness import (
+    GatedHealthServicer,
+    LivenessMonitor,
+    RegistrationState,
+    self_probe,
+    serve_health_port,
+)
 from driver.node.kubelet.prepare_retries import PrepareRetries
 from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
@@ -201,7 +208,7 @@ class PluginProcess:
         self._registration_server = reg_server
         log.info("registration service on %s", settings.registration_socket)
         if settings.healthcheck_port >= 0:
-            self._serve_health_port(settings.healthcheck_port)
+            self._health_server = serve_health_port(self.health, settings.healthcheck_port)
         if settings.metrics_port > 0:
             collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
             registry = node_registry(collector)
@@ -214,15 +221,6 @@ class PluginProcess:
         )
         self.liveness.check_once()
         self.liveness.start()
-
-    def _serve_health_port(self, port: int) -> None:
-        """The health service alone on TCP, for a livenessProbe: with hostNetwork anything on the
-        node's network reaches this port, so the DRA service must not be on it."""
-        health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
-        health_server.add_insecure_port(f"[::]:{port}")
-        health_server.start()
-        self._health_server = health_server
 
     def _bind(self, server: grpc.Server, path: Path) -> None:
         """Listen on `path` (replacing a stale socket of our own name) and record the file we bound
@@ -269,14 +267,16 @@ class PluginProcess:
             if bound.path == path:
                 bound.remove()  # ours only: another instance's socket at this path stays
 
-    def serve_until_signal(self) -> None:
-        done = threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: done.set())
-        self.start()
-        done.wait()
-        self.stop()
-
 
 def run_plugin(settings: PluginSettings) -> None:
-    PluginProcess(settings).serve_until_signal()
+    """Serve until SIGTERM or SIGINT; before the NVIDIA driver is there, wait for it (driver_wait.py)."""
+    done = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    api = ClientKubeApi(settings.kubeconfig)  # a bad client configuration fails now, not after the wait
+    if not wait_for_driver(settings.nvml, done, settings.healthcheck_port):
+        return
+    process = PluginProcess(settings, api)
+    process.start()
+    done.wait()
+    process.stop()

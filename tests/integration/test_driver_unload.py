@@ -5,17 +5,21 @@ makes the prepared MIG claim's instance again, untaints and publishes the new dr
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from driver.node.kubelet.liveness import READY_SERVICE
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
 from testbed.claims_api import create_claim
+from testbed.cluster.harness import free_port
 from testbed.cluster.host_state import short_temp_dir
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import pod_events, unique, wait_for
@@ -164,3 +168,47 @@ def test_a_pod_that_met_no_plugin_is_retried_once_kubelet_registers_it_unless_tu
     wait_for(lambda: RETRY in (core_api.read_namespaced_pod(waiting, NS).metadata.annotations or {}))
     why = "PrepareRetried: the gpu.fgpu.dev plugin is registered with kubelet"
     assert f"{why}: asked kubelet to prepare claim(s) {claim['name']} now" in " ".join(pod_events(core_api, waiting))
+
+
+def health_on(port: int, service: str = "") -> int:
+    """What the chart's probes see on the health port (liveness: "", readiness: registered)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+def test_a_plugin_started_before_the_driver_waits_for_it_alive_and_not_ready(
+    cluster, core_api, resource_api, start_plugin
+):
+    """A DaemonSet pod starting before the GPU operator's driver container has loaded the driver
+    does not exit (its container would be restarted with a back-off of up to 5 minutes): it waits,
+    alive for the liveness probe and not Ready, then starts once NVML answers."""
+    if not core_api.list_node(field_selector=f"metadata.name={NODE}").items:
+        cluster.add_node(NODE)
+    root = short_temp_dir("nodriver")
+    mock_env = {MOCK_STATE_ENV: str(Path(root) / "gpus.json"), "NVML": "mock:dgx-h100"}
+    fgpu("mock-driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
+    port = free_port()
+    instance = start_plugin(node=NODE, root=root, extra_env=mock_env, extra_args=[f"--healthcheck-port={port}"],
+                            wait=False)  # fmt: skip
+    wait_for(lambda: "the NVIDIA driver is not loaded" in instance.logs())
+    wait_for(lambda: health_on(port) == health_pb2.HealthCheckResponse.SERVING)
+    assert health_on(port, READY_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    time.sleep(2)  # a poll or two later, still waiting
+    assert instance.process.poll() is None and not instance.registration_socket.exists()
+
+    fgpu("mock-driver", "load", env=mock_env)
+    instance.wait_for_sockets()
+    instance.register()
+    wait_for(lambda: health_on(port, READY_SERVICE) == health_pb2.HealthCheckResponse.SERVING)
+    wait_for(lambda: len(devices(resource_api)) > 0)
+    assert "the NVIDIA driver answers: starting" in instance.logs()
+
+
+def test_a_plugin_waiting_for_the_driver_stops_on_sigterm(cluster, start_plugin):
+    root = short_temp_dir("nodriver")
+    mock_env = {MOCK_STATE_ENV: str(Path(root) / "gpus.json"), "NVML": "mock:dgx-h100"}
+    fgpu("mock-driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
+    instance = start_plugin(node=NODE, root=root, extra_env=mock_env, wait=False)
+    wait_for(lambda: "the NVIDIA driver is not loaded" in instance.logs())
+    assert instance.stop(signal.SIGTERM) == 0

@@ -31,11 +31,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
@@ -143,6 +144,16 @@ class GatedHealthServicer(health.HealthServicer):
     ) -> health_pb2.HealthCheckResponse:
         self.decided.wait(FIRST_VERDICT_WAIT_S)
         return super().Check(request, context)
+
+
+def serve_health_port(servicer: health.HealthServicer, port: int) -> grpc.Server:
+    """The health service alone on TCP, for the probes: with hostNetwork anything on the node's
+    network reaches this port, so the DRA service must not be on it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"[::]:{port}")
+    server.start()
+    return server
 
 
 def self_probe(registration_socket: Path, dra_socket: Path, timeout_s: float = PROBE_TIMEOUT_S) -> str:
