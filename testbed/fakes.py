@@ -137,7 +137,7 @@ class InMemoryKubeApi:
         except KeyError:
             raise NotFoundError(name) from None
 
-    def list_all_claims(self) -> list[JsonObject]:
+    def list_all_claims(self, from_cache: bool = False) -> list[JsonObject]:
         self._check()
         return [copy.deepcopy(claim) for claim in self.claims.values()]
 

@@ -113,7 +113,7 @@ class PrepareRetries(BackgroundWorker):
     def retry_once(self, why: str) -> list[str]:
         """Annotate the pods waiting for one of our prepares; their namespace/name."""
         prepared = set(self._prepared())
-        claims = self._api.list_all_claims()
+        claims = self._api.list_all_claims(from_cache=True)  # every node's plugin lists them after a rollout
         retried = [
             f"{pod.namespace}/{pod.name}"
             for pod in waiting_pods(claims, self._driver, self._node, prepared)
