@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
+from driver.allocator.explain import explain
 from driver.allocator.fragmentation import Choice, Fragmentation, NodeView, Unit, request_key, units_of
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
@@ -401,8 +402,6 @@ class ClusterAllocator:
         return [node for _, _, node in scored] + unscored
 
     def _explain(self, claim: Claim) -> str:
-        from driver.allocator.explain import explain  # explain builds on this module
-
         return explain(self, claim)
 
     def commit(self, placement: Placement) -> None:

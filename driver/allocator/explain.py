@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from driver.allocator.allocate import AllocationError, NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
-from driver.allocator.cluster import ClusterAllocator
-from driver.allocator.model import Claim, Device, Request
+from driver.allocator.model import Claim, Device, DeviceClass, Request
 from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
+
+
+class NodePools(Protocol):
+    pools: dict[str, list[Pool]]  # node -> the pools it sees
+
+
+class ClusterView(Protocol):
+    """What explaining reads of the cluster allocator (cluster.py), which calls it on a failure."""
+
+    classes: dict[str, DeviceClass]
+    snapshot: NodePools
+
+    def node_allocator(self, node: str) -> NodeAllocator: ...
 
 
 def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
@@ -32,7 +46,7 @@ def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str 
     return None
 
 
-def explain(cluster: ClusterAllocator, claim: Claim) -> str:
+def explain(cluster: ClusterView, claim: Claim) -> str:
     """A reason per request: how many devices the class and selectors leave, and the closest miss."""
     lines = []
     for alternatives in claim.requests:
@@ -43,7 +57,7 @@ def explain(cluster: ClusterAllocator, claim: Claim) -> str:
     return "; ".join(lines)
 
 
-def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) -> str:
+def _explain_request(cluster: ClusterView, claim: Claim, request: Request) -> str:
     if request.class_name not in cluster.classes:
         return f"device class {request.class_name} does not exist"
     wanted = f"device of class {request.class_name}"
@@ -90,7 +104,7 @@ def _explain_request(cluster: ClusterAllocator, claim: Claim, request: Request) 
     return text
 
 
-def node_picture(cluster: ClusterAllocator, node: str) -> list[str]:
+def node_picture(cluster: ClusterView, node: str) -> list[str]:
     """Per GPU (counter set): free, partly used with the largest device still placeable, or full."""
     pools = cluster.snapshot.pools.get(node, [])
     allocator = cluster.node_allocator(node)
