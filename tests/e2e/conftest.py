@@ -3,6 +3,7 @@ two fake nodes with plugins, kubelet stand-ins and a controller."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -64,29 +65,48 @@ def controlled_nodes(cluster) -> Iterator[ControlledNodes]:
     controller's choices are then upstream's order: node-a first) serving its metrics."""
     resource_api = kubernetes.client.ResourceV1Api(cluster.api_client())
     plugins, kubelets = [], {}
-    for node in ("node-a", "node-b"):
-        plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
-        plugins.append(plugin)
-        kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
-    metrics_port = free_port()
-    controller = subprocess.Popen(
-        [
-            *CONTROLLER,
-            f"--kubeconfig={cluster.kubeconfig}",
-            "--lease-namespace=default",
-            "--policy=first-fit",
-            f"--metrics-port={metrics_port}",
-        ]
-    )
-    try:
+    controller: subprocess.Popen[bytes] | None = None
+    try:  # whatever started is stopped, also when a later start fails
+        for node in CONTROLLED:
+            plugin = PluginUnderTest(node=node, kubeconfig=str(cluster.kubeconfig)).start()
+            plugins.append(plugin)
+            kubelets[node] = KubeletStandIn(node, str(cluster.kubeconfig), plugin.registrar_dir).start()
+        metrics_port = free_port()
+        controller = subprocess.Popen(
+            [
+                *CONTROLLER,
+                f"--kubeconfig={cluster.kubeconfig}",
+                "--lease-namespace=default",
+                "--policy=first-fit",
+                f"--metrics-port={metrics_port}",
+            ]
+        )
         for node in kubelets:
             wait_for(lambda n=node: complete_pool(resource_api, n))
         yield ControlledNodes(kubelets, metrics_port)
     finally:
-        controller.terminate()
-        controller.wait(timeout=15)
+        if controller is not None:
+            controller.terminate()
+            controller.wait(timeout=15)
         for kubelet in kubelets.values():
             kubelet.stop()
         for plugin in plugins:
             plugin.stop()
             shutil.rmtree(plugin.root, ignore_errors=True)
+        _forget_controlled_nodes(cluster, resource_api)  # once nothing publishes them again
+
+
+CONTROLLED = ("node-a", "node-b")
+
+
+def _forget_controlled_nodes(cluster, resource_api: kubernetes.client.ResourceV1Api) -> None:
+    """No pod (it would wait for a kubelet forever) and no slice of the stand-in nodes outlives the
+    module: later modules' schedulers and controllers must not place anything there."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    for node in CONTROLLED:
+        for found in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
+            with contextlib.suppress(kubernetes.client.ApiException):
+                core.delete_namespaced_pod(found.metadata.name, found.metadata.namespace, grace_period_seconds=0)
+        for found in resource_api.list_resource_slice(field_selector=f"spec.nodeName={node}").items:
+            with contextlib.suppress(kubernetes.client.ApiException):
+                resource_api.delete_resource_slice(found.metadata.name)
