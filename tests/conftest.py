@@ -13,6 +13,13 @@ import shutil
 import uuid
 from collections.abc import Iterator
 
+# Before grpc is imported: the tests start plugins with a preexec_fn (a plain fork, so atfork
+# handlers run), and grpc's fork support restarts its poller in the child, which the child's
+# closing of inherited descriptors then breaks: the child aborted before exec ("plugin exited with
+# -6", "epoll_wait error: Bad file descriptor"), once in a full run. The child execs at once and
+# needs nothing of grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import kubernetes
 import pytest
 import yaml
