@@ -156,8 +156,12 @@ def refusal_event(ref: ClaimRef, refusal: Refusal, reporter: str, now: datetime)
     message = (
         f"{reporter} cannot write status.devices of claim {ref}: {refusal.cause}; tried again when the claim changes"
     )
-    metadata = {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid}
-    metadata["resourceVersion"] = refusal.resource_version
+    metadata = {
+        "name": ref.name,
+        "namespace": ref.namespace,
+        "uid": ref.uid,
+        "resourceVersion": refusal.resource_version,
+    }
     return object_event("resource.k8s.io/v1", "ResourceClaim", metadata, REFUSED_EVENT_REASON, message, reporter, now)
 
 

@@ -23,39 +23,41 @@ POLL_S = 2.0
 NOT_THERE_YET = DRIVER_GONE_ERRORS | {pynvml.NVML_ERROR_LIBRARY_NOT_FOUND}
 
 
-def driver_absent(nvml: str) -> str:
-    """ "" once NVML initialises; while the driver is not (yet) there, why. Other failures raise."""
+def open_nvml(nvml: str) -> NvmlSession | str:
+    """The NVML session, or while the driver is not (yet) there, why not. Other failures raise."""
     try:
-        NvmlSession.open(nvml).close()
+        return NvmlSession.open(nvml)
     except NvmlUnavailableError as err:
         cause = err.__cause__
         if isinstance(cause, pynvml.NVMLError) and cause.value in NOT_THERE_YET:
             return str(cause)
         raise
-    return ""
 
 
-def wait_for_driver(nvml: str, stopped: threading.Event, healthcheck_port: int, poll_s: float = POLL_S) -> bool:
-    """True once the driver answers; False when `stopped` is set first (SIGTERM)."""
-    missing = driver_absent(nvml)
-    if not missing:
-        return True
+def wait_for_driver(
+    nvml: str, stopped: threading.Event, healthcheck_port: int, poll_s: float = POLL_S
+) -> NvmlSession | None:
+    """The NVML session once the driver answers (the plugin goes on with it); None when `stopped`
+    is set first (SIGTERM)."""
+    opened = open_nvml(nvml)
+    if isinstance(opened, NvmlSession):
+        return opened
     log.warning(
         "the NVIDIA driver is not loaded (%s): waiting for it; the plugin starts and registers with kubelet "
         "once NVML answers",
-        missing,
+        opened,
     )
     server = _waiting_health(healthcheck_port) if healthcheck_port >= 0 else None
     try:
-        while missing:
+        while not isinstance(opened, NvmlSession):
             if stopped.wait(poll_s):
-                return False
-            missing = driver_absent(nvml)
+                return None
+            opened = open_nvml(nvml)
     finally:
         if server is not None:
             server.stop(grace=0).wait()  # the port is the plugin's next
     log.info("the NVIDIA driver answers: starting")
-    return True
+    return opened
 
 
 def _waiting_health(port: int) -> grpc.Server:

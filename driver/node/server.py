@@ -59,10 +59,10 @@ HOST_INIT_PID = 1  # with hostPID, the host's init: the cgroups MPS daemons join
 
 
 class PluginProcess:
-    def __init__(self, settings: PluginSettings, api: KubeApi | None = None) -> None:
+    def __init__(self, settings: PluginSettings, api: KubeApi | None = None, nvml: NvmlSession | None = None) -> None:
         self.settings = settings
         self.api = api or ClientKubeApi(settings.kubeconfig)
-        self._nvml = NvmlSession.open(settings.nvml)
+        self._nvml = nvml or NvmlSession.open(settings.nvml)
         self.gpus = discover_gpus(self._nvml)
         check_offers(self.gpus, settings.sharing)
         log.info("discovered %d GPU(s): %s", len(self.gpus), ", ".join(g.product_name for g in self.gpus))
@@ -274,9 +274,10 @@ def run_plugin(settings: PluginSettings) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())
     api = ClientKubeApi(settings.kubeconfig)  # a bad client configuration fails now, not after the wait
-    if not wait_for_driver(settings.nvml, done, settings.healthcheck_port):
+    nvml = wait_for_driver(settings.nvml, done, settings.healthcheck_port)
+    if nvml is None:
         return
-    process = PluginProcess(settings, api)
+    process = PluginProcess(settings, api, nvml)
     process.start()
     done.wait()
     process.stop()

@@ -209,7 +209,7 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("true", "RETRY_WAITING_PODS"),
         help="once kubelet registers the plugin or the NVIDIA driver is back, annotate the node's pending pods "
         "whose claims it could not prepare meanwhile, so that kubelet tries them now rather than at its next "
-        "pod sync (up to 90 s); needs pods list and patch [RETRY_WAITING_PODS=true|false]",
+        "pod sync (up to 90 s); needs list on resourceclaims and patch on pods [RETRY_WAITING_PODS=true|false]",
     )
     parser.add_argument(
         "--shutdown-drain",
