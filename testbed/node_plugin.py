@@ -57,7 +57,8 @@ class NodePlugin(PluginUnderTest):
         state of another instance."""
         assert node.cluster.kubeconfig is not None
         plugin = cls(node=node.name, kubeconfig=str(node.cluster.kubeconfig), nvml=nvml, real_node=node, uid=uid)
-        plugin.state_root = sharing_state_of.root if sharing_state_of else None
+        # The root whose state the other instance uses: a rollout's third instance shares the first's.
+        plugin.state_root = (sharing_state_of.state_root or sharing_state_of.root) if sharing_state_of else None
         plugin.extra_env = {MOCK_STATE_ENV: str(plugin.mock_state)}
         plugin.extra_args = [f"--state-dir={plugin.state_dir}", *([f"--rolling-update-uid={uid}"] if uid else [])]
         return plugin

@@ -167,7 +167,8 @@ def test_a_pod_that_met_no_plugin_is_retried_once_kubelet_registers_it_unless_tu
     registered_plugin(cluster, core_api, start_plugin, root)
     wait_for(lambda: RETRY in (core_api.read_namespaced_pod(waiting, NS).metadata.annotations or {}))
     why = "PrepareRetried: the gpu.fgpu.dev plugin is registered with kubelet"
-    assert f"{why}: asked kubelet to prepare claim(s) {claim['name']} now" in " ".join(pod_events(core_api, waiting))
+    said = f"{why}: asked kubelet to prepare claim(s) {claim['name']} now"
+    wait_for(lambda: said in " ".join(pod_events(core_api, waiting)))  # the Event follows the annotation
 
 
 def health_on(port: int, service: str = "") -> int:
