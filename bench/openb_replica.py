@@ -24,11 +24,14 @@ What it replicates (the simulator's code):
   order among equal scores); a whole-GPU pod: the first free GPUs;
 - BestFit's score: int((1 - (0.5 (cpu left - cpu) / 128000 + 0.5 (GPU left - GPU asked) / 8000)) x 100)
   (its min-max normalisation keeps the top set), the tightest GPU for a sharing pod;
-- equal top scores: a node at random (kube-scheduler's selectHost).
+- equal top scores: the node whose name is the smallest (the simulator's vendored kube-scheduler,
+  core/generic_scheduler.go selectHost, patched "for reproducibility": not at random), names being
+  prefixed with a per-seed random permutation ("%04d-", syncClusterResourceList): a fixed random
+  node order per seed, the first node in it among the best.
 
 Variants (to find what makes FGD better than our policy): `--typical online` learns the typical
 pods from the pods seen so far, again at 16, 32, 64, ... pods (as driver/allocator/fragmentation.py
-does); `--no-cpu-pods`, `--weigh-devices`, `--one-cpu`, `--exact`, `--ties first`: see --help.
+does); `--no-cpu-pods`, `--weigh-devices`, `--one-cpu`, `--exact`, `--ties random`: see --help.
 
   python -m bench.openb_replica --trace default --seeds 42-51 --policy fgd
   python -m bench.openb_replica --trace default --seeds 42-49 --policy fgd --every 4 --typical online
@@ -73,7 +76,7 @@ POPULARITY = 0.95  # typicalPodsConfig.podPopularityThreshold in generate_config
 FIRST_LEARN = 16  # online: as driver/allocator/fragmentation.py
 
 Policy = Literal["fgd", "bestfit"]
-Ties = Literal["random", "first"]
+Ties = Literal["name", "random"]
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,7 @@ class Options:
     typical: Literal["given", "online"] = "given"
     mix: Mix = Mix()
     exact: bool = False
-    ties: Ties = "random"
+    ties: Ties = "name"
     stop_at: float = TUNE_RATIO * 100
 
 
@@ -292,8 +295,8 @@ class Result:
 
 
 def build_nodes(nodes: Sequence[TraceNode], seed: int) -> list[Node]:
-    """The cluster in the simulator's node order: names prefixed by a random permutation (order only
-    matters to `--ties first`)."""
+    """The cluster in the simulator's node order: names prefixed by a random permutation, sorted
+    (equal top scores go to the first)."""
     prefixes = random.Random(seed).sample(range(len(nodes)), len(nodes))
     built = [
         Node(f"p{p:04d}-{n.name}", n.model, n.cpu_milli, n.memory_mib, [MILLI] * n.gpus)
@@ -350,7 +353,8 @@ def _choose(
     ties: Ties,
     rng: random.Random,
 ) -> tuple[int, list[int]] | None:
-    """The node (index) with the top score and its GPUs; equal top scores: at random, or the first."""
+    """The node (index) with the top score and its GPUs; equal top scores: the first (the smallest
+    name, as the simulator), or one at random (upstream kube-scheduler)."""
     key = (spec, pod.memory_mib)
     top = -math.inf
     best: list[int] = []
@@ -368,7 +372,7 @@ def _choose(
             best.append(index)
     if not best:
         return None
-    index = best[0] if ties == "first" else rng.choice(best)
+    index = best[0] if ties == "name" else rng.choice(best)
     found = kept[index][key]
     assert found is not None
     return index, found[1]
@@ -387,7 +391,7 @@ def label(options: Options) -> str:
                 parts.append(f"{name}={getattr(options.mix, name)}")
         if options.exact:
             parts.append("exact")
-    if options.ties != "random":
+    if options.ties != "name":
         parts.append(f"ties {options.ties}")
     return ", ".join(parts)
 
@@ -452,7 +456,9 @@ def main() -> None:
     parser.add_argument("--one-cpu", action="store_true", help="one CPU size (the most common) per GPU request")
     parser.add_argument("--threshold", type=float, default=POPULARITY, help="typical pods up to this share")
     parser.add_argument("--exact", action="store_true", help="FGD's score not truncated to an integer")
-    parser.add_argument("--ties", choices=("random", "first"), default="random", help="equal top scores")
+    parser.add_argument(
+        "--ties", choices=("name", "random"), default="name", help="equal top scores: smallest name (simulator)"
+    )
     parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the openb CSVs")
     parser.add_argument("--every", type=int, default=1, help="every Nth node only: a smaller cluster")
     parser.add_argument("--stop-at", type=float, default=TUNE_RATIO * 100, help="end at this arrived %% (130: all)")

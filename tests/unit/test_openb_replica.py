@@ -103,7 +103,7 @@ def test_fgd_on_a_node_takes_the_gpu_that_strands_least_first_among_equal_scores
     assert scorer.score(Node("n", "T4", 32000, 10**6, [1000, 1000]), Spec(1000, 300, 1))[1] == [0]
 
 
-def test_ties_between_nodes_are_broken_at_random_or_by_the_first():
+def test_ties_between_nodes_go_to_the_first_in_name_order_or_at_random():
     nodes = [Node(f"n{i}", "T4", 32000, 10**6, [1000]) for i in range(3)]
     scorer = Scorer("fgd")
     scorer.set_typical((Typical(Spec(1000, 500, 1), 1.0),))
@@ -116,11 +116,11 @@ def test_ties_between_nodes_are_broken_at_random_or_by_the_first():
         chosen.add(found[0])
     assert chosen == {0, 1, 2}
     kept = [{} for _ in nodes]
-    assert _choose(nodes, kept, scorer, share, spec_of(share), "first", random.Random(0)) == (0, [0])
+    assert _choose(nodes, kept, scorer, share, spec_of(share), "name", random.Random(0)) == (0, [0])
     # a node that does not fit (memory) is never chosen
     nodes[0].memory_left = 10
     kept = [{} for _ in nodes]
-    assert _choose(nodes, kept, scorer, share, spec_of(share), "first", random.Random(0)) == (1, [0])
+    assert _choose(nodes, kept, scorer, share, spec_of(share), "name", random.Random(0)) == (1, [0])
 
 
 def test_bestfit_prefers_the_least_left_after_and_the_tightest_gpu():
