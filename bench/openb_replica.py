@@ -76,7 +76,7 @@ POPULARITY = 0.95  # typicalPodsConfig.podPopularityThreshold in generate_config
 FIRST_LEARN = 16  # online: as driver/allocator/fragmentation.py
 
 Policy = Literal["fgd", "bestfit"]
-Ties = Literal["name", "random"]
+Ties = Literal["name", "random", "fullest"]
 
 
 @dataclass(frozen=True)
@@ -354,7 +354,7 @@ def _choose(
     rng: random.Random,
 ) -> tuple[int, list[int]] | None:
     """The node (index) with the top score and its GPUs; equal top scores: the first (the smallest
-    name, as the simulator), or one at random (upstream kube-scheduler)."""
+    name, as the simulator), one at random (upstream kube-scheduler), or the fullest (ours)."""
     key = (spec, pod.memory_mib)
     top = -math.inf
     best: list[int] = []
@@ -372,7 +372,12 @@ def _choose(
             best.append(index)
     if not best:
         return None
-    index = best[0] if ties == "name" else rng.choice(best)
+    if ties == "random":
+        index = rng.choice(best)
+    elif ties == "fullest":  # our fragmentation policy's: binpack's order, the least GPU left (share) first
+        index = min(best, key=lambda i: (sum(cluster[i].gpus) / max(len(cluster[i].gpus), 1), i))
+    else:
+        index = best[0]
     found = kept[index][key]
     assert found is not None
     return index, found[1]
@@ -457,7 +462,10 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=POPULARITY, help="typical pods up to this share")
     parser.add_argument("--exact", action="store_true", help="FGD's score not truncated to an integer")
     parser.add_argument(
-        "--ties", choices=("name", "random"), default="name", help="equal top scores: smallest name (simulator)"
+        "--ties",
+        choices=("name", "random", "fullest"),
+        default="name",
+        help="equal top scores: the smallest name (the simulator's), at random (upstream's), the fullest (ours)",
     )
     parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the openb CSVs")
     parser.add_argument("--every", type=int, default=1, help="every Nth node only: a smaller cluster")

@@ -20,6 +20,7 @@ from bench.openb_replica import (
     accessible,
     after_sub,
     bestfit_score,
+    build_nodes,
     exclusive_gpus,
     fgd_score,
     frag_amount,
@@ -117,10 +118,24 @@ def test_ties_between_nodes_go_to_the_first_in_name_order_or_at_random():
     assert chosen == {0, 1, 2}
     kept = [{} for _ in nodes]
     assert _choose(nodes, kept, scorer, share, spec_of(share), "name", random.Random(0)) == (0, [0])
+    # ours: the fullest (least GPU left, as a share) first; for 100-thousandth pods all score 50 here
+    small = Scorer("fgd")
+    small.set_typical((Typical(Spec(1000, 100, 1), 1.0),))
+    nodes[2].gpus = [600]
+    kept = [{} for _ in nodes]
+    assert _choose(nodes, kept, small, share, spec_of(share), "fullest", random.Random(0))[0] == 2
+    assert _choose(nodes, [{} for _ in nodes], small, share, spec_of(share), "name", random.Random(0))[0] == 0
     # a node that does not fit (memory) is never chosen
     nodes[0].memory_left = 10
     kept = [{} for _ in nodes]
     assert _choose(nodes, kept, scorer, share, spec_of(share), "name", random.Random(0)) == (1, [0])
+
+
+def test_nodes_are_in_the_order_of_their_permuted_names():
+    nodes = build_nodes([TraceNode(f"openb-node-{i:04d}", 32000, 65536, 1, "T4") for i in range(50)], seed=42)
+    assert [n.name for n in nodes] == sorted(n.name for n in nodes)
+    assert [n.name[6:] for n in nodes] != sorted(n.name[6:] for n in nodes)  # not the trace's order
+    assert build_nodes([TraceNode("x", 1, 1, 1, "T4")] * 3, seed=1)[0].name.startswith("p0000-")
 
 
 def test_bestfit_prefers_the_least_left_after_and_the_tightest_gpu():
