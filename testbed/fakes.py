@@ -252,3 +252,15 @@ def allocated_claim(
 
 def result(device: str, request: str = "gpu", pool: str = "node-a", driver: str = "gpu.fgpu.dev") -> dict[str, Any]:
     return {"request": request, "driver": driver, "pool": pool, "device": device}
+
+
+class CallContext:
+    """What a servicer reads of grpc.ServicerContext: whether the caller still waits for the answer
+    (False: kubelet cancelled the call, or closed its connection, meanwhile). Unit tests call the
+    DRA servicer directly, without a socket."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def is_active(self) -> bool:
+        return self.active

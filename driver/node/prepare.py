@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -253,6 +253,20 @@ class ClaimPreparer:
             self._publish_status(ref, devices)
         checked = "; ".join(f"{device.device}: {done}" for device, done in made)
         return ClaimResult(devices=devices, summary=f"already prepared, checked: {checked}")
+
+    def record_answer(self, uids: Iterable[str], answered: bool) -> list[str]:
+        """Record whether kubelet got the answer of its prepare call for these claims (not: it
+        cancelled the call meanwhile); the prepared ones whose record changed, by name."""
+        changed = []
+        for uid in uids:
+            if (known := self.claims.get(uid)) is None or known.answered == answered:
+                continue  # the usual case, read without a lock: nothing to write
+            with self.node_wide(), self.locks.held(f"claim/{uid}"):
+                claim = self.claims.get(uid)
+                if claim is not None and claim.state == "PrepareCompleted" and claim.answered != answered:
+                    self.claims.commit(prepared=[replace(claim, answered=answered)])
+                    changed.append(f"{claim.namespace}/{claim.name}")
+        return changed
 
     def _make_again(self, ref: ClaimRef, device: PreparedDevice) -> tuple[PreparedDevice, str]:
         if device.gpu_uuid not in self._gpus:

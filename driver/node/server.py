@@ -125,9 +125,7 @@ class PluginProcess:
             on_gpu_back=self.preparer.check_prepared,
             on_driver_back=self._driver_back,
         )
-        self.prepare_retries = PrepareRetries(
-            self.api, settings.driver_name, settings.node_name, lambda: self.claims.all().keys()
-        )
+        self.prepare_retries = PrepareRetries(self.api, settings.driver_name, settings.node_name, self.claims.answered)
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
         self._registration_server: grpc.Server | None = None
@@ -156,6 +154,14 @@ class PluginProcess:
         if registered:
             self._retry_waiting_pods(f"the {self.settings.driver_name} plugin is registered with kubelet")
 
+    def _answered(self, uids: list[str], answered: bool) -> None:
+        """Kubelet cancelled a prepare call that then completed: it waits for its next pod sync
+        (a minute or more) unless asked now; the next instance asks too (the record says)."""
+        changed = self.preparer.record_answer(uids, answered)
+        if changed and not answered:
+            log.warning("kubelet cancelled its prepare call for %s before the answer", ", ".join(changed))
+            self._retry_waiting_pods(f"kubelet cancelled its call to prepare {', '.join(changed)} before the answer")
+
     def _retry_waiting_pods(self, why: str) -> None:
         if self.settings.retry_waiting_pods:
             self.prepare_retries.request(why)
@@ -183,7 +189,7 @@ class PluginProcess:
         # exists, and once our sockets accept connections nothing stale is left beside them.
         self.instance.remove_dead_instances_sockets()
         dra_server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra"))
-        add_dra_services(dra_server, self.preparer)
+        add_dra_services(dra_server, self.preparer, self._answered)
         if settings.health_monitor:
             add_health_services(dra_server, self.device_health, settings.node_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, dra_server)

@@ -73,14 +73,21 @@ class PreparedClaim:
     devices: tuple[PreparedDevice, ...]
     state: ClaimState = "PrepareCompleted"
     owner: str = ""
+    # False: kubelet cancelled its NodePrepareResources call before the answer (a rolling update's
+    # old instance deregistered mid-call, kubelet's timeout), so it does not know the claim is
+    # prepared and waits for its next pod sync; the retry pass (prepare_retries.py) counts it as waiting.
+    answered: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if self.answered:  # the usual case written as before: an older plugin (a rollback) reads it
+            del record["answered"]
+        return record
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> PreparedClaim:
         devices = tuple(PreparedDevice(**_tuples(PreparedDevice, d)) for d in raw["devices"])
-        return cls(**{**raw, "devices": devices})
+        return cls(**{**_tuples(cls, raw), "devices": devices})
 
 
 def _tuples(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +110,10 @@ class PreparedClaims:
 
     def all(self) -> dict[str, PreparedClaim]:
         return {uid: PreparedClaim.from_json(raw) for uid, raw in self._checkpoint.read().claims.items()}
+
+    def answered(self) -> set[str]:
+        """The UIDs of the claims kubelet knows are prepared here (it got the answer)."""
+        return {uid for uid, claim in self.all().items() if claim.answered}
 
     def get(self, uid: str) -> PreparedClaim | None:
         raw = self._checkpoint.read().claims.get(uid)

@@ -18,7 +18,7 @@ from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedClaim
 from driver.nvml.mock import SIMULATED_MPS_GPU_PERCENT
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import CallContext, InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
 
 MIB = 2**20
@@ -41,12 +41,12 @@ def claims_message(refs: list[ClaimRef]) -> list[dra_v1_pb2.Claim]:
 
 def prepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
     request = dra_v1_pb2.NodePrepareResourcesRequest(claims=claims_message(refs))
-    return {uid: r.error for uid, r in service.NodePrepareResources(request, None).claims.items()}
+    return {uid: r.error for uid, r in service.NodePrepareResources(request, CallContext()).claims.items()}
 
 
 def unprepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
     request = dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims_message(refs))
-    return {uid: r.error for uid, r in service.NodeUnprepareResources(request, None).claims.items()}
+    return {uid: r.error for uid, r in service.NodeUnprepareResources(request, CallContext()).claims.items()}
 
 
 class Samples:
@@ -78,7 +78,7 @@ class Samples:
 def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
     api, env = node
     collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
-    return api, env, DraV1Service(env.preparer), Samples(node_registry(collector))
+    return api, env, DraV1Service(env.preparer, lambda uids, answered: None), Samples(node_registry(collector))
 
 
 def test_requests_latency_and_errors_by_reason(plugin):

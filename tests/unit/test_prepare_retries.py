@@ -3,10 +3,14 @@ back, which makes kubelet sync them at once instead of at its next periodic pod 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+from driver.kubeletapi import dra_v1_pb2
+from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.kubelet.prepare_retries import EVENT_REASON, PrepareRetries, WaitingPod, waiting_pods
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from driver.node.state import PreparedClaim, PreparedDevice
+from testbed.fakes import CallContext, InMemoryKubeApi, allocated_claim, result
 from testbed.workloads import wait_until
 
 DRIVER, NODE = "gpu.fgpu.dev", "node-a"
@@ -97,3 +101,41 @@ def test_requests_are_served_on_the_workers_thread_until_it_stops(caplog):
     finally:
         retries.stop()
     assert ANNOTATION in api.pods[("ns", "p1")]["metadata"]["annotations"]
+
+
+def test_a_prepare_whose_call_kubelet_cancelled_counts_as_waiting_until_a_call_is_answered(node):
+    """Kubelet closes its connection to a rolling update's old instance when that one deregisters,
+    cancelling a prepare in flight; the prepare completes all the same, and kubelet, which never saw
+    the answer, waits for its next pod sync. Such a claim is retried like one never prepared, also
+    after the next instance's start-up check, until a call for it is answered."""
+    api, env = node
+    api.claims[("ns", "a")] = allocated_claim("ns", "a", "ua", [result("gpu-0")])
+    changed: list[list[str]] = []
+    service = DraV1Service(
+        env.preparer, lambda uids, answered: changed.append(env.preparer.record_answer(uids, answered))
+    )
+    request = dra_v1_pb2.NodePrepareResourcesRequest(claims=[dra_v1_pb2.Claim(namespace="ns", name="a", uid="ua")])
+
+    assert not service.NodePrepareResources(request, CallContext(active=False)).claims["ua"].error
+    assert changed == [["ns/a"]]
+    assert "ua" in env.claims.all() and "ua" not in env.claims.answered()  # prepared, and kubelet does not know
+    env.preparer.check_prepared()  # the next instance's start-up check is no answer to kubelet
+    assert "ua" not in env.claims.answered()
+
+    assert not service.NodePrepareResources(request, CallContext()).claims["ua"].error  # kubelet's retry
+    assert changed == [["ns/a"], ["ns/a"]] and env.claims.answered() == {"ua"}
+    assert not service.NodePrepareResources(request, CallContext()).claims["ua"].error
+    assert changed[-1] == []  # answered already: nothing written
+
+
+def test_the_answered_mark_is_written_only_when_false_so_an_older_plugin_reads_the_record():
+    device = PreparedDevice(
+        request_names=("gpu",), pool=NODE, device="gpu-0", cdi_ids=("gpu.fgpu.dev/gpu=x",), kind="whole",
+        gpu_uuid="GPU-0", gpu_index=0,
+    )  # fmt: skip
+    claim = PreparedClaim("ua", "ns", "a", (device,))
+    assert "answered" not in claim.to_json()
+    assert PreparedClaim.from_json(claim.to_json()) == claim
+    cancelled = replace(claim, answered=False)
+    assert cancelled.to_json()["answered"] is False and PreparedClaim.from_json(cancelled.to_json()) == cancelled
+    assert PreparedClaim.from_json({**claim.to_json(), "from_a_newer_plugin": 1}) == claim

@@ -25,7 +25,7 @@ from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml, MockProcess
 from driver.nvml.session import MOCK_STATE_ENV, NvmlProcess, NvmlSession
 from driver.usage_report import idle_claims, usage_by_namespace
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import CallContext, InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
 
 GIB = 2**30
@@ -109,7 +109,7 @@ def test_a_process_pod_comes_from_its_cgroup():
 
 def prepare(service: DraV1Service, refs: list[ClaimRef]) -> None:
     claims = [dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in refs]
-    answer = service.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=claims), None)
+    answer = service.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=claims), CallContext())
     assert {uid: r.error for uid, r in answer.claims.items()} == {r.uid: "" for r in refs}
 
 
@@ -135,7 +135,7 @@ def team_node(node: tuple[InMemoryKubeApi, NodeEnv], tmp_path: Path):
         add_claim(api, "team-a", "notebook", [timeslice("gpu-1-ts", "20Gi")], "notebook-0", POD_A),
         add_claim(api, "team-b", "eval", [result("gpu-2-mig-3g40gb-0")], "eval-0", POD_B),
     ]
-    prepare(DraV1Service(env.preparer), refs)
+    prepare(DraV1Service(env.preparer, lambda uids, answered: None), refs)
     proc = tmp_path / "proc"
     for pid, pod in ((101, POD_A), (202, POD_B)):
         (proc / str(pid)).mkdir(parents=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -11,6 +12,8 @@ from driver.claims.refs import ClaimRef
 from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.node import metrics
 from driver.node.prepare import ClaimPreparer
+
+Answered = Callable[[list[str], bool], None]
 
 
 def _refs(claims: Any) -> list[ClaimRef]:
@@ -22,14 +25,17 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
     in v1's share_id field."""
 
     class Servicer(base):  # type: ignore[misc, valid-type]
-        def __init__(self, preparer: ClaimPreparer) -> None:
+        def __init__(self, preparer: ClaimPreparer, answered: Answered) -> None:
             self._preparer = preparer
+            self._answered = answered
 
         def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
             response = messages.NodePrepareResourcesResponse()
             with metrics.observed_request("NodePrepareResources", len(request.claims)) as outcome:
                 results = self._preparer.prepare(_refs(request.claims))
                 outcome.failed = any(result.error for result in results.values())
+            # Whether kubelet sees this answer (not when it gave up on the call meanwhile).
+            self._answered([uid for uid, result in results.items() if not result.error], context.is_active())
             for uid, result in results.items():
                 entry = response.claims[uid]
                 if result.error:
@@ -63,6 +69,8 @@ DraV1Service = _make_servicer(dra_v1_pb2_grpc.DRAPluginServicer, dra_v1_pb2, has
 DraV1beta1Service = _make_servicer(dra_v1beta1_pb2_grpc.DRAPluginServicer, dra_v1beta1_pb2, has_share_id=False)
 
 
-def add_dra_services(server: grpc.Server, preparer: ClaimPreparer) -> None:
-    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1Service(preparer), server)
-    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(preparer), server)
+def add_dra_services(server: grpc.Server, preparer: ClaimPreparer, answered: Answered) -> None:
+    """`answered`: called after each prepare call with the claims prepared and whether kubelet
+    still waited for the answer (False: it cancelled the call meanwhile)."""
+    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1Service(preparer, answered), server)
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(preparer, answered), server)

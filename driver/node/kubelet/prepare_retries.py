@@ -6,7 +6,8 @@ so the pod worker tries it again only at its periodic resync (`syncFrequency`, 6
 jitter), not after the usual 10 s back-off. Any change of a pod's annotations makes kubelet sync
 that pod at once (its pod config sees an update). So once this instance is registered, or the
 driver is back, every claim allocated a device of ours on this node (its pool) that is not prepared
-here has the pods it is reserved for annotated `<driver>/prepare-retry` (the time), with a Normal
+here, or was prepared for a call kubelet cancelled before the answer (`PreparedClaim.answered`: also
+asked at once), has the pods it is reserved for annotated `<driver>/prepare-retry` (the time), with a Normal
 Event saying why. A claim allocated to this node can only be used by pods on this node, so the
 claims alone name the pods: the plugin reads no pods (their specs may hold secrets)."""
 
