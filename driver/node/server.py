@@ -55,6 +55,9 @@ from partitioner.runner import ToolRunner
 from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
+
+# After registration, the old instance's drain plus this long, a second pass (see _registered).
+ANSWERS_SETTLE_S = 5.0
 HOST_INIT_PID = 1  # with hostPID, the host's init: the cgroups MPS daemons join to outlive our container
 
 
@@ -125,7 +128,13 @@ class PluginProcess:
             on_gpu_back=self.preparer.check_prepared,
             on_driver_back=self._driver_back,
         )
-        self.prepare_retries = PrepareRetries(self.api, settings.driver_name, settings.node_name, self.claims.answered)
+        self.prepare_retries = PrepareRetries(
+            self.api,
+            settings.driver_name,
+            settings.node_name,
+            self.claims.answered,
+            asked=lambda uids: self.preparer.record_answer(uids, True),
+        )
         self.liveness: LivenessMonitor | None = None
         self._dra_server: grpc.Server | None = None
         self._registration_server: grpc.Server | None = None
@@ -152,19 +161,26 @@ class PluginProcess:
     def _registered(self, registered: bool) -> None:
         self.health.set_ready(registered)
         if registered:
-            self._retry_waiting_pods(f"the {self.settings.driver_name} plugin is registered with kubelet")
+            # Once more when the instance we replace has stopped: it serves calls sent before its
+            # withdrawal for its drain, and one kubelet gave up on meanwhile is marked (_answered).
+            again = self.settings.shutdown_drain_s + ANSWERS_SETTLE_S
+            self._retry_waiting_pods(f"the {self.settings.driver_name} plugin is registered with kubelet", again)
 
-    def _answered(self, uids: list[str], answered: bool) -> None:
-        """Kubelet cancelled a prepare call that then completed: it waits for its next pod sync
-        (a minute or more) unless asked now; the next instance asks too (the record says)."""
-        changed = self.preparer.record_answer(uids, answered)
-        if changed and not answered:
+    def _answered(self, uids: list[str], delivered: bool) -> None:
+        """Kubelet gave up on a prepare call that then completed (its timeout; or this instance
+        withdrew its registration, and kubelet closes its connection to it, maybe before the answer
+        is sent): it waits for its next pod sync (a minute or more) unless asked. Asked now while
+        this instance is registered, else by the next one (the record says)."""
+        withdrawn = self._stopped.is_set()
+        changed = self.preparer.record_answer(uids, delivered and not withdrawn)
+        if changed and not delivered:
             log.warning("kubelet cancelled its prepare call for %s before the answer", ", ".join(changed))
+        if changed and not delivered and not withdrawn:
             self._retry_waiting_pods(f"kubelet cancelled its call to prepare {', '.join(changed)} before the answer")
 
-    def _retry_waiting_pods(self, why: str) -> None:
+    def _retry_waiting_pods(self, why: str, again_after_s: float = 0.0) -> None:
         if self.settings.retry_waiting_pods:
-            self.prepare_retries.request(why)
+            self.prepare_retries.request(why, again_after_s)
 
     def _mig_slices_of(self, gpu_index: int, gi_id: int) -> MigSlices | None:
         """The memory slices of a GPU instance, for a fault NVML attributes to it."""

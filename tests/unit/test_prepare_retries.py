@@ -3,6 +3,7 @@ back, which makes kubelet sync them at once instead of at its next periodic pod 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -40,8 +41,8 @@ def test_only_unprepared_claims_of_this_drivers_pool_name_their_pods():
     deleting["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
     claims.append(deleting)
     assert waiting_pods(claims, DRIVER, NODE, prepared={"up"}) == [
-        WaitingPod("ns", "p1", "u1", ("a", "b")),
-        WaitingPod("ns", "p2", "u2", ("b",)),
+        WaitingPod("ns", "p1", "u1", ("a", "b"), ("ua", "ub")),
+        WaitingPod("ns", "p2", "u2", ("b",), ("ub",)),
     ]
 
 
@@ -51,9 +52,11 @@ def test_a_waiting_pod_is_annotated_with_an_event_each_time_the_plugin_comes_bac
     api.claims[("ns", "done")] = reserved(allocated_claim("ns", "done", "ud", [result("gpu-1")]), ("p2", "u2"))
     api.pods = {("ns", "p1"): pod("p1", "u1"), ("ns", "p2"): pod("p2", "u2")}
     now = [datetime(2026, 12, 1, 0, 0, 0, tzinfo=UTC)]
-    retries = PrepareRetries(api, DRIVER, NODE, prepared=lambda: {"ud"}, clock=lambda: now[0])
+    asked: list[set[str]] = []
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=lambda: {"ud"}, clock=lambda: now[0], asked=asked.append)
 
     assert retries.retry_once("the plugin is registered") == ["ns/p1"]
+    assert asked == [{"ua"}]  # the claims kubelet was asked about (their cancelled answers no longer count)
     first = api.pods[("ns", "p1")]["metadata"]["annotations"][ANNOTATION]
     assert first == "2026-12-01T00:00:00.000000Z"
     assert "annotations" not in api.pods[("ns", "p2")]["metadata"]  # its claim is prepared
@@ -139,3 +142,22 @@ def test_the_answered_mark_is_written_only_when_false_so_an_older_plugin_reads_t
     cancelled = replace(claim, answered=False)
     assert cancelled.to_json()["answered"] is False and PreparedClaim.from_json(cancelled.to_json()) == cancelled
     assert PreparedClaim.from_json({**claim.to_json(), "from_a_newer_plugin": 1}) == claim
+
+
+def test_a_registration_asks_again_once_the_replaced_instance_has_stopped():
+    """The instance it replaces serves calls sent to it before its withdrawal for its drain: one
+    that kubelet gave up on meanwhile is only marked after this instance's first pass."""
+    api = InMemoryKubeApi()
+    api.pods = {("ns", "p1"): pod("p1", "u1")}
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=set)
+    retries.start()
+    try:
+        retries.request("registered", again_after_s=0.3)
+        time.sleep(0.1)
+        assert not api.events  # the first pass found no waiting claim
+        api.claims[("ns", "a")] = reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1"))
+        wait_until("the second pass annotated the pod", lambda: api.events, timeout_s=5, interval=0.01)
+        time.sleep(0.5)
+        assert len(api.events) == 1  # and no third
+    finally:
+        retries.stop()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,12 +39,13 @@ class WaitingPod:
     name: str
     uid: str
     claims: tuple[str, ...]  # those of its claims that wait for us
+    claim_uids: tuple[str, ...] = ()
 
 
 def waiting_pods(claims: Iterable[JsonObject], driver: str, pool: str, prepared: Collection[str]) -> list[WaitingPod]:
     """The pods that `claims` with a device of `driver` in `pool` are reserved for, where the claim
     is not among the `prepared` UIDs."""
-    waiting: dict[tuple[str, str, str], list[str]] = {}
+    waiting: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
     for claim in claims:
         meta, status = claim["metadata"], claim.get("status") or {}
         if meta.get("uid") in prepared or meta.get("deletionTimestamp"):
@@ -54,8 +56,11 @@ def waiting_pods(claims: Iterable[JsonObject], driver: str, pool: str, prepared:
         for consumer in status.get("reservedFor") or ():
             if consumer.get("resource") == "pods" and not consumer.get("apiGroup"):
                 key = (meta["namespace"], consumer["name"], consumer["uid"])
-                waiting.setdefault(key, []).append(meta["name"])
-    return [WaitingPod(ns, name, uid, tuple(sorted(names))) for (ns, name, uid), names in sorted(waiting.items())]
+                waiting.setdefault(key, []).append((meta["name"], meta["uid"]))
+    return [
+        WaitingPod(ns, name, uid, tuple(n for n, _ in sorted(found)), tuple(u for _, u in sorted(found)))
+        for (ns, name, uid), found in sorted(waiting.items())
+    ]
 
 
 def _utc_now() -> datetime:
@@ -75,20 +80,28 @@ class PrepareRetries(BackgroundWorker):
         node: str,
         prepared: Callable[[], Collection[str]],
         clock: Callable[[], datetime] = _utc_now,
+        asked: Callable[[Collection[str]], object] = lambda uids: None,
     ) -> None:
+        """`prepared`: the claims kubelet knows are prepared here; `asked`: told the claims whose
+        pods were annotated (kubelet has been asked about them)."""
         super().__init__()
         self._api = api
         self._driver = driver
         self._node = node  # also the name of the node's pool (prepare's rule)
         self._prepared = prepared
         self._clock = clock
+        self._asked = asked
         self._wanted = threading.Event()
         self._why = ""
+        self._again_at: float | None = None
         self._guard = threading.Lock()
 
-    def request(self, why: str) -> None:
+    def request(self, why: str, again_after_s: float = 0.0) -> None:
+        """A pass now, and with `again_after_s`, one more then."""
         with self._guard:
             self._why = why
+            if again_after_s:
+                self._again_at = time.monotonic() + again_after_s
         self._wanted.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -98,12 +111,16 @@ class PrepareRetries(BackgroundWorker):
 
     def _run(self) -> None:
         while True:
-            self._wanted.wait()
+            with self._guard:
+                again_at = self._again_at
+            wanted = self._wanted.wait(None if again_at is None else max(0.0, again_at - time.monotonic()))
             if self._stop.is_set():
                 return
             self._wanted.clear()
             with self._guard:
                 why = self._why
+                if not wanted or (self._again_at is not None and self._again_at <= time.monotonic()):
+                    self._again_at = None
             try:
                 self.retry_once(why)
             except KubeError as err:
@@ -115,11 +132,9 @@ class PrepareRetries(BackgroundWorker):
         """Annotate the pods waiting for one of our prepares; their namespace/name."""
         prepared = set(self._prepared())
         claims = self._api.list_all_claims(from_cache=True)  # every node's plugin lists them after a rollout
-        retried = [
-            f"{pod.namespace}/{pod.name}"
-            for pod in waiting_pods(claims, self._driver, self._node, prepared)
-            if self._retry(pod, why)
-        ]
+        waiting = [pod for pod in waiting_pods(claims, self._driver, self._node, prepared) if self._retry(pod, why)]
+        self._asked({uid for pod in waiting for uid in pod.claim_uids})
+        retried = [f"{pod.namespace}/{pod.name}" for pod in waiting]
         if retried:
             log.info("%s: asked kubelet to retry the prepares of %s", why, ", ".join(retried))
         return retried
