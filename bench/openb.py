@@ -440,19 +440,28 @@ def run(
     return report(args.trace, args.policy, args.cpu_pods, runs, args.traces)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def protocol_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """A parser with the protocol's options: which trace, seeds and cluster, where to stop."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", choices=VARIANTS, default="default")
     parser.add_argument("--seeds", default="42-51", help="42-51 or 42,45")
-    parser.add_argument("--policy", choices=POLICIES, default="binpack")
-    parser.add_argument("--cpu-pods", choices=get_args(CpuPods), default="policy")
     parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the openb CSVs")
     parser.add_argument("--every", type=int, default=1, help="every Nth node only: a smaller cluster to iterate on")
     parser.add_argument("--stop-at", type=float, default=TUNE_RATIO * 100, help="end at this arrived %% (130: all)")
-    args = parser.parse_args()
-    result = run(args)
-    print(table(result))
+    return parser
+
+
+def print_result(result: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    """The table (`render`), then the figures as JSON."""
+    print(render(result))
     print(json.dumps({k: v for k, v in result.items() if k != "published"}, indent=2))
+
+
+def main() -> None:
+    parser = protocol_arguments(__doc__)
+    parser.add_argument("--policy", choices=POLICIES, default="binpack")
+    parser.add_argument("--cpu-pods", choices=get_args(CpuPods), default="policy")
+    print_result(run(parser.parse_args()), table)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
 import random
 import statistics
@@ -56,10 +55,11 @@ from bench.openb import (
     REPORTED,
     TRACES,
     TUNE_RATIO,
-    VARIANTS,
     TraceNode,
     TracePod,
     buckets,
+    print_result,
+    protocol_arguments,
     published,
     read_nodes,
     read_pods,
@@ -451,9 +451,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda line:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", choices=VARIANTS, default="default")
-    parser.add_argument("--seeds", default="42-51", help="42-51 or 42,45")
+    parser = protocol_arguments(__doc__)
     parser.add_argument("--policy", choices=("fgd", "bestfit"), default="fgd")
     parser.add_argument("--typical", choices=("given", "online"), default="given", help="FGD's typical pods")
     parser.add_argument("--no-cpu-pods", action="store_true", help="typical pods without CPU-only pods")
@@ -467,13 +465,7 @@ def main() -> None:
         default="name",
         help="equal top scores: the smallest name (the simulator's), at random (upstream's), the fullest (ours)",
     )
-    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the openb CSVs")
-    parser.add_argument("--every", type=int, default=1, help="every Nth node only: a smaller cluster")
-    parser.add_argument("--stop-at", type=float, default=TUNE_RATIO * 100, help="end at this arrived %% (130: all)")
-    args = parser.parse_args()
-    result = run(args)
-    print(table(result))
-    print(json.dumps({k: v for k, v in result.items() if k != "published"}, indent=2))
+    print_result(run(parser.parse_args()), table)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from bench.openb import (
     workload,
 )
 from driver.allocator.model import claim_from_object
+from tests.support.openb import write_tiny_traces
 
 
 def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
@@ -120,17 +121,7 @@ def test_a_replay_stopped_early_measures_no_bucket_beyond_its_end():
 
 
 def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
-    (tmp_path / "openb_node_list_gpu_node.csv").write_text(
-        "sn,cpu_milli,memory_mib,gpu,model\nn0,8000,65536,2,T4\nn1,8000,65536,8,G2\nn2,8000,65536,2,T4\n"
-    )
-    (tmp_path / "openb_pod_list_default.csv").write_text(
-        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
-        "a,1000,1024,1,600,\nb,1000,1024,1,400,T4\nc,1000,1024,1,1000,\nd,2000,1024,0,0,\n"
-    )
-    (tmp_path / "fgd_expected_results").mkdir()
-    header = "workload,sc_policy,tune,seed,total_gpus," + ",".join(str(b) for b in range(131))
-    row = "openb_pod_list_default,05-BestFit,1.3,42,6212," + ",".join("90" for _ in range(131))
-    (tmp_path / "fgd_expected_results" / "analysis_allo_discrete.csv").write_text(f"{header}\n{row}\n")
+    write_tiny_traces(tmp_path)
     args = argparse.Namespace(
         trace="default", seeds="42,43", policy="fragmentation", cpu_pods="policy", traces=tmp_path, every=2, stop_at=130
     )

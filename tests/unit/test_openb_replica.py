@@ -5,6 +5,8 @@ hand, FGD's truncated score and its ties, the GPU chosen within a node, BestFit,
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -28,6 +30,7 @@ from bench.openb_replica import (
     spec_of,
     typical_pods,
 )
+from tests.support.openb import write_tiny_traces
 
 
 def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
@@ -154,3 +157,19 @@ def test_replay_of_a_tiny_trace_drops_what_fits_nowhere():
         # 4,000 capacity tuned to 5,200: six 800 shares (one a clone), one a GPU: two fit nowhere.
         assert result.failed == 2
         assert result.unallocated[100] == pytest.approx(20.0)  # 3,200 of 4,000 used at 4,000 arrived
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--policy", "fgd"],
+        ["--policy", "bestfit", "--ties", "random"],
+        ["--typical", "online", "--no-cpu-pods", "--weigh-devices", "--one-cpu", "--exact", "--ties", "fullest"],
+        ["--threshold", "0.5", "--every", "2", "--stop-at", "110"],
+    ],
+)
+def test_the_command_as_users_run_it_reports_the_replica_beside_the_published_figures(tmp_path, flags):
+    traces = write_tiny_traces(tmp_path)
+    command = [sys.executable, "-m", "bench.openb_replica", "--traces", str(traces), "--seeds", "42,43", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert "BestFit (published)" in done.stdout and '"seeds": [\n    42,\n    43\n  ]' in done.stdout

@@ -1,0 +1,23 @@
+"""A tiny openb trace folder (nodes, a default pod list, the authors' results CSV) for the openb
+benches' command tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_tiny_traces(folder: Path) -> Path:
+    """Three nodes, four pods (a share, a T4-only share, a whole GPU, a CPU-only pod) and one
+    published BestFit row of 90% allocation at every arrived %."""
+    (folder / "openb_node_list_gpu_node.csv").write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\nn0,8000,65536,2,T4\nn1,8000,65536,8,G2\nn2,8000,65536,2,T4\n"
+    )
+    (folder / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,1000,1024,1,600,\nb,1000,1024,1,400,T4\nc,1000,1024,1,1000,\nd,2000,1024,0,0,\n"
+    )
+    (folder / "fgd_expected_results").mkdir()
+    header = "workload,sc_policy,tune,seed,total_gpus," + ",".join(str(b) for b in range(131))
+    row = "openb_pod_list_default,05-BestFit,1.3,42,6212," + ",".join("90" for _ in range(131))
+    (folder / "fgd_expected_results" / "analysis_allo_discrete.csv").write_text(f"{header}\n{row}\n")
+    return folder
