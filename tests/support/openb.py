@@ -1,9 +1,11 @@
-"""A tiny openb trace folder (nodes, a default pod list, the authors' results CSV) for the openb
-benches' command tests."""
+"""Trace pods and a tiny openb trace folder (nodes, a default pod list, the authors' results CSV)
+for the openb benches' tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from bench.openb import TracePod
 
 
 def write_tiny_traces(folder: Path) -> Path:
@@ -21,3 +23,8 @@ def write_tiny_traces(folder: Path) -> Path:
     row = "openb_pod_list_default,05-BestFit,1.3,42,6212," + ",".join("90" for _ in range(131))
     (folder / "fgd_expected_results" / "analysis_allo_discrete.csv").write_text(f"{header}\n{row}\n")
     return folder
+
+
+def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
+    """A trace pod with 1 GiB of memory; `milli` per GPU (0 for a CPU-only pod)."""
+    return TracePod(name, cpu, 1024, gpus, milli if gpus else 0, spec)

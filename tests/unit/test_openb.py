@@ -12,7 +12,6 @@ import pytest
 from bench.openb import (
     CpuPods,
     TraceNode,
-    TracePod,
     buckets,
     claim_object,
     cluster,
@@ -28,12 +27,7 @@ from bench.openb import (
     workload,
 )
 from driver.allocator.model import claim_from_object
-from tests.support.openb import write_tiny_traces
-
-
-def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
-    return TracePod(name, cpu, 1024, gpus, milli if gpus else 0, spec)
-
+from tests.support.openb import pod, write_tiny_traces
 
 TINY = [pod("p0", 1, 500), pod("p1", 1, 1000), pod("p2", 2, 1000), pod("p3", 0), pod("p4", 1, 250)]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bench.openb import TraceNode, TracePod
+from bench.openb import TraceNode
 from bench.openb_replica import (
     Mix,
     Node,
@@ -30,12 +30,7 @@ from bench.openb_replica import (
     spec_of,
     typical_pods,
 )
-from tests.support.openb import write_tiny_traces
-
-
-def pod(name: str, gpus: int = 1, milli: int = 1000, cpu: int = 1000, spec: tuple[str, ...] = ()) -> TracePod:
-    return TracePod(name, cpu, 1024, gpus, milli if gpus else 0, spec)
-
+from tests.support.openb import pod, write_tiny_traces
 
 SHARE = Spec(4000, 500, 1)  # fits where a GPU has >= 500 left and 4 cores
 BIG_CPU = Spec(16000, 200, 1)  # needs 16 cores
