@@ -308,6 +308,13 @@ class Cluster:
     def _check_alive(self) -> None:
         check_alive(self.processes, self.workdir / "logs")
 
+    @property
+    def discovery_cache(self) -> str:
+        """Where a DynamicClient of this cluster keeps its discovery cache: by default it writes
+        /tmp/osrcp-<hash of the server's URL>.json, leaves it behind, and a later cluster on the
+        same port would read this one's."""
+        return str(self.workdir / "discovery-cache.json")
+
     def api_client(self) -> kubernetes.client.ApiClient:
         configuration = kubernetes.client.Configuration()
         kubernetes.config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)

@@ -189,7 +189,7 @@ class KueueManager:
 
     def _apply(self, client: kubernetes.client.ApiClient, obj: dict[str, Any], created: bool = False) -> None:
         """Server-side apply: what a failed start left is replaced. `created`: stop() takes it out."""
-        dynamic = kubernetes.dynamic.DynamicClient(client)
+        dynamic = kubernetes.dynamic.DynamicClient(client, cache_file=self.cluster.discovery_cache)
         resource = dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
         dynamic.server_side_apply(resource, obj, field_manager="fgpu-testbed", force_conflicts=True)
         if created:
@@ -222,7 +222,7 @@ class KueueManager:
         every Job), then the CRDs, while Kueue runs to remove its finalizers from what is left
         (their conversion webhooks would point at nothing), and its namespace."""
         client = self.cluster.api_client()
-        dynamic = kubernetes.dynamic.DynamicClient(client)
+        dynamic = kubernetes.dynamic.DynamicClient(client, cache_file=self.cluster.discovery_cache)
         for api_version, kind, name in reversed(self._created):
             with contextlib.suppress(NotFoundError):
                 dynamic.resources.get(api_version=api_version, kind=kind).delete(name=name)

@@ -294,7 +294,7 @@ def test_applied_again_as_gitops_tools_do_the_webhook_keeps_refusing(cluster, re
     assert "PRIVATE KEY" not in rendered and "Secret" not in {d["kind"] for d in documents}
     (configuration,) = [d for d in documents if d["kind"] == "ValidatingWebhookConfiguration"]
     assert not [w for w in configuration["webhooks"] if "caBundle" in w["clientConfig"]]  # the webhook's field
-    dynamic = DynamicClient(cluster.api_client())
+    dynamic = DynamicClient(cluster.api_client(), cache_file=cluster.discovery_cache)
     before, secret = workloads_state(cluster), webhook_secret(cluster)
     for _ in range(2):
         for document in documents:
@@ -460,9 +460,9 @@ def example_pods(core: kubernetes.client.CoreV1Api, documents: list[dict[str, An
     return found
 
 
-def delete_example(client: kubernetes.client.ApiClient, documents: list[dict[str, Any]]) -> None:
+def delete_example(cluster: Cluster, client: kubernetes.client.ApiClient, documents: list[dict[str, Any]]) -> None:
     """Workloads first, their pods gone before the claims and templates (kubelet unprepares)."""
-    dynamic = DynamicClient(client)
+    dynamic = DynamicClient(client, cache_file=cluster.discovery_cache)
     core = kubernetes.client.CoreV1Api(client)
     workloads = [d for d in documents if d["kind"] in WORKLOADS]
     for group in (workloads, [d for d in documents if d not in workloads]):
@@ -543,7 +543,7 @@ def test_example_runs(cluster, real_node, release: Release, path: Path) -> None:
             name, completions = job["metadata"]["name"], job["spec"]["completions"]
             wait_until(f"job {name} complete", lambda n=name, c=completions: read_succeeded(batch, n) == c)
     finally:
-        delete_example(client, documents)
+        delete_example(cluster, client, documents)
 
 
 def read_succeeded(batch: kubernetes.client.BatchV1Api, name: str) -> int:

@@ -60,7 +60,7 @@ def dynamic(cluster) -> Iterator[DynamicClient]:
     except kubernetes.client.ApiException as err:
         if err.status != 409:
             raise
-    yield DynamicClient(client)
+    yield DynamicClient(client, cache_file=cluster.discovery_cache)
     if created:
         delete_namespace(core, NAMESPACE)
 

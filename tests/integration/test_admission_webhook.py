@@ -371,7 +371,7 @@ def test_applied_again_by_a_gitops_tool_the_configuration_keeps_or_regains_its_c
 ) -> None:
     webhook = self_managed(1)
     wait_refusing(resource_api)
-    client = DynamicClient(cluster.api_client())
+    client = DynamicClient(cluster.api_client(), cache_file=cluster.discovery_cache)
     resource = client.resources.get(
         api_version="admissionregistration.k8s.io/v1", kind="ValidatingWebhookConfiguration"
     )
