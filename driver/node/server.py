@@ -56,9 +56,9 @@ from partitioner.timeslice import TimeSlicer
 
 log = logging.getLogger(__name__)
 
-# After registration, the old instance's drain plus this long, a second pass (see _registered).
-ANSWERS_SETTLE_S = 5.0
 HOST_INIT_PID = 1  # with hostPID, the host's init: the cgroups MPS daemons join to outlive our container
+# After registration, the old instance's drain plus this long, a second retry pass (see _registered).
+ANSWERS_SETTLE_S = 5.0
 
 
 class PluginProcess:
@@ -173,9 +173,10 @@ class PluginProcess:
         this instance is registered, else by the next one (the record says)."""
         withdrawn = self._stopped.is_set()
         changed = self.preparer.record_answer(uids, delivered and not withdrawn)
-        if changed and not delivered:
-            log.warning("kubelet cancelled its prepare call for %s before the answer", ", ".join(changed))
-        if changed and not delivered and not withdrawn:
+        if not changed or delivered:
+            return
+        log.warning("kubelet cancelled its prepare call for %s before the answer", ", ".join(changed))
+        if not withdrawn:
             self._retry_waiting_pods(f"kubelet cancelled its call to prepare {', '.join(changed)} before the answer")
 
     def _retry_waiting_pods(self, why: str, again_after_s: float = 0.0) -> None:

@@ -59,6 +59,9 @@ def _pods_with_claims(core) -> list:
     return [p for p in core.list_namespaced_pod(NS).items if p.spec.resource_claims]
 
 
+CONTROLLED = ("node-a", "node-b")  # the stand-in nodes of `controlled_nodes`
+
+
 @pytest.fixture(scope="module")
 def controlled_nodes(cluster) -> Iterator[ControlledNodes]:
     """Plugins and kubelet stand-ins on node-a and node-b, and one first-fit controller (the
@@ -94,9 +97,6 @@ def controlled_nodes(cluster) -> Iterator[ControlledNodes]:
             plugin.stop()
             shutil.rmtree(plugin.root, ignore_errors=True)
         _forget_controlled_nodes(cluster, resource_api)  # once nothing publishes them again
-
-
-CONTROLLED = ("node-a", "node-b")
 
 
 def _forget_controlled_nodes(cluster, resource_api: kubernetes.client.ResourceV1Api) -> None:

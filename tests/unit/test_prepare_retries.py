@@ -4,6 +4,7 @@ back, which makes kubelet sync them at once instead of at its next periodic pod 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -149,15 +150,18 @@ def test_a_registration_asks_again_once_the_replaced_instance_has_stopped():
     that kubelet gave up on meanwhile is only marked after this instance's first pass."""
     api = InMemoryKubeApi()
     api.pods = {("ns", "p1"): pod("p1", "u1")}
-    retries = PrepareRetries(api, DRIVER, NODE, prepared=set)
+    passes: list[Collection[str]] = []  # the claims each pass asked about (told at its end)
+    retries = PrepareRetries(api, DRIVER, NODE, prepared=set, asked=passes.append)
     retries.start()
     try:
         retries.request("registered", again_after_s=0.3)
-        time.sleep(0.1)
-        assert not api.events  # the first pass found no waiting claim
+        wait_until("the first pass", lambda: passes, timeout_s=5, interval=0.01)
+        assert not api.events  # it found no waiting claim
         api.claims[("ns", "a")] = reserved(allocated_claim("ns", "a", "ua", [result("gpu-0")]), ("p1", "u1"))
         wait_until("the second pass annotated the pod", lambda: api.events, timeout_s=5, interval=0.01)
+        wait_until("the second pass ended", lambda: len(passes) == 2, timeout_s=5, interval=0.01)
+        assert passes == [set(), {"ua"}]
         time.sleep(0.5)
-        assert len(api.events) == 1  # and no third
+        assert len(passes) == 2 and len(api.events) == 1  # and no third
     finally:
         retries.stop()

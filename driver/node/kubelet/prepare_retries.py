@@ -39,7 +39,7 @@ class WaitingPod:
     name: str
     uid: str
     claims: tuple[str, ...]  # those of its claims that wait for us
-    claim_uids: tuple[str, ...] = ()
+    claim_uids: tuple[str, ...]  # and their UIDs
 
 
 def waiting_pods(claims: Iterable[JsonObject], driver: str, pool: str, prepared: Collection[str]) -> list[WaitingPod]:
@@ -113,14 +113,14 @@ class PrepareRetries(BackgroundWorker):
         while True:
             with self._guard:
                 again_at = self._again_at
-            wanted = self._wanted.wait(None if again_at is None else max(0.0, again_at - time.monotonic()))
+            self._wanted.wait(None if again_at is None else max(0.0, again_at - time.monotonic()))
             if self._stop.is_set():
                 return
             self._wanted.clear()
             with self._guard:
                 why = self._why
-                if not wanted or (self._again_at is not None and self._again_at <= time.monotonic()):
-                    self._again_at = None
+                if self._again_at is not None and self._again_at <= time.monotonic():
+                    self._again_at = None  # this pass is the one asked for then
             try:
                 self.retry_once(why)
             except KubeError as err:
