@@ -259,6 +259,23 @@ class NodeRoom:
     def fits(self, claim: Claim, node: str) -> bool:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
 
+    def left(self, node: str) -> dict[str, float]:
+        """What the node has left for pods, per allocatable resource (`pods`: how many more)."""
+        facts, requested = self.nodes[node], self.requested[node]
+        left = {name: float(value - requested.get(name, Fraction(0))) for name, value in facts.allocatable.items()}
+        if PODS in facts.allocatable:
+            left[PODS] = float(facts.allocatable[PODS]) - len(self.counted[node])
+        return left
+
+    def needs(self, claim: Claim) -> dict[str, float]:
+        """What the claim's pods request together (`pods`: how many they are)."""
+        total: Resources = {}
+        pods = self.pods_of.get(claim.key, ())
+        for pod in pods:
+            _add(total, {name: value for name, value in pod.requests.items() if name != PODS})
+        needs = {name: float(value) for name, value in total.items() if value > 0}
+        return needs | {PODS: float(len(pods))} if pods else needs
+
     def demand(self, claim: Claim) -> Hashable:
         """What fit reads of the claim's pods, as one value (equal values: equal fit)."""
         return tuple(

@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.explain import explain
-from driver.allocator.fragmentation import Choice, Fragmentation, NodeView, Unit, request_key, units_of
+from driver.allocator.fragmentation import Fragmentation, NodeView, Unit, request_key, units_of
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import Policy, device_score, order_for
@@ -19,7 +19,6 @@ from driver.allocator.state import AllocatedState
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
-RESCORED = 16  # fragmentation: best nodes scored again with the claim's pods counted
 
 
 PoolId = tuple[str, str]
@@ -122,6 +121,8 @@ class PodRoom(Protocol):
     fragmentation policy to learn the mix of claims by."""
 
     def fits(self, claim: Claim, node: str) -> bool: ...
+    def left(self, node: str) -> Mapping[str, float]: ...
+    def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def take(self, placement: Placement) -> None: ...
     def give_back(self, placement: Placement) -> None: ...
     def why_not(self, claim: Claim, nodes: Sequence[str]) -> str: ...
@@ -147,7 +148,8 @@ class ClusterAllocator:
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
         self._fragmentation = Fragmentation() if policy == "fragmentation" else None
         self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
-        self._prefer: dict[str, list[Unit]] = {}  # fragmentation: node -> the GPUs this claim should take
+        # fragmentation: node -> its GPUs and the positions of those this claim should take
+        self._prefer: dict[str, tuple[Sequence[Unit], tuple[int, ...]]] = {}
         self._units: dict[str, list[Unit]] = {}  # fragmentation: node -> its GPUs, as counted in its census
         for name in snapshot.pools:
             self._measure(name)
@@ -251,8 +253,9 @@ class ClusterAllocator:
 
     def _search_in_order(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
         order, cache = self._order, self._candidates.setdefault(node, {})
-        if self._prefer.get(node):  # this claim's own order: not one to cache for the next
-            order, cache = _preferring(self._prefer[node], order), None
+        if self._prefer.get(node, ((), ()))[1]:  # this claim's own order: not one to cache for the next
+            units, positions = self._prefer[node]
+            order, cache = _preferring([units[i] for i in positions], order), None
         try:
             return self.node_allocator(node, order, cache).allocate(claims)
         except SearchOrderError:
@@ -287,7 +290,7 @@ class ClusterAllocator:
         # Whether the claim's pods fit a node, asked once a node: the room stays as it is meanwhile.
         pods_fit = functools.cache(functools.partial(room.fits, claim)) if room is not None else None
         if self._fragmentation is not None:
-            nodes = self._by_fragmentation(claim, nodes, room, pods_fit)
+            nodes = self._by_fragmentation(claim, nodes, room)
         errors: list[str] = []
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
@@ -353,12 +356,11 @@ class ClusterAllocator:
         claim: Claim,
         nodes: Sequence[str] | None,
         room: PodRoom | None,
-        pods_fit: Callable[[str], bool] | None,
     ) -> list[str]:
-        """The nodes by the rise in fragmentation the claim's best placement there causes (ties in
-        binpack's order), the first RESCORED that fit its pods by the rise with its pods counted
-        too; nodes the model sees no room on last, for the search to try all the same. The GPUs
-        picked on each node are what its device order takes first (_prefer)."""
+        """The nodes by the rise in fragmentation the claim's best placement there causes, its pods
+        counted (ties in binpack's order); nodes the model sees no room on last, for the search to
+        try all the same. The GPUs picked on each node are what its device order takes first
+        (_prefer)."""
         assert self._fragmentation is not None
         learned = self._fragmentation
         key = request_key(claim)
@@ -367,38 +369,22 @@ class ClusterAllocator:
         if key is None:
             return order
         demand = room.demand(claim) if room is not None else None
-        learned.observe(claim, demand)
+        needs = tuple(sorted(room.needs(claim).items())) if room is not None else ()
+        learned.observe(claim, demand, needs)
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
-        choices: dict[str, Choice] = {}
         for position, node in enumerate(order):
             view = self._view(node)
             choice = None
             if view is not None:
-                fits_room = learned.room_fits(view, room, node)
-                choice = learned.choose(lambda n=node: self.node_allocator(n), view, fits_room, claim, key)
+                allocator = functools.partial(self.node_allocator, node)
+                choice = learned.score(allocator, view, room, node, claim, key, needs)
             if choice is None:
                 unscored.append(node)
                 continue
-            choices[node] = choice
             scored.append((choice.score, position, node))
-            self._prefer[node] = [view.units[i] for i in choice.units]  # type: ignore[union-attr]
+            self._prefer[node] = (view.units, choice.units)  # type: ignore[union-attr]
         scored.sort()
-        if room is not None and pods_fit is not None:
-            rescored: list[tuple[float, int, str]] = []
-            for _, position, node in scored:
-                if len(rescored) == RESCORED:
-                    break
-                if pods_fit(node):
-                    view = self._views[node]
-                    assert view is not None
-                    exact = learned.rescore(
-                        lambda n=node: self.node_allocator(n), view, choices[node], room, node, claim, demand
-                    )
-                    rescored.append((exact, position, node))
-            rescored.sort()
-            first = {node for _, _, node in rescored}
-            return [n for _, _, n in rescored] + [n for _, _, n in scored if n not in first] + unscored
         return [node for _, _, node in scored] + unscored
 
     def _explain(self, claim: Claim) -> str:

@@ -1,54 +1,62 @@
 """The `fragmentation` placement policy: the node and GPU whose choice least raises the expected
 fragmentation for the claims the cluster sees, learned online (FGD, Weng et al. ATC '23, is given
-that mix in advance; this policy counts it from the claims it is asked to place).
+that mix in advance; this policy counts it from the claims it is asked to place), with what a
+node's CPU and memory left can still feed counted too (FGD checks only whether one pod fits).
 
 Model (scoring only: feasibility stays with the search, which tries the nodes in this order):
 - a unit is one GPU: a counter set and the devices drawing from it (a device without counters is
   a unit of its own); its free share is what its counters have left, or where shares use it, the
   smallest share of a capacity (compute, memory, clients) left on them;
 - a claim's shape is its one request (class, selectors, count, capacity); the mix is the shapes
-  seen, each weighed by its count x devices asked (a claim for 8 GPUs is rare but strands the most
-  when it fails), the heaviest up to 95% of the weight (FGD's "typical pods"), each with the pods'
-  demand (PodRoom.demand) its claims have most often; learned again at 16, 32, 64, ... claims;
+  seen, each weighed by its count of claims, the heaviest up to 95% of the weight (FGD's "typical
+  pods"), each with the pods' demand (PodRoom.demand, PodRoom.needs) its claims have most often;
+  learned again at 16, 32, 64, ... claims;
 - a unit is a fragment for a shape when no device on it could take the shape's request; every
   free unit of a node is one when the shape cannot run there at all (too few units, or its pods
   do not fit the node's room);
-- F(node) = sum over the mix of weight x free share of the units that are fragments for it. A
-  claim goes to the node and units whose choice raises F least (ties: a GPU in use before a free
-  one, then best fit; nodes in binpack's order); the best RESCORED nodes are scored again with the
-  claim's own pods counted, so a pod's CPU does not strand a node's free GPUs;
+- stranded: the node's free share beyond what as many of the shape's pods as its room still takes
+  would use (copies x count x the share of a unit one device of it takes), for shapes that can
+  use the node's units: free GPUs whose CPU has gone to other pods;
+- F(node) = sum over the mix of weight x (free share of the units that are fragments for it +
+  stranded). A claim goes to the node and units whose choice, its pods counted, raises F least
+  (ties: a GPU in use before a free one, then best fit; nodes in binpack's order). A claim without
+  devices goes where its pods raise F least;
 - scarcity: F does not see that some GPUs are all that restricted shapes (a request's own
   selectors, e.g. a GPU model) can use. Taking a unit's free share costs SCARCITY_WEIGHT x that
   share x the unit's scarcity: the sum over the restricted shapes that select a device of its kind
   of their weight over the share of the cluster's units they select (their supply). With no
   restricted shape in the mix it is 0 and F alone decides.
 
-Scores are kept by unit state (interned), the node's room answers by demand, so a claim costs a
-look-up per node where nothing changed."""
+Scores are kept by unit states (interned) and room copies, the node's room answers by demand, and
+a claim whose pods leave every copy count as it was (within the node's slack) reuses them, so a
+claim costs a look-up per node where nothing changed."""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from driver.allocator.allocate import NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
-from driver.allocator.model import Claim, Device, Placement, Request
+from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
 from driver.allocator.quantity import Amount
 from driver.allocator.state import AllocatedState
 
-MIX_SHARE = 0.95  # FGD's typical pods: the heaviest shapes up to this share of the weight
+MIX_SHARE = 0.99  # the heaviest shapes up to this share of the weight (FGD takes 95%)
 MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
 FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each doubling
 # Scarcity against F: 16 on the openb gpuspec33 trace (a quarter of the cluster, seeds 42-43:
 # 2 gives 9.1/11.5% unallocated, 8 gives 6.1/7.9, 16 and 64 give 5.9/7.5; BENCHMARKS.md, openb).
 SCARCITY_WEIGHT = 16.0
+COPIES_LIMIT = 1024  # pods of one shape a node's room is asked to take at most
 
 RequestKey = tuple[Hashable, ...]
+Needs = tuple[tuple[str, float], ...]  # what a claim's pods request together, sorted (PodRoom.needs)
 UnitState = tuple[Hashable, ...]
 
 
@@ -57,9 +65,9 @@ class ScoredRoom(Protocol):
     demand of a claim as one hashable value (equal values: equal fit)."""
 
     def fits(self, claim: Claim, node: str) -> bool: ...
+    def left(self, node: str) -> Mapping[str, float]: ...
+    def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def demand(self, claim: Claim) -> Hashable: ...
-    def take(self, placement: Placement) -> None: ...
-    def give_back(self, placement: Placement) -> None: ...
 
 
 def request_key(claim: Claim) -> RequestKey | None:
@@ -174,6 +182,7 @@ class Shape:
     key: RequestKey
     demand: Hashable
     claim: Claim  # one claim of this shape: what PodRoom.fits is asked about
+    needs: Needs = ()  # what its pods request together
     weight: float = 0.0
 
 
@@ -184,18 +193,19 @@ class NodeView:
 
     units: list[Unit]
     ids: tuple[int, ...]
-    room_fits: tuple[bool, ...] = ()
+    copies: tuple[int, ...] = ()  # per shape of the mix: how many of its pods the room takes (counted up to enough)
     version: int = -1
     fits: dict[Hashable, bool] = field(default_factory=dict)  # pods' demand -> room for them (any mix)
-    room_after: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # claim demand -> room_fits after
+    left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
+    slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
+    after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
+    scored: dict[tuple[RequestKey, Needs], Choice | None] = field(default_factory=dict)  # this mix's choices
 
 
 @dataclass
 class Choice:
     score: float
     units: tuple[int, ...]  # positions in NodeView.units the placement should use
-    ids: tuple[int, ...] = ()  # the units' states after it
-    scarcity: float = 0.0  # the part of `score` that is the scarcity cost of the units taken
 
 
 @dataclass
@@ -204,6 +214,7 @@ class Fragmentation:
 
     seen: Counter[tuple[RequestKey, Hashable]] = field(default_factory=Counter)
     examples: dict[tuple[RequestKey, Hashable], Claim] = field(default_factory=dict)
+    needs: dict[tuple[RequestKey, Hashable], Needs] = field(default_factory=dict)
     mix: list[Shape] = field(default_factory=list)
     observed: int = 0
     version: int = 0
@@ -217,14 +228,18 @@ class Fragmentation:
     _matches: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # (unit kind, request) -> per device
     census: dict[Hashable, tuple[Unit, int]] = field(default_factory=dict)  # the cluster's units: kind -> one, count
     _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
+    _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
 
-    def observe(self, claim: Claim, demand: Hashable) -> None:
+    def observe(self, claim: Claim, demand: Hashable, needs: Needs) -> None:
+        """Count a claim asked about; `needs`: what its pods request (sorted pairs, PodRoom.needs)."""
         key = request_key(claim)
         if key is None:
             return
         shape = (key, demand)
         self.seen[shape] += 1
-        self.examples.setdefault(shape, claim)
+        if shape not in self.examples:
+            self.examples[shape] = claim
+            self.needs[shape] = needs
         self.observed += 1
         if self.observed >= self._learn_at:
             self._learn_at *= 2
@@ -236,7 +251,7 @@ class Fragmentation:
         demands: dict[RequestKey, Counter[Hashable]] = {}
         for (key, demand), count in self.seen.items():
             if key:
-                weights[key] += count * key[2]
+                weights[key] += count
                 demands.setdefault(key, Counter())[demand] += count
         total = sum(weights.values())
         self.mix, covered = [], 0
@@ -244,13 +259,14 @@ class Fragmentation:
             if covered >= MIX_SHARE * total:
                 break
             demand = demands[key].most_common(1)[0][0]  # the pods such claims most often have
-            self.mix.append(Shape(key, demand, self.examples[key, demand], weight / total))
+            self.mix.append(Shape(key, demand, self.examples[key, demand], self.needs[key, demand], weight / total))
             covered += weight
         self.version += 1
         self._vectors.clear()
         self._amounts.clear()
         self._choices.clear()
         self._scarcity.clear()
+        self._shares.clear()
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
         """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""
@@ -329,71 +345,143 @@ class Fragmentation:
             )
         return found
 
-    def room_fits(self, view: NodeView, room: ScoredRoom | None, node: str) -> tuple[bool, ...]:
-        if view.version != self.version:
-            view.room_fits = self._fitting(room, node, [True] * len(self.mix), view.fits)
-            view.room_after.clear()
-            view.version = self.version
-        return view.room_fits
+    def share(self, allocator: Callable[[], NodeAllocator], unit: Unit, shape: Shape) -> float | None:
+        """The share of a free unit of this kind that one device of the shape's request takes, or
+        None where the request can use none of its devices."""
+        memo = (unit.kind, shape.key)
+        if memo not in self._shares:
+            fresh: UnitState = (tuple(unit.counters.values()), (), ())
+            request, found = shape.claim.requests[0][0], None
+            for index, selected in enumerate(self._matching(allocator, unit, shape.claim, shape.key)):
+                consumed = takes(unit, fresh, index, request) if selected else None
+                if consumed is not None:
+                    found = 1.0 - free_share(unit, after(unit, fresh, index, consumed))
+                    break
+            self._shares[memo] = found
+        return self._shares[memo]
 
-    def _fitting(
-        self, room: ScoredRoom | None, node: str, candidates: Sequence[bool], answers: dict[Hashable, bool]
-    ) -> tuple[bool, ...]:
-        """Which of the mix's shapes (of those marked in `candidates`) the node's room fits: one
-        question per distinct demand (`answers`: those known)."""
-        fitting = []
-        for shape, asked in zip(self.mix, candidates, strict=True):
-            if asked and shape.demand not in answers:
-                answers[shape.demand] = room is None or room.fits(shape.claim, node)
-            fitting.append(asked and answers[shape.demand])
-        return tuple(fitting)
+    def _shares_on(self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...]) -> list[float | None]:
+        """Per shape of the mix, the share of a unit of the node's it takes per device (None: none)."""
+        units = list({self._states[u][0].kind: self._states[u][0] for u in ids}.values())
+        shares: list[float | None] = []
+        for shape in self.mix:
+            found = None
+            if shape.key:
+                found = next((f for f in (self.share(allocator, u, shape) for u in units) if f), None)
+            shares.append(found)
+        return shares
 
-    def amount(
-        self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...], fits_room: tuple[bool, ...]
-    ) -> float:
-        """F: the mix's weighted free share on units that are fragments for it."""
-        memo = (ids, fits_room)
+    def room_copies(
+        self, allocator: Callable[[], NodeAllocator], view: NodeView, room: ScoredRoom | None, node: str
+    ) -> tuple[int, ...]:
+        """Per shape of the mix, how many of its pods the node's room takes, counted only up to as
+        many as would use all the node's free share (more change nothing in F, and fewer distinct
+        values keep more scores shared); kept with the view until the mix changes."""
+        if view.version == self.version:
+            return view.copies
+        view.left = room.left(node) if room is not None else {}
+        total = sum(self._states[u][2] for u in view.ids)
+        copies, slack = [], dict(view.left)
+        for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
+            if shape.demand not in view.fits:
+                view.fits[shape.demand] = room is None or room.fits(shape.claim, node)
+            count = 0
+            if view.fits[shape.demand]:
+                enough = max(1, math.ceil(total / (share * shape.key[2]) - 1e-9)) if share else 1
+                count = max(1, min(enough, _how_many(view.left, shape.needs)))
+                for name, value in shape.needs:
+                    slack[name] = min(slack.get(name, 0.0), view.left.get(name, 0.0) - count * value)
+            copies.append(count)
+        view.copies, view.slack, view.version = tuple(copies), slack, self.version
+        view.after.clear()
+        view.scored.clear()
+        return view.copies
+
+    def copies_after(self, view: NodeView, needs: Needs) -> tuple[int, ...]:
+        """view.copies once a claim's pods (`needs`, sorted pairs) run on the node (room_copies first)."""
+        found = view.after.get(needs)
+        if found is None:
+            if all(value <= view.slack.get(name, 0.0) + 1e-9 for name, value in needs):
+                found = view.copies
+            else:
+                left = dict(view.left)
+                for name, value in needs:
+                    left[name] = left.get(name, 0.0) - value
+                found = tuple(
+                    min(count, max(0, _how_many(left, shape.needs))) if count else 0
+                    for shape, count in zip(self.mix, view.copies, strict=True)
+                )
+            view.after[needs] = found
+        return found
+
+    def amount(self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...], copies: tuple[int, ...]) -> float:
+        """F: the mix's weighted free share on units that are fragments for it, and (stranding) the
+        free share beyond what as many pods of the shape as the room takes would use."""
+        memo = (ids, copies)
         found = self._amounts.get(memo)
         if found is not None:
             return found
         free = [self._states[u][2] for u in ids]
         vectors = [self._vector(allocator, u) for u in ids]
+        shares = self._shares_on(allocator, ids)
         total = sum(free)
         amount = 0.0
-        for j, (shape, room_ok) in enumerate(zip(self.mix, fits_room, strict=True)):
-            if not room_ok:
-                amount += shape.weight * total
+        for j, (shape, count, share) in enumerate(zip(self.mix, copies, shares, strict=True)):
+            stranded = max(0.0, total - count * shape.key[2] * share) if share else 0.0
+            if not count:
+                amount += shape.weight * (total + stranded)
             elif shape.key:
                 usable = sum(1 for v in vectors if v[j])
                 wasted = (
                     total if usable < shape.key[2] else sum(f for f, v in zip(free, vectors, strict=True) if not v[j])
                 )
-                amount += shape.weight * wasted
+                amount += shape.weight * (wasted + stranded)
         self._amounts[memo] = amount
         return amount
 
     # --- choosing -------------------------------------------------------------------------------
 
+    def score(
+        self,
+        allocator: Callable[[], NodeAllocator],
+        view: NodeView,
+        room: ScoredRoom | None,
+        node: str,
+        claim: Claim,
+        key: RequestKey,
+        needs: Needs,
+    ) -> Choice | None:
+        """choose() with the room's copies before and after the claim's pods, kept with the view."""
+        if view.version == self.version:
+            found = view.scored.get((key, needs), False)
+            if found is not False:
+                return found  # type: ignore[return-value]
+        copies = self.room_copies(allocator, view, room, node)
+        choice = view.scored[key, needs] = self.choose(
+            allocator, view, copies, self.copies_after(view, needs), claim, key
+        )
+        return choice
+
     def choose(
         self,
         allocator: Callable[[], NodeAllocator],
         view: NodeView,
-        fits_room: tuple[bool, ...],
+        copies: tuple[int, ...],
+        copies_after: tuple[int, ...],
         claim: Claim,
         key: RequestKey,
     ) -> Choice | None:
-        """The claim's best units on the node and the rise in F with the node's room as it is (the
-        claim's own pods are weighed by `rescore`), or None where no unit could take it (the search
-        may still find room: such nodes are tried last); kept by node state. `allocator`: the
-        node's, made only when what is asked is not kept already."""
-        memo = (view.ids, fits_room, key)
+        """The claim's best units on the node and the rise in F once it and its pods are there (the
+        room's copies before and after them), or None where no unit could take it (the search may
+        still find room: such nodes are tried last); kept by node state. `allocator`: the node's,
+        made only when what is asked is not kept already."""
+        memo = (view.ids, copies, copies_after, key)
         if memo in self._choices:
             return self._choices[memo]
-        before = self.amount(allocator, view.ids, fits_room)
+        before = self.amount(allocator, view.ids, copies)
         choice: Choice | None = None
-        if not key:  # no devices: what its pods may take from the shapes that fit, at most
-            total = sum(self._states[u][2] for u in view.ids)
-            choice = Choice(total * sum(s.weight for s, ok in zip(self.mix, fits_room, strict=True) if ok), ())
+        if not key:  # no devices: what its pods take from the room
+            choice = Choice(self.amount(allocator, view.ids, copies_after) - before, ())
         else:
             # Each unit that could take the request: (rise in F + scarcity cost, position, state
             # after, scarcity cost), best first (ties: a GPU in use before a free one, then the
@@ -407,7 +495,7 @@ class Fragmentation:
                 new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
                 ids = (*view.ids[:position], new, *view.ids[position + 1 :])
                 cost = SCARCITY_WEIGHT * (free_before - self._states[new][2]) * self.scarcity(allocator, unit)
-                options.append((self.amount(allocator, ids, fits_room) - before + cost, position, new, cost))
+                options.append((self.amount(allocator, ids, copies_after) - before + cost, position, new, cost))
             free = [self._states[u][2] for u in view.ids]
             options.sort(key=lambda o: (o[0], free[o[1]] == 1.0, self._states[o[2]][2], o[1]))
             count = key[2]
@@ -420,33 +508,13 @@ class Fragmentation:
                 score = (
                     options[0][0]
                     if count == 1
-                    else self.amount(allocator, tuple(ids_after), fits_room) - before + scarcity
+                    else self.amount(allocator, tuple(ids_after), copies_after) - before + scarcity
                 )
-                choice = Choice(score, chosen, tuple(ids_after), scarcity)
+                choice = Choice(score, chosen)
         self._choices[memo] = choice
         return choice
 
-    def rescore(
-        self,
-        allocator: Callable[[], NodeAllocator],
-        view: NodeView,
-        choice: Choice,
-        room: ScoredRoom,
-        node: str,
-        claim: Claim,
-        demand: Hashable,
-    ) -> float:
-        """The rise in F with the claim's pods (`demand`) counted too: shapes that fit the room before and
-        no longer do once they are there make the node's free units fragments for them."""
-        fits_room = self.room_fits(view, room, node)
-        fits_after = view.room_after.get(demand)
-        if fits_after is None:
-            placement = Placement(claim, node, {})
-            room.take(placement)
-            try:
-                fits_after = view.room_after[demand] = self._fitting(room, node, fits_room, {})
-            finally:
-                room.give_back(placement)
-        ids = choice.ids or view.ids
-        rise = self.amount(allocator, ids, fits_after) - self.amount(allocator, view.ids, fits_room)
-        return rise + choice.scarcity
+
+def _how_many(left: Mapping[str, float], needs: tuple[tuple[str, float], ...]) -> int:
+    """How many times `needs` fits in `left` (a large number where it asks for nothing)."""
+    return min((int(left.get(name, 0.0) // value + 1e-9) for name, value in needs), default=COPIES_LIMIT)

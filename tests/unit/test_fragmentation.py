@@ -73,6 +73,30 @@ def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
     assert results == {"fragmentation": "n1", "binpack": "n2"}
 
 
+def test_a_pod_goes_where_the_cpu_it_leaves_still_feeds_every_free_gpu():
+    # Both nodes have all 8 GPUs free and room for a whole-GPU pod (11 CPUs) after a 10-CPU pod;
+    # on n1 (96 CPUs) that pod leaves 86, enough for 7 of them: one GPU stranded. n2 (200 CPUs)
+    # still feeds all 8. Whether one such pod fits is the same on both: counting how many do is
+    # what tells them apart.
+    pods_of: dict[str, list[PodNeeds]] = {}
+
+    def with_pod(c, cpus: int):
+        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
+        return c
+
+    results = {}
+    for policy in ("fragmentation", "binpack"):
+        pods_of.clear()
+        room = room_for({"n1": 96, "n2": 200}, pods_of)
+        cluster = allocator(h100_slices("n1", "n2"), policy=policy)
+        for i in range(30):
+            cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 11), room=room)
+        outcome = cluster.allocate(with_pod(claim("cpu-heavy"), 10), room=room)
+        assert isinstance(outcome, Placement)
+        results[policy] = outcome.node
+    assert results == {"fragmentation": "n2", "binpack": "n1"}
+
+
 def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_claims_come():
     # n2's GPUs are of a model some claims ask for by name; GPU 0 of n2 has 35% of its compute
     # left. F alone fills that hole with a 32% share; with 32% shares restricted to n2's model in
