@@ -176,7 +176,7 @@ def build_allocator(
     started, cpu = time.perf_counter(), time.process_time()
     snapshot = Snapshot.from_slices(slices)
     by_name = {c.name: c for c in map(class_from_object, device_classes)}
-    allocator = ClusterAllocator(snapshot, by_name, AllocatedState())
+    allocator = ClusterAllocator(snapshot, by_name, AllocatedState(), "binpack")
     gather, gather_cpu = time.perf_counter() - started, time.process_time() - cpu
     del slices
     gc.collect()

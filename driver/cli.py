@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from driver.allocator.scoring import POLICIES
+from driver.allocator.scoring import DEFAULT_POLICY, POLICIES
 from driver.discovery import discover_gpus
 from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, positive, seconds
 from driver.kube import ClientKubeApi, KubeConfigError, KubeError
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument(
         "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="client configuration [KUBECONFIG]"
     )
-    controller.add_argument("--policy", choices=policies, default="binpack", help="placement scoring")
+    controller.add_argument("--policy", choices=policies, default=DEFAULT_POLICY, help="placement scoring")
     controller.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
     controller.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
     controller.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus metrics here (0 or -1: off)")
@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--kubeconfig", help="also plan against this cluster's slices, classes, nodes and claims (only reads)"
     )
-    planner.add_argument("--policy", choices=policies, default="binpack")
+    planner.add_argument("--policy", choices=policies, default=DEFAULT_POLICY)
     planner.add_argument("-o", "--output", choices=["text", "json"], default="text")
     planner.set_defaults(func=cmd_plan)
 

@@ -260,8 +260,12 @@ class NodeRoom:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
 
     def left(self, node: str) -> dict[str, float]:
-        """What the node has left for pods, per allocatable resource (`pods`: how many more)."""
-        facts, requested = self.nodes[node], self.requested[node]
+        """What the node has left for pods, per allocatable resource (`pods`: how many more); nothing
+        for a node without facts (no Node object: no pod is placed there)."""
+        facts = self.nodes.get(node)
+        if facts is None:
+            return {}
+        requested = self.requested[node]
         left = {name: float(value - requested.get(name, Fraction(0))) for name, value in facts.allocatable.items()}
         if PODS in facts.allocatable:
             left[PODS] = float(facts.allocatable[PODS]) - len(self.counted[node])

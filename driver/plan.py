@@ -29,7 +29,7 @@ from driver.allocator.model import (
     slice_from_object,
 )
 from driver.allocator.pools import Node
-from driver.allocator.scoring import Policy
+from driver.allocator.scoring import DEFAULT_POLICY, Policy
 from driver.allocator.state import AllocatedState
 from driver.flags import DEFAULT_DRIVER_NAME
 from driver.manifests import (
@@ -67,7 +67,7 @@ PLANNED_KINDS = "ResourceClaims, and the claims of Pods, Deployments, ReplicaSet
 class PlanInput:
     paths: tuple[Path, ...]
     kubeconfig: str | None = None  # plan against this cluster's slices, classes, nodes and claims too
-    policy: Policy = "binpack"
+    policy: Policy = DEFAULT_POLICY
     driver: str = DEFAULT_DRIVER_NAME
 
 

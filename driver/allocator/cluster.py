@@ -14,7 +14,7 @@ from driver.allocator.explain import explain
 from driver.allocator.fragmentation import Fragmentation, NodeView, Unit, request_key, units_of
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
-from driver.allocator.scoring import Policy, device_score, order_for
+from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
@@ -135,7 +135,7 @@ class ClusterAllocator:
         snapshot: Snapshot,
         classes: dict[str, DeviceClass],
         state: AllocatedState,
-        policy: Policy = "binpack",
+        policy: Policy = DEFAULT_POLICY,
     ) -> None:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)

@@ -2,9 +2,12 @@
 (the search is exhaustive); only which of the feasible placements is taken.
 
 first-fit: exactly upstream's choice (pool, slice and device order; nodes by name).
-binpack (default): shares go onto GPUs already shared, MIG instances where they block the fewest
-other still-possible placements (best fit), and nodes already in use fill up before empty ones, so
-whole GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
+fragmentation (default): the placement that least raises the expected fragmentation for the mix
+of claims seen (driver/allocator/fragmentation.py); within a node, binpack's device order behind
+the GPUs it picked.
+binpack: shares go onto GPUs already shared, MIG instances where they block the fewest other
+still-possible placements (best fit), and nodes already in use fill up before empty ones, so whole
+GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from driver.allocator.quantity import Amount
 
 Policy = Literal["binpack", "fragmentation", "spread", "first-fit"]
 POLICIES: tuple[Policy, ...] = ("binpack", "fragmentation", "spread", "first-fit")
+# It leaves the fewest GPUs unused on the public Alibaba trace (BENCHMARKS.md, openb).
+DEFAULT_POLICY: Policy = "fragmentation"
 
 
 def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:

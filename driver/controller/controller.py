@@ -20,7 +20,7 @@ from typing import Any
 from driver.allocator.cluster import ClusterAllocator, Placement, Snapshot
 from driver.allocator.model import ObjectError, Slice, class_from_object, slice_from_object
 from driver.allocator.pools import Node
-from driver.allocator.scoring import Policy
+from driver.allocator.scoring import DEFAULT_POLICY, Policy
 from driver.allocator.state import AllocatedState
 from driver.controller import metrics
 from driver.controller.gates import Gates
@@ -57,7 +57,7 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         self,
         api: Any,
         identity: str,
-        policy: Policy = "binpack",
+        policy: Policy = DEFAULT_POLICY,
         lease_namespace: str = "kube-system",
         timings: LeaseTimings | None = None,
         evictions_per_minute: int = 0,
