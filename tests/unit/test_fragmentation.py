@@ -45,9 +45,12 @@ def room_for(nodes: dict[str, int], pods_of: dict[str, list[PodNeeds]]) -> NodeR
     return NodeRoom(facts, pods_of)
 
 
-def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
-    # n2 is fuller (6 of 8 GPUs) but has 16 CPUs; whole-GPU pods need 2 CPUs each. A 9-CPU pod
-    # there leaves 1 CPU, stranding n2's two free GPUs; on n1 (32 CPUs) it strands nothing.
+def where_a_pod_without_gpus_goes(
+    cpus: dict[str, int], taken: dict[str, int], seen_cpus: int, pod_cpus: int
+) -> dict[str, str]:
+    """Per policy: the node a claim without devices goes to, its pod asking `pod_cpus` CPUs, on
+    nodes of 8 GPUs and `cpus` CPUs once `taken` (node -> whole GPUs, each with a 1-CPU pod) are
+    placed and 30 whole-GPU claims whose pods ask `seen_cpus` were asked about (the mix)."""
     pods_of: dict[str, list[PodNeeds]] = {}
 
     def with_pod(c, cpus: int):
@@ -57,20 +60,27 @@ def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
     results = {}
     for policy in ("fragmentation", "binpack"):
         pods_of.clear()
-        room = room_for({"n1": 32, "n2": 16}, pods_of)
-        cluster = allocator(h100_slices("n1", "n2"), policy=policy)
-        for node, count in (("n1", 4), ("n2", 6)):
+        room = room_for(cpus, pods_of)
+        cluster = allocator(h100_slices(*cpus), policy=policy)
+        for node, count in taken.items():
             for i in range(count):
                 outcome = cluster.allocate(with_pod(claim(f"{node}-{i}", exactly("gpu.fgpu.dev")), 1), nodes=[node])
                 assert isinstance(outcome, Placement)
                 cluster.commit(outcome)
                 room.take(outcome)
         for i in range(30):
-            cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 2), room=room)
-        outcome = cluster.allocate(with_pod(claim("cpu-only"), 9), room=room)
+            cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), seen_cpus), room=room)
+        outcome = cluster.allocate(with_pod(claim("no-gpus"), pod_cpus), room=room)
         assert isinstance(outcome, Placement) and outcome.allocation["devices"]["results"] == []
         results[policy] = outcome.node
-    assert results == {"fragmentation": "n1", "binpack": "n2"}
+    return results
+
+
+def test_a_pod_without_gpus_goes_where_its_cpu_strands_no_gpu():
+    # n2 is fuller (6 of 8 GPUs) but has 16 CPUs; whole-GPU pods need 2 CPUs each. A 9-CPU pod
+    # there leaves 1 CPU, stranding n2's two free GPUs; on n1 (32 CPUs) it strands nothing.
+    chosen = where_a_pod_without_gpus_goes({"n1": 32, "n2": 16}, {"n1": 4, "n2": 6}, seen_cpus=2, pod_cpus=9)
+    assert chosen == {"fragmentation": "n1", "binpack": "n2"}
 
 
 def test_a_pod_goes_where_the_cpu_it_leaves_still_feeds_every_free_gpu():
@@ -78,23 +88,8 @@ def test_a_pod_goes_where_the_cpu_it_leaves_still_feeds_every_free_gpu():
     # on n1 (96 CPUs) that pod leaves 86, enough for 7 of them: one GPU stranded. n2 (200 CPUs)
     # still feeds all 8. Whether one such pod fits is the same on both: counting how many do is
     # what tells them apart.
-    pods_of: dict[str, list[PodNeeds]] = {}
-
-    def with_pod(c, cpus: int):
-        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
-        return c
-
-    results = {}
-    for policy in ("fragmentation", "binpack"):
-        pods_of.clear()
-        room = room_for({"n1": 96, "n2": 200}, pods_of)
-        cluster = allocator(h100_slices("n1", "n2"), policy=policy)
-        for i in range(30):
-            cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 11), room=room)
-        outcome = cluster.allocate(with_pod(claim("cpu-heavy"), 10), room=room)
-        assert isinstance(outcome, Placement)
-        results[policy] = outcome.node
-    assert results == {"fragmentation": "n2", "binpack": "n1"}
+    chosen = where_a_pod_without_gpus_goes({"n1": 96, "n2": 200}, {}, seen_cpus=11, pod_cpus=10)
+    assert chosen == {"fragmentation": "n2", "binpack": "n1"}
 
 
 def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_claims_come():
