@@ -32,6 +32,9 @@ What it replicates (the simulator's code):
 Variants (to find what makes FGD better than our policy): `--typical online` learns the typical
 pods from the pods seen so far, again at 16, 32, 64, ... pods (as driver/allocator/fragmentation.py
 does); `--no-cpu-pods`, `--weigh-devices`, `--one-cpu`, `--exact`, `--ties random`: see --help.
+`--strand` adds our policy's stranding term (driver/allocator/fragmentation.py) to F: per typical
+GPU pod the node's model can run, the GPU thousandths left beyond what as many of it as the CPU
+left feeds would use.
 
   python -m bench.openb_replica --trace default --seeds 42-51 --policy fgd
   python -m bench.openb_replica --trace default --seeds 42-49 --policy fgd --every 4 --typical online
@@ -151,8 +154,11 @@ def accessible(model: str, gpu_type: str) -> bool:
     return not allowed or model in allowed
 
 
-def frag_amount(cpu_left: int, gpus: Sequence[int], model: str, typical: Sequence[Typical]) -> float:
-    """NodeGpuShareFragAmountScore: the expected GPU thousandths left that the typical pods cannot use."""
+def frag_amount(
+    cpu_left: int, gpus: Sequence[int], model: str, typical: Sequence[Typical], strand: bool = False
+) -> float:
+    """NodeGpuShareFragAmountScore: the expected GPU thousandths left that the typical pods cannot
+    use; with `strand`, also those beyond what the typical GPU pods the CPU left feeds would use."""
     total = sum(gpus)
     amount = 0.0
     for t in typical:
@@ -161,6 +167,9 @@ def frag_amount(cpu_left: int, gpus: Sequence[int], model: str, typical: Sequenc
             amount += t.weight * sum(g for g in gpus if g < s.milli)  # Q3: only the GPUs too small for it
         else:  # XL/XR (CPU-only), no access, lack of GPU or CPU: everything left
             amount += t.weight * total
+        if strand and s.milli and accessible(model, s.gpu_type):
+            fed = (cpu_left // s.cpu) * s.milli * s.num if s.cpu else total
+            amount += t.weight * max(0, total - fed)
     return amount
 
 
@@ -229,6 +238,7 @@ class Scorer:
     policy: Policy
     typical: tuple[Typical, ...] = ()
     exact: bool = False
+    strand: bool = False
     _cpu_steps: list[int] = field(default_factory=list)
     _frag: dict[tuple[str, int, tuple[int, ...]], float] = field(default_factory=dict)
 
@@ -238,10 +248,12 @@ class Scorer:
         self._frag.clear()
 
     def frag(self, model: str, cpu_left: int, gpus: Sequence[int]) -> float:
-        key = (model, bisect.bisect_right(self._cpu_steps, cpu_left), tuple(sorted(gpus)))
+        # with `strand` F reads how many pods the CPU feeds, not only which sizes fit: keyed exactly
+        cpu = cpu_left if self.strand else bisect.bisect_right(self._cpu_steps, cpu_left)
+        key = (model, cpu, tuple(sorted(gpus)))
         found = self._frag.get(key)
         if found is None:
-            found = self._frag[key] = frag_amount(cpu_left, gpus, model, self.typical)
+            found = self._frag[key] = frag_amount(cpu_left, gpus, model, self.typical, self.strand)
         return found
 
     def score(self, node: Node, spec: Spec) -> tuple[float, list[int]]:
@@ -283,6 +295,7 @@ class Options:
     exact: bool = False
     ties: Ties = "name"
     stop_at: float = TUNE_RATIO * 100
+    strand: bool = False
 
 
 @dataclass
@@ -310,7 +323,7 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, opti
     started = time.perf_counter()
     capacity = MILLI * sum(n.gpus for n in nodes)
     cluster = build_nodes(nodes, seed)
-    scorer = Scorer(options.policy, exact=options.exact)
+    scorer = Scorer(options.policy, exact=options.exact, strand=options.strand)
     if options.policy == "fgd" and options.typical == "given":
         scorer.set_typical(typical_pods(map(spec_of, pods), options.mix))
     ties = random.Random(f"ties-{seed}")
@@ -396,6 +409,8 @@ def label(options: Options) -> str:
                 parts.append(f"{name}={getattr(options.mix, name)}")
         if options.exact:
             parts.append("exact")
+        if options.strand:
+            parts.append("strand")
     if options.ties != "name":
         parts.append(f"ties {options.ties}")
     return ", ".join(parts)
@@ -432,7 +447,7 @@ def table(result: dict[str, object]) -> str:
 
 def options_from(args: argparse.Namespace) -> Options:
     mix = Mix(not args.no_cpu_pods, args.weigh_devices, args.one_cpu, args.threshold)
-    return Options(args.policy, args.typical, mix, args.exact, args.ties, args.stop_at)
+    return Options(args.policy, args.typical, mix, args.exact, args.ties, args.stop_at, args.strand)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda line: print(line, flush=True)) -> dict:
@@ -459,6 +474,7 @@ def main() -> None:
     parser.add_argument("--one-cpu", action="store_true", help="one CPU size (the most common) per GPU request")
     parser.add_argument("--threshold", type=float, default=POPULARITY, help="typical pods up to this share")
     parser.add_argument("--exact", action="store_true", help="FGD's score not truncated to an integer")
+    parser.add_argument("--strand", action="store_true", help="F counts GPUs the CPU left cannot feed (ours)")
     parser.add_argument(
         "--ties",
         choices=("name", "random", "fullest"),

@@ -85,6 +85,17 @@ def test_fgd_score_is_truncated_so_close_rises_tie():
     assert fgd_score(2000, 0) == 88  # sigmoid(2) = 0.8808
 
 
+def test_strand_counts_the_gpus_left_beyond_what_the_cpu_left_feeds():
+    typical = (Typical(Spec(11000, 1000, 1), 1.0),)
+    # 8 free GPUs, CPU for 7 of the typical pods (80 cores): one GPU's worth stranded.
+    assert frag_amount(80000, [1000] * 8, "G2", typical) == 0
+    assert frag_amount(80000, [1000] * 8, "G2", typical, strand=True) == 1000
+    assert frag_amount(88000, [1000] * 8, "G2", typical, strand=True) == 0
+    # a model the pod cannot run on strands nothing for it (it counts everything as before)
+    restricted = (Typical(Spec(11000, 1000, 1, "T4"), 1.0),)
+    assert frag_amount(0, [1000] * 8, "G2", restricted, strand=True) == 8000
+
+
 def test_sub_takes_the_least_left_gpus_that_fit_and_whole_gpus_are_the_first_free():
     assert after_sub([1000, 600, 300], Spec(0, 500, 1)) == [1000, 100, 300]
     assert after_sub([1000, 0, 1000, 1000], Spec(0, 1000, 2)) == [0, 0, 0, 1000]
@@ -160,6 +171,7 @@ def test_replay_of_a_tiny_trace_drops_what_fits_nowhere():
         ["--policy", "fgd"],
         ["--policy", "bestfit", "--ties", "random"],
         ["--typical", "online", "--no-cpu-pods", "--weigh-devices", "--one-cpu", "--exact", "--ties", "fullest"],
+        ["--strand", "--threshold", "0.99"],
         ["--threshold", "0.5", "--every", "2", "--stop-at", "110"],
     ],
 )
