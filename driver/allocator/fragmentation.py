@@ -407,10 +407,13 @@ class Fragmentation:
                 left = dict(view.left)
                 for name, value in needs:
                     left[name] = left.get(name, 0.0) - value
-                found = tuple(
-                    min(count, max(0, _how_many(left, shape.needs))) if count else 0
-                    for shape, count in zip(self.mix, view.copies, strict=True)
-                )
+                many: dict[Needs, int] = {}  # shapes differing only in devices share their pods' needs
+                counts = []
+                for shape, count in zip(self.mix, view.copies, strict=True):
+                    if count and shape.needs not in many:
+                        many[shape.needs] = _how_many(left, shape.needs)
+                    counts.append(min(count, max(0, many[shape.needs])) if count else 0)
+                found = tuple(counts)
             view.after[needs] = found
         return found
 
