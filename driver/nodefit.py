@@ -273,12 +273,14 @@ class NodeRoom:
 
     def needs(self, claim: Claim) -> dict[str, float]:
         """What the claim's pods request together (`pods`: how many they are)."""
-        total: Resources = {}
         pods = self.pods_of.get(claim.key, ())
+        if not pods:
+            return {}
+        total: Resources = {}
         for pod in pods:
-            _add(total, {name: value for name, value in pod.requests.items() if name != PODS})
-        needs = {name: float(value) for name, value in total.items() if value > 0}
-        return needs | {PODS: float(len(pods))} if pods else needs
+            _add(total, pod.requests)
+        needs = {name: float(value) for name, value in total.items() if value > 0 and name != PODS}
+        return needs | {PODS: float(len(pods))}
 
     def demand(self, claim: Claim) -> Hashable:
         """What fit reads of the claim's pods, as one value (equal values: equal fit)."""

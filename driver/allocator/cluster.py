@@ -253,8 +253,8 @@ class ClusterAllocator:
 
     def _search_in_order(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
         order, cache = self._order, self._candidates.setdefault(node, {})
-        if self._prefer.get(node, ((), ()))[1]:  # this claim's own order: not one to cache for the next
-            units, positions = self._prefer[node]
+        units, positions = self._prefer.get(node, ((), ()))
+        if positions:  # this claim's own order: not one to cache for the next
             order, cache = _preferring([units[i] for i in positions], order), None
         try:
             return self.node_allocator(node, order, cache).allocate(claims)

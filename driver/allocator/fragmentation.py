@@ -8,9 +8,9 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
   a unit of its own); its free share is what its counters have left, or where shares use it, the
   smallest share of a capacity (compute, memory, clients) left on them;
 - a claim's shape is its one request (class, selectors, count, capacity); the mix is the shapes
-  seen, each weighed by its count of claims, the heaviest up to 95% of the weight (FGD's "typical
-  pods"), each with the pods' demand (PodRoom.demand, PodRoom.needs) its claims have most often;
-  learned again at 16, 32, 64, ... claims;
+  seen, each weighed by its count of claims, the heaviest up to MIX_SHARE of the weight (FGD's
+  "typical pods", to 95%), each with the pods' demand (PodRoom.demand, PodRoom.needs) its claims
+  have most often; learned again at 16, 32, 64, ... claims;
 - a unit is a fragment for a shape when no device on it could take the shape's request; every
   free unit of a node is one when the shape cannot run there at all (too few units, or its pods
   do not fit the node's room);
@@ -455,10 +455,8 @@ class Fragmentation:
         needs: Needs,
     ) -> Choice | None:
         """choose() with the room's copies before and after the claim's pods, kept with the view."""
-        if view.version == self.version:
-            found = view.scored.get((key, needs), False)
-            if found is not False:
-                return found  # type: ignore[return-value]
+        if view.version == self.version and (key, needs) in view.scored:
+            return view.scored[key, needs]
         copies = self.room_copies(allocator, view, room, node)
         choice = view.scored[key, needs] = self.choose(
             allocator, view, copies, self.copies_after(view, needs), claim, key
@@ -518,6 +516,6 @@ class Fragmentation:
         return choice
 
 
-def _how_many(left: Mapping[str, float], needs: tuple[tuple[str, float], ...]) -> int:
+def _how_many(left: Mapping[str, float], needs: Needs) -> int:
     """How many times `needs` fits in `left` (a large number where it asks for nothing)."""
     return min((int(left.get(name, 0.0) // value + 1e-9) for name, value in needs), default=COPIES_LIMIT)
