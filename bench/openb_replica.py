@@ -34,7 +34,9 @@ pods from the pods seen so far, again at 16, 32, 64, ... pods (as driver/allocat
 does); `--no-cpu-pods`, `--weigh-devices`, `--one-cpu`, `--exact`, `--ties random`: see --help.
 `--strand` adds our policy's stranding term (driver/allocator/fragmentation.py) to F: per typical
 GPU pod the node's model can run, the GPU thousandths left beyond what as many of it as the CPU
-left feeds would use.
+left feeds would use. `--supply` (with `--one-cpu`) adds its supply weighting: a CPU size of a
+GPU request that only nodes holding under half the GPUs of its most common one's have is a typical
+pod of its own, and such a pod weighs (GPUs its request could use / GPUs on nodes with its CPU) more.
 
   python -m bench.openb_replica --trace default --seeds 42-51 --policy fgd
   python -m bench.openb_replica --trace default --seeds 42-49 --policy fgd --every 4 --typical online
@@ -77,6 +79,7 @@ MAX_SPEC_CPU = 128000  # BestFit's normalisers (open-gpu-share utils/const.go)
 MAX_SPEC_GPU = 8000
 POPULARITY = 0.95  # typicalPodsConfig.podPopularityThreshold in generate_config_and_run.py
 FIRST_LEARN = 16  # online: as driver/allocator/fragmentation.py
+SCARCE_SUPPLY = 0.5  # --supply: as driver/allocator/fragmentation.py
 
 Policy = Literal["fgd", "bestfit"]
 Ties = Literal["name", "random", "fullest"]
@@ -115,16 +118,19 @@ class Mix:
     weigh_devices: bool = False  # each pod counts num_gpu times (ours), not once
     one_cpu: bool = False  # one CPU size per GPU request, the most common (ours)
     threshold: float = POPULARITY
+    supply: bool = False  # scarce CPU sizes kept apart and weighed up by their supply (ours)
 
 
-def typical_pods(specs: Iterable[Spec], mix: Mix = Mix()) -> tuple[Typical, ...]:
-    """GetTypicalPods: the most frequent specs up to the threshold, weights over those taken."""
+def typical_pods(specs: Iterable[Spec], mix: Mix = Mix(), nodes: Sequence[TraceNode] = ()) -> tuple[Typical, ...]:
+    """GetTypicalPods: the most frequent specs up to the threshold, weights over those taken;
+    with `mix.supply`, a spec whose pod's CPU only nodes holding under SCARCE_SUPPLY of the GPUs
+    its request could use have weighs that many times more (driver/allocator/fragmentation.py)."""
     counts: Counter[Spec] = Counter()
     for spec in specs:
         if spec.num or mix.cpu_pods:
             counts[spec] += max(spec.num, 1) if mix.weigh_devices else 1
     if mix.one_cpu:
-        counts = _one_cpu(counts)
+        counts = _one_cpu(counts, nodes if mix.supply else ())
     total = sum(counts.values())
     ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0].cpu, kv[0].milli, kv[0].num, kv[0].gpu_type))
     taken: list[tuple[Spec, float]] = []
@@ -134,17 +140,41 @@ def typical_pods(specs: Iterable[Spec], mix: Mix = Mix()) -> tuple[Typical, ...]
         taken.append((spec, count))
         covered += count
     # as Go computes it: count / total, then over covered / total (the last bits decide truncations)
-    return tuple(Typical(spec, (count / total) / (covered / total)) for spec, count in taken)
+    weighed = [(spec, (count / total) / (covered / total)) for spec, count in taken]
+    return tuple(Typical(spec, weight * (_scarcity(spec, nodes) if mix.supply else 1.0)) for spec, weight in weighed)
 
 
-def _one_cpu(counts: Counter[Spec]) -> Counter[Spec]:
-    """Specs merged per GPU request, each with its most common CPU size."""
+def supply(spec: Spec, nodes: Sequence[TraceNode], cpu: bool) -> int:
+    """The GPUs on nodes with enough GPUs of a model the spec accepts, and with `cpu`, the CPU
+    for its pod (memory is not counted: typical pods do not carry it)."""
+    return sum(
+        n.gpus
+        for n in nodes
+        if n.gpus >= spec.num and accessible(n.model, spec.gpu_type) and (not cpu or n.cpu_milli >= spec.cpu)
+    )
+
+
+def _scarcity(spec: Spec, nodes: Sequence[TraceNode]) -> float:
+    usable, fit = supply(spec, nodes, False), supply(spec, nodes, True)
+    return usable / fit if 0 < fit < SCARCE_SUPPLY * usable else 1.0
+
+
+def _one_cpu(counts: Counter[Spec], nodes: Sequence[TraceNode] = ()) -> Counter[Spec]:
+    """Specs merged per GPU request, each with its most common CPU size; with `nodes`, a CPU size
+    whose nodes hold under SCARCE_SUPPLY of the GPUs the most common one's do is kept apart."""
     merged: Counter[Spec] = Counter()
     cpus: dict[tuple[int, int, str], Counter[int]] = {}
     for spec, count in counts.items():
         cpus.setdefault((spec.milli, spec.num, spec.gpu_type), Counter())[spec.cpu] += count
     for (milli, num, gpu_type), by_cpu in cpus.items():
-        merged[Spec(by_cpu.most_common(1)[0][0], milli, num, gpu_type)] = sum(by_cpu.values())
+        main = Spec(by_cpu.most_common(1)[0][0], milli, num, gpu_type)
+        rest = sum(by_cpu.values())
+        enough = SCARCE_SUPPLY * supply(main, nodes, True)
+        for cpu, count in by_cpu.items():
+            if cpu != main.cpu and nodes and supply(Spec(cpu, milli, num, gpu_type), nodes, True) < enough:
+                merged[Spec(cpu, milli, num, gpu_type)] = count
+                rest -= count
+        merged[main] = rest
     return merged
 
 
@@ -325,7 +355,7 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, opti
     cluster = build_nodes(nodes, seed)
     scorer = Scorer(options.policy, exact=options.exact, strand=options.strand)
     if options.policy == "fgd" and options.typical == "given":
-        scorer.set_typical(typical_pods(map(spec_of, pods), options.mix))
+        scorer.set_typical(typical_pods(map(spec_of, pods), options.mix, nodes))
     ties = random.Random(f"ties-{seed}")
     # per node: pod (spec, memory) -> (score, GPUs) or None where it does not fit; dropped when the node changes
     kept: list[dict[tuple[Spec, int], tuple[float, list[int]] | None]] = [{} for _ in cluster]
@@ -342,7 +372,7 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, opti
             seen.append(spec)
             if len(seen) >= learn_at:
                 learn_at *= 2
-                scorer.set_typical(typical_pods(seen, options.mix))
+                scorer.set_typical(typical_pods(seen, options.mix, nodes))
                 kept = [{} for _ in cluster]
         arrived += pod.gpu_total
         chosen = _choose(cluster, kept, scorer, pod, spec, options.ties, ties)
@@ -404,7 +434,7 @@ def label(options: Options) -> str:
     if options.policy == "fgd":
         parts.append(f"typical {options.typical}")
         defaults = Mix()
-        for name in ("cpu_pods", "weigh_devices", "one_cpu", "threshold"):
+        for name in ("cpu_pods", "weigh_devices", "one_cpu", "threshold", "supply"):
             if getattr(options.mix, name) != getattr(defaults, name):
                 parts.append(f"{name}={getattr(options.mix, name)}")
         if options.exact:
@@ -446,7 +476,7 @@ def table(result: dict[str, object]) -> str:
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    mix = Mix(not args.no_cpu_pods, args.weigh_devices, args.one_cpu, args.threshold)
+    mix = Mix(not args.no_cpu_pods, args.weigh_devices, args.one_cpu, args.threshold, args.supply)
     return Options(args.policy, args.typical, mix, args.exact, args.ties, args.stop_at, args.strand)
 
 
@@ -474,6 +504,7 @@ def main() -> None:
     parser.add_argument("--one-cpu", action="store_true", help="one CPU size (the most common) per GPU request")
     parser.add_argument("--threshold", type=float, default=POPULARITY, help="typical pods up to this share")
     parser.add_argument("--exact", action="store_true", help="FGD's score not truncated to an integer")
+    parser.add_argument("--supply", action="store_true", help="scarce CPU sizes weighed up by their supply (ours)")
     parser.add_argument("--strand", action="store_true", help="F counts GPUs the CPU left cannot feed (ours)")
     parser.add_argument(
         "--ties",

@@ -259,6 +259,12 @@ class NodeRoom:
     def fits(self, claim: Claim, node: str) -> bool:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
 
+    def allocatable(self, node: str) -> dict[str, float]:
+        """What the node holds for pods, per allocatable resource (`pods`: how many); nothing for a
+        node without facts."""
+        facts = self.nodes.get(node)
+        return {name: float(value) for name, value in facts.allocatable.items()} if facts is not None else {}
+
     def left(self, node: str) -> dict[str, float]:
         """What the node has left for pods, per allocatable resource (`pods`: how many more); nothing
         for a node without facts (no Node object: no pod is placed there)."""

@@ -3,6 +3,7 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections import defaultdict
@@ -11,7 +12,7 @@ from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.explain import explain
-from driver.allocator.fragmentation import Fragmentation, NodeView, Unit, request_key, units_of
+from driver.allocator.fragmentation import Fragmentation, NodeKind, NodeView, Unit, request_key, units_of
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
@@ -122,6 +123,7 @@ class PodRoom(Protocol):
 
     def fits(self, claim: Claim, node: str) -> bool: ...
     def left(self, node: str) -> Mapping[str, float]: ...
+    def allocatable(self, node: str) -> Mapping[str, float]: ...
     def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def take(self, placement: Placement) -> None: ...
     def give_back(self, placement: Placement) -> None: ...
@@ -370,7 +372,7 @@ class ClusterAllocator:
             return order
         demand = room.demand(claim) if room is not None else None
         needs = tuple(sorted(room.needs(claim).items())) if room is not None else ()
-        learned.observe(claim, demand, needs)
+        learned.observe(claim, demand, needs, functools.partial(self._node_kinds, room))
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
         for position, node in enumerate(order):
@@ -386,6 +388,21 @@ class ClusterAllocator:
             self._prefer[node] = (view.units, choice.units)  # type: ignore[union-attr]
         scored.sort()
         return [node for _, _, node in scored] + unscored
+
+    def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
+        """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's
+        supply of shapes; without a room, nothing is known of their pods)."""
+        groups: dict[Hashable, NodeKind] = {}
+        for node, units in self._units.items():
+            allocatable = room.allocatable(node) if room is not None else {}
+            key = (tuple(unit.kind for unit in units), tuple(sorted(allocatable.items())))
+            found = groups.get(key)
+            groups[key] = (
+                NodeKind(tuple(units), allocatable, 1, functools.partial(self.node_allocator, node))
+                if found is None
+                else dataclasses.replace(found, count=found.count + 1)
+            )
+        return list(groups.values())
 
     def _explain(self, claim: Claim) -> str:
         return explain(self, claim)

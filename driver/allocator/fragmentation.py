@@ -7,10 +7,16 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
 - a unit is one GPU: a counter set and the devices drawing from it (a device without counters is
   a unit of its own); its free share is what its counters have left, or where shares use it, the
   smallest share of a capacity (compute, memory, clients) left on them;
-- a claim's shape is its one request (class, selectors, count, capacity); the mix is the shapes
-  seen, each weighed by its count of claims, the heaviest up to MIX_SHARE of the weight (FGD's
-  "typical pods", to 95%), each with the pods' demand (PodRoom.demand, PodRoom.needs) its claims
-  have most often; learned again at 16, 32, 64, ... claims;
+- a claim's shape is its one request (class, selectors, count, capacity) with the pods' demand
+  (PodRoom.demand, PodRoom.needs) its claims have most often; a less common demand is a shape of
+  its own where the nodes that could run it (free GPUs for the request, room for the pods when
+  empty) hold under SCARCE_SUPPLY of the GPUs those running the common one hold (a CPU size only
+  the largest nodes have); the mix is the shapes seen, each weighed by its count of claims, the
+  heaviest up to MIX_SHARE of the weight (FGD's "typical pods", to 95%); learned again at 16, 32,
+  64, ... claims;
+- supply: a shape whose pods fit nodes holding under SCARCE_SUPPLY of the GPUs its request could
+  use weighs (those GPUs / the GPUs of the nodes its pods fit) times more: its nodes are few, so
+  ruling one out costs more than its count says;
 - a unit is a fragment for a shape when no device on it could take the shape's request; every
   free unit of a node is one when the shape cannot run there at all (too few units, or its pods
   do not fit the node's room);
@@ -54,6 +60,10 @@ FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each do
 # 2 gives 9.1/11.5% unallocated, 8 gives 6.1/7.9, 16 and 64 give 5.9/7.5; BENCHMARKS.md, openb).
 SCARCITY_WEIGHT = 16.0
 COPIES_LIMIT = 1024  # pods of one shape a node's room is asked to take at most
+# A request's less common pods' demand is a shape of its own where the nodes that can run it hold
+# under this share of the GPUs that can run its most common one (openb multigpu50: 8-GPU pods of
+# 120 cores, which only 128-core nodes run, beside the 64-core ones; BENCHMARKS.md, openb).
+SCARCE_SUPPLY = 0.5
 
 RequestKey = tuple[Hashable, ...]
 Needs = tuple[tuple[str, float], ...]  # what a claim's pods request together, sorted (PodRoom.needs)
@@ -177,6 +187,16 @@ def after(unit: Unit, state: UnitState, index: int, consumed: dict[str, Amount])
     return left, tuple(sorted(shares.items())), taken
 
 
+@dataclass(frozen=True)
+class NodeKind:
+    """Nodes alike for the supply of shapes: their GPUs and what they hold for pods."""
+
+    units: tuple[Unit, ...]
+    allocatable: Mapping[str, float]  # PodRoom.allocatable: nothing where no pod can run
+    count: int
+    allocator: Callable[[], NodeAllocator]  # one such node's
+
+
 @dataclass
 class Shape:
     key: RequestKey
@@ -230,8 +250,11 @@ class Fragmentation:
     _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
     _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
 
-    def observe(self, claim: Claim, demand: Hashable, needs: Needs) -> None:
-        """Count a claim asked about; `needs`: what its pods request (sorted pairs, PodRoom.needs)."""
+    def observe(
+        self, claim: Claim, demand: Hashable, needs: Needs, kinds: Callable[[], Sequence[NodeKind]] = tuple
+    ) -> None:
+        """Count a claim asked about; `needs`: what its pods request (sorted pairs, PodRoom.needs);
+        `kinds`: the cluster's nodes, read when the mix is learned."""
         key = request_key(claim)
         if key is None:
             return
@@ -243,30 +266,58 @@ class Fragmentation:
         self.observed += 1
         if self.observed >= self._learn_at:
             self._learn_at *= 2
-            self.learn()
+            self.learn(kinds())
 
-    def learn(self) -> None:
-        """The mix from the counts so far; what was kept for the old mix goes."""
-        weights: Counter[RequestKey] = Counter()
+    def learn(self, kinds: Sequence[NodeKind] = ()) -> None:
+        """The mix from the counts so far (`kinds`: the cluster's nodes, for scarce demands and
+        supply, see the module's doc; none: each request with its most common demand, weighed by
+        its count); what was kept for the old mix goes."""
         demands: dict[RequestKey, Counter[Hashable]] = {}
         for (key, demand), count in self.seen.items():
             if key:
-                weights[key] += count
                 demands.setdefault(key, Counter())[demand] += count
-        total = sum(weights.values())
+        counted: list[tuple[int, Shape, float]] = []  # claims, shape, supply weight
+        for key, by_demand in demands.items():
+            main = self._shape(key, by_demand.most_common(1)[0][0])  # the pods such claims most often have
+            hosts = self._hosts(kinds, main)
+            usable = sum(gpus for gpus, _ in hosts)
+            fit = {
+                demand: sum(gpus for gpus, held in hosts if _how_many(held, self.needs[key, demand]) >= 1)
+                for demand in by_demand
+            }
+            rest = sum(by_demand.values())
+            for demand, count in by_demand.items():
+                if demand != main.demand and fit[demand] < SCARCE_SUPPLY * fit[main.demand]:
+                    counted.append((count, self._shape(key, demand), _supply_weight(fit[demand], usable)))
+                    rest -= count
+            counted.append((rest, main, _supply_weight(fit[main.demand], usable)))
+        total = sum(count for count, _, _ in counted)
+        counted.sort(key=lambda c: -c[0])
         self.mix, covered = [], 0
-        for key, weight in weights.most_common(MIX_SHAPES):
+        for count, shape, weight in counted[:MIX_SHAPES]:
             if covered >= MIX_SHARE * total:
                 break
-            demand = demands[key].most_common(1)[0][0]  # the pods such claims most often have
-            self.mix.append(Shape(key, demand, self.examples[key, demand], self.needs[key, demand], weight / total))
-            covered += weight
+            shape.weight = count / total * weight
+            self.mix.append(shape)
+            covered += count
         self.version += 1
         self._vectors.clear()
         self._amounts.clear()
         self._choices.clear()
         self._scarcity.clear()
         self._shares.clear()
+
+    def _shape(self, key: RequestKey, demand: Hashable) -> Shape:
+        return Shape(key, demand, self.examples[key, demand], self.needs[key, demand])
+
+    def _hosts(self, kinds: Sequence[NodeKind], shape: Shape) -> list[tuple[int, Mapping[str, float]]]:
+        """Per kind of node whose GPUs, free, could take the shape's request: its GPUs and what it
+        holds for pods."""
+        return [
+            (kind.count * len(kind.units), kind.allocatable)
+            for kind in kinds
+            if sum(1 for unit in kind.units if self.share(kind.allocator, unit, shape) is not None) >= shape.key[2]
+        ]
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
         """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""
@@ -514,6 +565,12 @@ class Fragmentation:
                 choice = Choice(score, chosen)
         self._choices[memo] = choice
         return choice
+
+
+def _supply_weight(fit: int, usable: int) -> float:
+    """A shape's weight per claim: usable / fit where its pods fit nodes holding under SCARCE_SUPPLY
+    of the GPUs its request could use (`fit`, `usable`: GPUs), else 1."""
+    return usable / fit if 0 < fit < SCARCE_SUPPLY * usable else 1.0
 
 
 def _how_many(left: Mapping[str, float], needs: Needs) -> int:

@@ -187,3 +187,27 @@ def test_the_census_of_gpus_follows_the_slices():
     assert sum(n for _, n in learned.census.values()) == 8
     cluster.update_slices(n2, [])
     assert sum(n for _, n in learned.census.values()) == 16
+
+
+def test_a_pod_keeps_off_the_only_node_whose_cpu_runs_a_less_common_big_pod():
+    # Three nodes of 8 GPUs; only n3 (128 CPUs) runs the 8-GPU claims whose pod asks 120 CPUs,
+    # fewer than the 8-GPU claims asking 64, which n1 and n2 (96 CPUs) run too. A whole-GPU claim
+    # whose pod asks 20 CPUs strands a GPU on n1 (76 CPUs left feed 6 of the common 12-CPU ones,
+    # 7 GPUs free) and none on n3. Learning each request's most common pods only, it goes to n3;
+    # the 120-CPU pods are a shape of their own, weighed by how few GPUs can run them, and it
+    # keeps n3 for them.
+    pods_of: dict[str, list[PodNeeds]] = {}
+
+    def asking(name: str, gpus: int, cpus: int):
+        c = claim(name, exactly("gpu.fgpu.dev", count=gpus))
+        pods_of[c.key] = [PodNeeds(f"ns/pod-{name}", {CPU: Fraction(cpus)})]
+        return c
+
+    seen = [(8, 64)] * 10 + [(8, 120)] * 4 + [(1, 12)] * 20
+    random.Random(0).shuffle(seen)
+    room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")
+    for i, (gpus, cpus) in enumerate(seen):
+        cluster.allocate(asking(f"seen{i}", gpus, cpus), room=room)
+    outcome = cluster.allocate(asking("x", 1, 20), room=room)
+    assert isinstance(outcome, Placement) and outcome.node == "n1"

@@ -72,6 +72,23 @@ def test_typical_pods_most_frequent_first_up_to_95_percent_ties_by_larger_spec()
     assert merged == (Typical(Spec(2000, 1000, 1), 1.0),)
 
 
+def test_supply_keeps_a_scarce_cpu_size_apart_and_weighs_it_by_the_gpus_that_can_run_it():
+    # 8-GPU pods: 6 ask 64 cores, 2 ask 120, which only n2 (128 cores) has: 8 of the 24 GPUs
+    # the request could use, under half. 4-core pods of 2 GPUs run everywhere.
+    nodes = [
+        TraceNode("n0", 96000, 1, 8, "G2"),
+        TraceNode("n1", 96000, 1, 8, "G2"),
+        TraceNode("n2", 128000, 1, 8, "G3"),
+    ]
+    specs = [Spec(64000, 1000, 8)] * 6 + [Spec(120000, 1000, 8)] * 2 + [Spec(4000, 1000, 2)] * 8
+    merged = {t.spec: t.weight for t in typical_pods(specs, Mix(one_cpu=True, threshold=1.0, supply=True), nodes)}
+    assert merged == pytest.approx(
+        {Spec(64000, 1000, 8): 6 / 16, Spec(120000, 1000, 8): 2 / 16 * 3, Spec(4000, 1000, 2): 0.5}
+    )
+    plain = {t.spec: t.weight for t in typical_pods(specs, Mix(one_cpu=True, threshold=1.0), nodes)}
+    assert plain == {Spec(64000, 1000, 8): 0.5, Spec(4000, 1000, 2): 0.5}
+
+
 def test_spec_of_a_trace_pod_joins_the_models_and_zeroes_a_cpu_only_pods_milli():
     assert spec_of(pod("a", 1, 470, 8000, ("V100M16", "V100M32"))) == Spec(8000, 470, 1, "V100M16|V100M32")
     assert spec_of(pod("b", 0, cpu=12500)) == Spec(12500, 0, 0)
@@ -171,7 +188,7 @@ def test_replay_of_a_tiny_trace_drops_what_fits_nowhere():
         ["--policy", "fgd"],
         ["--policy", "bestfit", "--ties", "random"],
         ["--typical", "online", "--no-cpu-pods", "--weigh-devices", "--one-cpu", "--exact", "--ties", "fullest"],
-        ["--strand", "--threshold", "0.99"],
+        ["--strand", "--threshold", "0.99", "--typical", "online", "--one-cpu", "--supply"],
         ["--threshold", "0.5", "--every", "2", "--stop-at", "110"],
     ],
 )
