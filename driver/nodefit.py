@@ -194,6 +194,11 @@ def unfit_reasons(
 ) -> list[str]:
     """Why kube-scheduler would not run the pod on the node (empty: it fits), in its words. The
     filters run in its order and stop at the first that fails, as its framework does."""
+    return filtered(pod, node) or insufficient(pod, node, requested or {}, pods_on_node)
+
+
+def filtered(pod: PodNeeds, node: NodeFacts) -> list[str]:
+    """unfit_reasons before resources: schedulability, taints, affinity."""
     if node.unschedulable and not any(_tolerates(t, UNSCHEDULABLE_TAINT) for t in pod.tolerations):
         return [UNSCHEDULABLE]
     taint = untolerated_taint(pod, node)
@@ -201,7 +206,7 @@ def unfit_reasons(
         return [UNTOLERATED.format(key=taint.get("key", ""), value=taint.get("value", ""))]
     if not affinity_matches(pod, node):
         return [AFFINITY]
-    return insufficient(pod, node, requested or {}, pods_on_node)
+    return []
 
 
 def summary(nodes: int, reasons: Iterable[str]) -> str:
@@ -231,6 +236,7 @@ class NodeRoom:
         self.refused = refused or {}
         self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
         self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
+        self._admitted: dict[tuple[str, str], bool] = {}  # (claim key, node) -> admits()
         for node, pod in running:
             if node in self.nodes:
                 self._count(node, pod)
@@ -258,6 +264,19 @@ class NodeRoom:
 
     def fits(self, claim: Claim, node: str) -> bool:
         return not self.reasons(self.pods_of.get(claim.key, ()), node)
+
+    def admits(self, claim: Claim, node: str) -> bool:
+        """Whether the claim's pods may run on the node, what it has left aside (its facts, taints,
+        affinity, kube-scheduler's refusals): fixed for this room, so kept."""
+        key = (claim.key, node)
+        found = self._admitted.get(key)
+        if found is None:
+            pods, facts = self.pods_of.get(claim.key, ()), self.nodes.get(node)
+            found = self._admitted[key] = not pods or (
+                facts is not None
+                and not any(node in self.refused.get(pod.name, ()) or filtered(pod, facts) for pod in pods)
+            )
+        return found
 
     def allocatable(self, node: str) -> dict[str, float]:
         """What the node holds for pods, per allocatable resource (`pods`: how many); nothing for a

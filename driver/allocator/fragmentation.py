@@ -71,10 +71,11 @@ UnitState = tuple[Hashable, ...]
 
 
 class ScoredRoom(Protocol):
-    """What the policy reads of a PodRoom (driver/nodefit.py's NodeRoom): fit, and the pods'
-    demand of a claim as one hashable value (equal values: equal fit)."""
+    """What the policy reads of a PodRoom (driver/nodefit.py's NodeRoom): what a node admits and
+    has left, what a claim's pods need, and their demand as one hashable value (equal values:
+    equal fit)."""
 
-    def fits(self, claim: Claim, node: str) -> bool: ...
+    def admits(self, claim: Claim, node: str) -> bool: ...
     def left(self, node: str) -> Mapping[str, float]: ...
     def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def demand(self, claim: Claim) -> Hashable: ...
@@ -215,11 +216,12 @@ class NodeView:
     ids: tuple[int, ...]
     copies: tuple[int, ...] = ()  # per shape of the mix: how many of its pods the room takes (counted up to enough)
     version: int = -1
-    fits: dict[Hashable, bool] = field(default_factory=dict)  # pods' demand -> room for them (any mix)
+    fits: dict[Hashable, bool] = field(default_factory=dict)  # pods' demand -> the node admits them (any mix)
     left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
     slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
     scored: dict[tuple[RequestKey, Needs], Choice | None] = field(default_factory=dict)  # this mix's choices
+    hosts: dict[RequestKey, bool] = field(default_factory=dict)  # request -> enough units could take it
 
 
 @dataclass
@@ -435,11 +437,11 @@ class Fragmentation:
         copies, slack = [], dict(view.left)
         for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
             if shape.demand not in view.fits:
-                view.fits[shape.demand] = room is None or room.fits(shape.claim, node)
+                view.fits[shape.demand] = room is None or room.admits(shape.claim, node)
             count = 0
             if view.fits[shape.demand]:
                 enough = max(1, math.ceil(total / (share * shape.key[2]) - 1e-9)) if share else 1
-                count = max(1, min(enough, _how_many(view.left, shape.needs)))
+                count = min(enough, _how_many(view.left, shape.needs))
                 for name, value in shape.needs:
                     slack[name] = min(slack.get(name, 0.0), view.left.get(name, 0.0) - count * value)
             copies.append(count)
@@ -508,11 +510,23 @@ class Fragmentation:
         """choose() with the room's copies before and after the claim's pods, kept with the view."""
         if view.version == self.version and (key, needs) in view.scored:
             return view.scored[key, needs]
+        if key and not self._hosts_request(allocator, view, claim, key):
+            return None  # what choose() finds, without the room's copies
         copies = self.room_copies(allocator, view, room, node)
         choice = view.scored[key, needs] = self.choose(
             allocator, view, copies, self.copies_after(view, needs), claim, key
         )
         return choice
+
+    def _hosts_request(
+        self, allocator: Callable[[], NodeAllocator], view: NodeView, claim: Claim, key: RequestKey
+    ) -> bool:
+        """Whether enough of the node's units could take the request (kept with the view)."""
+        found = view.hosts.get(key)
+        if found is None:
+            usable = sum(1 for uid in view.ids if self._usable_device(allocator, uid, claim, key) is not None)
+            found = view.hosts[key] = usable >= key[2]
+        return found
 
     def choose(
         self,

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from driver.nodefit import NodeFacts, PodNeeds, pod_requests, summary, unfit_reasons
+from driver.nodefit import NodeFacts, NodeRoom, PodNeeds, pod_requests, summary, unfit_reasons
+from tests.support.allocation import claim
 
 
 def node(name: str = "n1", **spec: Any) -> NodeFacts:
@@ -149,3 +150,13 @@ def test_the_summary_counts_reasons_as_kube_scheduler_writes_them():
     reasons = ["Insufficient cpu", "node(s) were unschedulable", "Insufficient cpu"]
     assert summary(3, reasons) == "0/3 nodes are available: 1 node(s) were unschedulable, 2 Insufficient cpu."
     assert summary(0, []) == "0/0 nodes are available."
+
+
+def test_a_room_admits_pods_on_what_fit_reads_besides_resources():
+    # The fragmentation policy counts resources itself: admits() is fit without them.
+    nodes = [node("tainted", taints=[{"key": "gpu", "value": "a", "effect": "NoSchedule"}]), node("small"), node("b")]
+    big = PodNeeds("ns/big", {"cpu": Fraction(64)})
+    room = NodeRoom(nodes, {"ns/c": [big], "ns/empty": []}, refused={"ns/big": {"b"}})
+    assert [room.admits(claim("c"), n) for n in ("tainted", "small", "b", "gone")] == [False, True, False, False]
+    assert not room.fits(claim("c"), "small")  # 64 CPUs on a 4-CPU node: resources are fit's
+    assert room.admits(claim("empty"), "gone")  # no pods: nothing to admit
