@@ -263,7 +263,30 @@ class NodeRoom:
         return []
 
     def fits(self, claim: Claim, node: str) -> bool:
-        return not self.reasons(self.pods_of.get(claim.key, ()), node)
+        """reasons() is empty: what the node admits, then its resources left against what the
+        pods request together (each pod fits with the ones before it counted: the same, requests
+        being positive)."""
+        pods = self.pods_of.get(claim.key, ())
+        counted = self.counted.get(node, set())
+        if any(pod.name in counted for pod in pods):
+            return not self.reasons(pods, node)  # some are counted there already: pod by pod
+        if not self.admits(claim, node):
+            return False
+        if not pods:
+            return True
+        facts, requested = self.nodes[node], self.requested[node]
+        if PODS in facts.allocatable and len(counted) + len(pods) > facts.allocatable[PODS]:
+            return False
+        wanted = pods[0].requests
+        if len(pods) > 1:
+            wanted = {}
+            for pod in pods:
+                _add(wanted, pod.requests)
+        zero = Fraction(0)
+        return all(
+            value <= 0 or name == PODS or value <= facts.allocatable.get(name, zero) - requested.get(name, zero)
+            for name, value in wanted.items()
+        )
 
     def admits(self, claim: Claim, node: str) -> bool:
         """Whether the claim's pods may run on the node, what it has left aside (its facts, taints,

@@ -12,7 +12,15 @@ from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
 from driver.allocator.explain import explain
-from driver.allocator.fragmentation import Fragmentation, NodeKind, NodeView, Unit, request_key, units_of
+from driver.allocator.fragmentation import (
+    Fragmentation,
+    NodeKind,
+    NodeView,
+    RequestKey,
+    Unit,
+    request_key,
+    units_of,
+)
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
@@ -154,6 +162,7 @@ class ClusterAllocator:
         # fragmentation: node -> its GPUs and the positions of those this claim should take
         self._prefer: dict[str, tuple[Sequence[Unit], tuple[int, ...]]] = {}
         self._units: dict[str, list[Unit]] = {}  # fragmentation: node -> its GPUs, as counted in its census
+        self._hosting: dict[Hashable, set[str]] = {}  # fragmentation: request -> nodes with GPUs enough of its kind
         for name in snapshot.pools:
             self._measure(name)
             self._count_units(name)
@@ -163,6 +172,7 @@ class ClusterAllocator:
         if self._fragmentation is None:
             return
         self._fragmentation.count_units(self._units.pop(node, []), -1)
+        self._hosting.clear()
         found = units_of(self.snapshot.pools.get(node, []))
         if found:
             self._units[node] = [unit for _, unit in found]
@@ -376,7 +386,11 @@ class ClusterAllocator:
         learned.observe(claim, demand, needs, functools.partial(self._node_kinds, room))
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
+        hosting = self._hosting_nodes(claim, key) if key else None
         for position, node in enumerate(order):
+            if hosting is not None and node not in hosting:  # no state of its GPUs could take it
+                unscored.append(node)
+                continue
             view = self._view(node)
             choice = None
             if view is not None:
@@ -389,6 +403,20 @@ class ClusterAllocator:
             self._prefer[node] = (view.units, choice.units)  # type: ignore[union-attr]
         scored.sort()
         return [node for _, _, node in scored] + unscored
+
+    def _hosting_nodes(self, claim: Claim, key: RequestKey) -> set[str]:
+        """The nodes with as many GPUs of a kind the request selects as it asks for; kept until
+        slices change."""
+        found = self._hosting.get(key)
+        if found is None:
+            assert self._fragmentation is not None
+            selecting = self._fragmentation.selecting
+            found = self._hosting[key] = {
+                node
+                for node, units in self._units.items()
+                if selecting(functools.partial(self.node_allocator, node), units, claim, key) >= key[2]
+            }
+        return found
 
     def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
         """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's

@@ -373,6 +373,12 @@ class Fragmentation:
             found = self._matches[memo] = tuple(node_allocator.selectable(d, selectors) for d in unit.devices)
         return found
 
+    def selecting(
+        self, allocator: Callable[[], NodeAllocator], units: Sequence[Unit], claim: Claim, key: RequestKey
+    ) -> int:
+        """How many of the units have a device the request selects."""
+        return sum(1 for unit in units if any(self._matching(allocator, unit, claim, key)))
+
     def scarcity(self, allocator: Callable[[], NodeAllocator], unit: Unit) -> float:
         """How much the mix's restricted shapes need units of this kind (see the module's doc)."""
         found = self._scarcity.get(unit.kind)

@@ -160,3 +160,33 @@ def test_a_room_admits_pods_on_what_fit_reads_besides_resources():
     assert [room.admits(claim("c"), n) for n in ("tainted", "small", "b", "gone")] == [False, True, False, False]
     assert not room.fits(claim("c"), "small")  # 64 CPUs on a 4-CPU node: resources are fit's
     assert room.admits(claim("empty"), "gone")  # no pods: nothing to admit
+
+
+def test_fits_answers_as_the_reasons_do_pod_by_pod():
+    # fits() sums a claim's pods; reasons() counts them one by one: the same answer at every
+    # boundary (CPU exactly used up, the pod limit, a resource the node lacks, a pod counted
+    # there already, a refusal, a taint).
+    nodes = [
+        node("a", allocatable={"cpu": "4", "memory": "16Gi", "pods": "3"}),
+        node("tainted", taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}]),
+    ]
+    one, two, fpga = pod(cpu="2"), pod(cpu="1500m"), PodNeeds("ns/fpga", {"example.com/fpga": Fraction(1)})
+    pods_of = {
+        "ns/pair": [PodNeeds("ns/x", one.requests), PodNeeds("ns/y", two.requests)],
+        "ns/three": [PodNeeds(f"ns/t{i}", {"cpu": Fraction(1, 2)}) for i in range(3)],  # CPU fits, the 4th pod not
+        "ns/fpga": [fpga],
+        "ns/zero": [PodNeeds("ns/z", {"cpu": Fraction(0), "example.com/fpga": Fraction(0)})],
+        "ns/refused": [PodNeeds("ns/r", one.requests)],
+        "ns/again": [PodNeeds("ns/run", one.requests), PodNeeds("ns/new", one.requests)],
+    }
+    running = [("a", PodNeeds("ns/run", {"cpu": Fraction(1, 2)}))]
+    room = NodeRoom(nodes, pods_of, running, refused={"ns/r": {"a"}})
+    answers = {}
+    for key in pods_of:
+        for name in ("a", "tainted", "gone"):
+            c = claim(key.removeprefix("ns/"))
+            answers[key, name] = room.fits(c, name)
+            assert answers[key, name] == (not room.reasons(pods_of[key], name)), (key, name)
+    assert answers["ns/pair", "a"] and not answers["ns/three", "a"] and not answers["ns/fpga", "a"]
+    assert answers["ns/zero", "a"] and not answers["ns/refused", "a"] and answers["ns/again", "a"]
+    assert not any(answers[key, "tainted"] or answers[key, "gone"] for key in pods_of)
