@@ -3,6 +3,7 @@ claims placed all or none. Pure: a snapshot of slices, classes and allocations i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -123,6 +124,9 @@ def _named_nodes(slice_: Slice) -> set[str]:
     return {slice_.placement.node_name, *(d.placement.node_name for d in slice_.devices)} - {""}
 
 
+_UNKEPT: Any = object()  # a view's score not kept
+
+
 class PodRoom(Protocol):
     """Whether the pods that use a claim can run on a node (driver/nodefit.py), and what the
     placements made take from the nodes: the allocator stays about devices. demand and signature
@@ -153,6 +157,8 @@ class ClusterAllocator:
         self.nodes = snapshot.nodes  # shared: nodes the snapshot learns of are ours too
         self._usage: dict[str, float] = {}
         self._used: set[str] = set()  # nodes whose usage is not 0 (most are 0 in a large cluster)
+        self._ranked: list[tuple[float, str]] = []  # the used nodes by (usage, fullest first under binpack), name
+        self._sign = 1 if policy == "spread" else -1  # fragmentation breaks its ties in binpack's order
         self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._no_fit: dict[str, set[Hashable]] = {}  # node -> search keys of claims its devices cannot take now
@@ -199,9 +205,18 @@ class ClusterAllocator:
                 if not device.consumes:
                     total += 1
                     used += self.state.is_allocated(device.id)
-        self._usage[node] = used / total if total else 0.0
-        (self._used.add if self._usage[node] else self._used.discard)(node)
+        self._rank(node, used / total if total else 0.0)
         self._partial[node] = partial
+
+    def _rank(self, node: str, usage: float) -> None:
+        """The node's usage now (0: none, or gone), kept sorted for node_order."""
+        old = self._usage.get(node, 0.0)
+        if old:
+            del self._ranked[bisect.bisect_left(self._ranked, (self._sign * old, node))]
+        if usage:
+            bisect.insort(self._ranked, (self._sign * usage, node))
+        self._usage[node] = usage
+        (self._used.add if usage else self._used.discard)(node)
 
     def _cost(self, node: str, allocation: dict[str, Any]) -> tuple[int, int, float]:
         """How much a placement spends, lowest best: GPUs (counter sets) it starts using that nothing
@@ -233,11 +248,10 @@ class ClusterAllocator:
             self._names = sorted(self._usage)
         if self.policy == "first-fit":
             return list(self._names)
-        sign = 1 if self.policy == "spread" else -1  # fragmentation breaks its ties in binpack's order
-        used = sorted(self._used, key=lambda name: (sign * self._usage[name], name))
-        before = [name for name in used if sign * self._usage[name] < 0]
+        used = [name for _, name in self._ranked]
+        before = bisect.bisect_left(self._ranked, (0.0, ""))  # the used nodes that go before idle ones
         idle = list(itertools.filterfalse(self._used.__contains__, self._names))
-        return before + idle + used[len(before) :]
+        return used[:before] + idle + used[before:]
 
     def node_allocator(
         self, node: str, order: DeviceOrder | None = None, cache: dict[Any, Any] | None = None
@@ -286,9 +300,9 @@ class ClusterAllocator:
             if node in self.snapshot.pools:
                 self._measure(node)
             else:
+                self._rank(node, 0.0)
                 for cached in (self._usage, self._candidates, self._no_fit, self._partial, self._views):
                     cached.pop(node, None)
-                self._used.discard(node)
 
     def allocate(
         self, claim: Claim, nodes: Sequence[str] | None = None, room: PodRoom | None = None, why: bool = True
@@ -387,15 +401,19 @@ class ClusterAllocator:
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
         hosting = self._hosting_nodes(claim, key) if key else None
+        ask, version, views = learned.asked(key, needs), learned.version, self._views
         for position, node in enumerate(order):
             if hosting is not None and node not in hosting:  # no state of its GPUs could take it
                 unscored.append(node)
                 continue
-            view = self._view(node)
+            view = views[node] if node in views else self._view(node)
             choice = None
             if view is not None:
-                allocator = functools.partial(self.node_allocator, node)
-                choice = learned.score(allocator, view, room, node, claim, key, needs)
+                # what the view keeps, looked up here: most nodes, most claims (score() does the same)
+                choice = view.scored.get(ask, _UNKEPT) if view.version == version else _UNKEPT
+                if choice is _UNKEPT:
+                    allocator = functools.partial(self.node_allocator, node)
+                    choice = learned.score(allocator, view, room, node, claim, key, needs, ask)
             if choice is None:
                 unscored.append(node)
                 continue

@@ -220,7 +220,7 @@ class NodeView:
     left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
     slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
-    scored: dict[tuple[RequestKey, Needs], Choice | None] = field(default_factory=dict)  # this mix's choices
+    scored: dict[int, Choice | None] = field(default_factory=dict)  # this mix's choices by Fragmentation.asked
     hosts: dict[RequestKey, bool] = field(default_factory=dict)  # request -> enough units could take it
 
 
@@ -251,6 +251,11 @@ class Fragmentation:
     census: dict[Hashable, tuple[Unit, int]] = field(default_factory=dict)  # the cluster's units: kind -> one, count
     _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
     _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
+    _asks: dict[tuple[RequestKey, Needs], int] = field(default_factory=dict)
+
+    def asked(self, key: RequestKey, needs: Needs) -> int:
+        """A request and its pods' needs as one small number (views keep scores by it)."""
+        return self._asks.setdefault((key, needs), len(self._asks))
 
     def observe(
         self, claim: Claim, demand: Hashable, needs: Needs, kinds: Callable[[], Sequence[NodeKind]] = tuple
@@ -512,16 +517,18 @@ class Fragmentation:
         claim: Claim,
         key: RequestKey,
         needs: Needs,
+        ask: int,
     ) -> Choice | None:
-        """choose() with the room's copies before and after the claim's pods, kept with the view."""
-        if view.version == self.version and (key, needs) in view.scored:
-            return view.scored[key, needs]
+        """choose() with the room's copies before and after the claim's pods, kept with the view
+        by `ask` (asked(key, needs))."""
+        if view.version == self.version and ask in view.scored:
+            return view.scored[ask]
         if key and not self._hosts_request(allocator, view, claim, key):
+            if view.version == self.version:
+                view.scored[ask] = None
             return None  # what choose() finds, without the room's copies
         copies = self.room_copies(allocator, view, room, node)
-        choice = view.scored[key, needs] = self.choose(
-            allocator, view, copies, self.copies_after(view, needs), claim, key
-        )
+        choice = view.scored[ask] = self.choose(allocator, view, copies, self.copies_after(view, needs), claim, key)
         return choice
 
     def _hosts_request(
