@@ -286,7 +286,7 @@ class Fragmentation:
         counted: list[tuple[int, Shape, float]] = []  # claims, shape, supply weight
         for key, by_demand in demands.items():
             main = self._shape(key, by_demand.most_common(1)[0][0])  # the pods such claims most often have
-            hosts = self._hosts(kinds, main)
+            hosts = self._kinds_taking(kinds, main)
             usable = sum(gpus for gpus, _ in hosts)
             fit = {
                 demand: sum(gpus for gpus, held in hosts if _how_many(held, self.needs[key, demand]) >= 1)
@@ -317,7 +317,7 @@ class Fragmentation:
     def _shape(self, key: RequestKey, demand: Hashable) -> Shape:
         return Shape(key, demand, self.examples[key, demand], self.needs[key, demand])
 
-    def _hosts(self, kinds: Sequence[NodeKind], shape: Shape) -> list[tuple[int, Mapping[str, float]]]:
+    def _kinds_taking(self, kinds: Sequence[NodeKind], shape: Shape) -> list[tuple[int, Mapping[str, float]]]:
         """Per kind of node whose GPUs, free, could take the shape's request: its GPUs and what it
         holds for pods."""
         return [
