@@ -73,13 +73,13 @@ from bench.openb import (
     unallocated,
     workload,
 )
+from driver.allocator.fragmentation import SCARCE_SUPPLY, supply_weight
 
 MILLI = 1000
 MAX_SPEC_CPU = 128000  # BestFit's normalisers (open-gpu-share utils/const.go)
 MAX_SPEC_GPU = 8000
 POPULARITY = 0.95  # typicalPodsConfig.podPopularityThreshold in generate_config_and_run.py
 FIRST_LEARN = 16  # online: as driver/allocator/fragmentation.py
-SCARCE_SUPPLY = 0.5  # --supply: as driver/allocator/fragmentation.py
 
 Policy = Literal["fgd", "bestfit"]
 Ties = Literal["name", "random", "fullest"]
@@ -155,8 +155,7 @@ def supply(spec: Spec, nodes: Sequence[TraceNode], cpu: bool) -> int:
 
 
 def _scarcity(spec: Spec, nodes: Sequence[TraceNode]) -> float:
-    usable, fit = supply(spec, nodes, False), supply(spec, nodes, True)
-    return usable / fit if 0 < fit < SCARCE_SUPPLY * usable else 1.0
+    return supply_weight(supply(spec, nodes, True), supply(spec, nodes, False))
 
 
 def _one_cpu(counts: Counter[Spec], nodes: Sequence[TraceNode] = ()) -> Counter[Spec]:

@@ -209,14 +209,14 @@ class Shape:
 
 @dataclass
 class NodeView:
-    """A node's units, their states (as interned ids) now, and which of the mix's shapes its
-    room fits (for `version` of the mix); dropped when the node's allocations change."""
+    """A node's units, their states (as interned ids) now, and how many of each of the mix's
+    shapes' pods its room takes (for `version` of the mix); dropped when the node's allocations
+    change."""
 
     units: list[Unit]
     ids: tuple[int, ...]
     copies: tuple[int, ...] = ()  # per shape of the mix: how many of its pods the room takes (counted up to enough)
     version: int = -1
-    fits: dict[Hashable, bool] = field(default_factory=dict)  # pods' demand -> the node admits them (any mix)
     left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
     slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
@@ -295,9 +295,9 @@ class Fragmentation:
             rest = sum(by_demand.values())
             for demand, count in by_demand.items():
                 if demand != main.demand and fit[demand] < SCARCE_SUPPLY * fit[main.demand]:
-                    counted.append((count, self._shape(key, demand), _supply_weight(fit[demand], usable)))
+                    counted.append((count, self._shape(key, demand), supply_weight(fit[demand], usable)))
                     rest -= count
-            counted.append((rest, main, _supply_weight(fit[main.demand], usable)))
+            counted.append((rest, main, supply_weight(fit[main.demand], usable)))
         total = sum(count for count, _, _ in counted)
         counted.sort(key=lambda c: -c[0])
         self.mix, covered = [], 0
@@ -447,10 +447,8 @@ class Fragmentation:
         total = sum(self._states[u][2] for u in view.ids)
         copies, slack = [], dict(view.left)
         for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
-            if shape.demand not in view.fits:
-                view.fits[shape.demand] = room is None or room.admits(shape.claim, node)
             count = 0
-            if view.fits[shape.demand]:
+            if room is None or room.admits(shape.claim, node):
                 enough = max(1, math.ceil(total / (share * shape.key[2]) - 1e-9)) if share else 1
                 count = min(enough, _how_many(view.left, shape.needs))
                 for name, value in shape.needs:
@@ -594,7 +592,7 @@ class Fragmentation:
         return choice
 
 
-def _supply_weight(fit: int, usable: int) -> float:
+def supply_weight(fit: int, usable: int) -> float:
     """A shape's weight per claim: usable / fit where its pods fit nodes holding under SCARCE_SUPPLY
     of the GPUs its request could use (`fit`, `usable`: GPUs), else 1."""
     return usable / fit if 0 < fit < SCARCE_SUPPLY * usable else 1.0
