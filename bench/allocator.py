@@ -36,12 +36,12 @@ import yaml
 from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.devices import MPS_DEFAULT_COMPUTE
-from driver.discovery import discover_gpus
+from driver.inventory.devices import MPS_DEFAULT_COMPUTE
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import DEFAULT_KINDS, SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import DEFAULT_KINDS, SharingConfig
-from driver.slices import build_slices
 from testbed.cluster.harness import build_binaries
 
 ROOT = Path(__file__).resolve().parents[1]

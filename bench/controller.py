@@ -3,7 +3,7 @@ same mix: N pods, each with a claim from a ResourceClaimTemplate (whole GPUs, MI
 shares: bench/allocator.py's mix) and CPU and memory in proportion to the GPU it asks (below), on
 M fake nodes x 8 mock H100 with 64 CPUs and 512 GiB (slices published through the API; no kubelet,
 so "bound" is where it ends). Each path then checks pod fit: kube-scheduler its filters, the
-controller driver/nodefit.py; the CPU cost of the controller's checks is measured in-process on
+controller driver/scheduling/nodefit.py; the CPU cost of the controller's checks is measured in-process on
 the run's own objects at the end (`fit`). First the scheduler allocates (plain templates),
 then, after everything is deleted, the controller (templates labelled for it, pods gated).
 
@@ -39,7 +39,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
 from driver.allocator.model import claim_from_object
 from driver.controller.fit import node_room
-from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
 
 CLIENT_LIMITS = ["--kube-api-qps=1000", "--kube-api-burst=2000"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import kubernetes
 
-from driver.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
+from driver.scheduling.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.harness import free_port
 from testbed.local_cluster import local_cluster
 from testbed.workloads import NS, claim_template, deployment, pod, unique, wait_until

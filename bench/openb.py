@@ -11,7 +11,7 @@ Mapping: one machine profile per GPU model (mock NVML, no MIG: the trace has non
 GPUs and MPS shares; a pod asking k whole GPUs is a claim for k devices of gpu.fgpu.dev, a sharing
 pod (thousandths m < 1000) an MPS share of compute ceil(m / 10) % (the trace's values are whole
 percents; the report counts any it had to round), gpu_spec a CEL selector on productName. Pod CPU
-and memory fit: driver/nodefit.py's NodeRoom, as the controller uses it. CPU-only pods are claims
+and memory fit: driver/scheduling/nodefit.py's NodeRoom, as the controller uses it. CPU-only pods are claims
 without requests: the allocator places them with the same policy as GPU pods (or --cpu-pods as
 kube-scheduler's NodeResourcesFit scoring would, to measure the kube-scheduler advice in docs).
 
@@ -43,12 +43,12 @@ from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snaps
 from driver.allocator.model import Claim, claim_from_object, class_from_object, slice_from_object
 from driver.allocator.scoring import POLICIES, Policy
 from driver.allocator.state import AllocatedState
-from driver.discovery import discover_gpus
-from driver.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
+from driver.scheduling.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "openb"
 PUBLISHED = TRACES / "fgd_expected_results" / "analysis_allo_discrete.csv"

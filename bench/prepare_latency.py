@@ -75,9 +75,9 @@ def device_result(kind: str, caller: int) -> dict:
 
 def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monitor: bool) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
+    from driver.inventory.sharing import ALL_KINDS, SharingConfig
     from driver.node.server import PluginProcess
     from driver.node.settings import PluginSettings, default_driver_root
-    from driver.sharing import ALL_KINDS, SharingConfig
     from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object
 
     api = InMemoryKubeApi()

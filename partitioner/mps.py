@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pynvml
 
+from driver.common.testhooks import crash_point
 from driver.nvml.session import NvmlSession
-from driver.testhooks import crash_point
 from partitioner import tmpfs
 from partitioner.runner import ToolError, ToolRunner
 

@@ -1,22 +1,34 @@
-"""Generate the Python protobuf modules and gRPC stubs in driver/kubeletapi from the .proto files
-in this folder.
+"""Generate the Python protobuf modules and gRPC stubs from the .proto files in this folder, each
+beside its users: the kubelet's APIs in driver/node/kubelet/api, the claim-status message in
+driver/kube.
 
 The kubelet APIs (dra_*, pluginregistration_*) are upstream's (k8s.io/kubelet v0.37.2) verbatim;
 only their file names are flattened. resourceclaim_status.proto is ours: the subset of the
-ResourceClaim's API-server encoding that driver/claim_protobuf.py edits (it says why a subset).
+ResourceClaim's API-server encoding that driver/kube/claim_protobuf.py edits (it says why a subset).
 gRPC stubs are made only for files with a service. Run: python proto/generate.py [OUTPUT_DIR]
+(with OUTPUT_DIR, everything goes there: tests compare it with the committed stubs).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from grpc_tools import protoc
 
 PROTO_DIR = Path(__file__).resolve().parent
-DEFAULT_OUTPUT = PROTO_DIR.parent / "driver" / "kubeletapi"
+DRIVER = PROTO_DIR.parent / "driver"
+KUBELET_API = DRIVER / "node" / "kubelet" / "api"
+# Where each generated module is committed: the kubelet's APIs unless named here.
+HOMES = {"resourceclaim_status": DRIVER / "kube"}
+
+
+def home(generated: Path) -> Path:
+    """The committed folder of a generated module (e.g. dra_v1_pb2_grpc.py -> the kubelet API's)."""
+    return HOMES.get(generated.name.split("_pb2")[0], KUBELET_API)
 
 
 def generate(output: Path) -> list[Path]:
@@ -39,6 +51,11 @@ def generate(output: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUTPUT
-    for path in generate(target):
-        print(path)
+    if len(sys.argv) > 1:
+        for path in generate(Path(sys.argv[1])):
+            print(path)
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            for path in generate(Path(scratch)):
+                shutil.copyfile(path, home(path) / path.name)
+                print(home(path) / path.name)

@@ -1,5 +1,5 @@
 """An in-memory KubeApi for unit tests and the in-memory benchmarks: same methods and JSON shapes as
-driver.kube.ClientKubeApi. A stand-in for the API server where a test or benchmark is about the
+driver.kube.client.ClientKubeApi. A stand-in for the API server where a test or benchmark is about the
 node alone; integration and end-to-end tests use the real control plane (testbed/cluster)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from driver.kube import ConflictError, JsonObject, KubeError, KubeUnavailableError, NotFoundError, RefusedError
+from driver.kube.client import ConflictError, JsonObject, KubeError, KubeUnavailableError, NotFoundError, RefusedError
 
 DeviceKey = tuple[str, str, str, str]
 

@@ -12,9 +12,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.devices import node_targets
-from driver.discovery import GpuInfo, discover_gpus
-from driver.kube import KubeApi
+from driver.inventory.devices import node_targets
+from driver.inventory.discovery import GpuInfo, discover_gpus
+from driver.inventory.sharing import ALL_KINDS, SharingConfig
+from driver.kube.client import KubeApi
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
 from driver.node.instance_lock import InstanceLock
@@ -22,7 +23,6 @@ from driver.node.prepare import ClaimPreparer, Partitioners
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
-from driver.sharing import ALL_KINDS, SharingConfig
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner

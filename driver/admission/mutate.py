@@ -1,6 +1,6 @@
 """Opt-in without editing pods: the scheduling gate added at pod create (POST /mutate).
 
-A pod that uses an opt-in claim (labelled `gpu.fgpu.dev/allocator: fgpu`, driver/opt_in.py)
+A pod that uses an opt-in claim (labelled `gpu.fgpu.dev/allocator: fgpu`, driver/scheduling/opt_in.py)
 gets the gate `gpu.fgpu.dev/allocation`, so that kube-scheduler leaves it to fgpu's controller, as
 if its author had written the gate. A claim by name (`resourceClaimName`) is read; one made from a
 template (`resourceClaimTemplateName`) does not exist yet at pod create (kube-controller-manager makes
@@ -19,8 +19,8 @@ import logging
 from typing import Any, Protocol
 
 from driver.admission.review import REVIEW_API_VERSION, admission_request
-from driver.kube import KubeError
-from driver.opt_in import SCHEDULING_GATE, gated, opted_in
+from driver.kube.client import KubeError
+from driver.scheduling.opt_in import SCHEDULING_GATE, gated, opted_in
 
 LOG = logging.getLogger("fgpu.webhook")
 

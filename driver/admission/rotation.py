@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import kubernetes
 
 from driver.admission import certs
-from driver.kube import (
+from driver.kube.client import (
     ConflictError,
     KubeConfigError,
     KubeError,

@@ -74,7 +74,7 @@ class WebhookSettings:
 
 
 def webhook_settings(args: Any) -> WebhookSettings:
-    """The settings `fgpu webhook`'s flags give (driver/cli.py)."""
+    """The settings `fgpu webhook`'s flags give (driver/cli/main.py)."""
     lifetimes = Lifetimes(args.cert_validity, args.cert_renew_before, args.ca_validity)
     return WebhookSettings(
         driver_name=args.driver_name,

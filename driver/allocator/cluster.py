@@ -128,7 +128,7 @@ _UNKEPT: Any = object()  # a view's score not kept
 
 
 class PodRoom(Protocol):
-    """Whether the pods that use a claim can run on a node (driver/nodefit.py), and what the
+    """Whether the pods that use a claim can run on a node (driver/scheduling/nodefit.py), and what the
     placements made take from the nodes: the allocator stays about devices. demand and signature
     is what fit reads of a claim's pods as one value (equal values: equal fit), for the
     fragmentation policy to learn the mix of claims by."""

@@ -71,7 +71,7 @@ UnitState = tuple[Hashable, ...]
 
 
 class ScoredRoom(Protocol):
-    """What the policy reads of a PodRoom (driver/nodefit.py's NodeRoom): what a node admits and
+    """What the policy reads of a PodRoom (driver/scheduling/nodefit.py's NodeRoom): what a node admits and
     has left, what a claim's pods need, and their demand as one hashable value (equal values:
     equal fit)."""
 

@@ -6,7 +6,7 @@ import functools
 import re
 from fractions import Fraction
 
-from driver.slices import format_quantity  # the form the node plugin publishes
+from driver.inventory.slices import format_quantity  # the form the node plugin publishes
 
 _QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([numkMGTPE]?)|[eE]([+-]?\d+))$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

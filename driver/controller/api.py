@@ -1,4 +1,4 @@
-"""The controller's API calls over the official client, JSON in and out (errors as in driver.kube)."""
+"""The controller's API calls over the official client, JSON in and out (errors as in driver.kube.client)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import kubernetes
 
-from driver.kube import ClientKubeApi, TooManyRequestsError
+from driver.kube.client import ClientKubeApi, TooManyRequestsError
 
 JsonObject = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """The controller loop: informer caches in, allocations and lifted scheduling gates out.
 
-Claims opt in with a label and their pods wait behind a scheduling gate (driver/opt_in.py). A pass, run
+Claims opt in with a label and their pods wait behind a scheduling gate (driver/scheduling/opt_in.py). A pass, run
 whenever a cache changes and this replica leads, places the waiting claims (placing.py), writes
 each unit ledger first, then status (writes.py), and lifts the gates of pods whose claims are all
 allocated (gates.py). The caches, the snapshot of the pools and the allocator are kept here from
@@ -32,8 +32,8 @@ from driver.controller.placing import Placing
 from driver.controller.refusals import Refusal, Refusals
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import Writes
-from driver.kube import KubeError
-from driver.opt_in import gated, pending
+from driver.kube.client import KubeError
+from driver.scheduling.opt_in import gated, pending
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency

@@ -1,5 +1,5 @@
 """Pod fit for the controller: a claim goes only to a node where the pods that use it can run
-(driver/nodefit.py says what kube-scheduler checks). What a pass starts from: each node's
+(driver/scheduling/nodefit.py says what kube-scheduler checks). What a pass starts from: each node's
 allocatable less what is on its way there or running:
 
 - pods bound to the node (not finished);
@@ -19,8 +19,8 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from driver.controller.informer import object_key
-from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
-from driver.opt_in import gated, pod_claim_names
+from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
+from driver.scheduling.opt_in import gated, pod_claim_names
 
 JsonObject = dict[str, Any]
 FINISHED = ("Succeeded", "Failed")

@@ -15,9 +15,9 @@ from driver.controller import metrics
 from driver.controller.clock import wall_now
 from driver.controller.groups import Groups, group_name
 from driver.controller.informer import Informer, object_key
-from driver.events import object_event
-from driver.kube import KubeError
-from driver.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
+from driver.kube.client import KubeError
+from driver.kube.events import object_event
+from driver.scheduling.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
 
 log = logging.getLogger(__name__)
 COMPONENT = "fgpu-controller"

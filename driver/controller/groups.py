@@ -15,7 +15,7 @@ waits for the rest:
 A claim is in a group through the pods that use it (by name, through their status, or the pod that
 owns it) or the PodGroup that owns it (a group's own claim). A pod whose group does not exist, or
 cannot be read, waits, as kube-scheduler keeps it waiting. A group with the basic policy is no
-gang: its claims are placed one by one. Our own gang labels (driver/opt_in.py) come first where a claim
+gang: its claims are placed one by one. Our own gang labels (driver/scheduling/opt_in.py) come first where a claim
 carries them."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.controller.informer import object_key
-from driver.opt_in import gated, known_claim_names, opted_in, pending, pod_claim_names
+from driver.scheduling.opt_in import gated, known_claim_names, opted_in, pending, pod_claim_names
 
 JsonObject = dict[str, Any]
 FINISHED = ("Succeeded", "Failed")

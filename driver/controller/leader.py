@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.controller.clock import monotonic, timestamp
-from driver.kube import ConflictError, KubeError, NotFoundError
+from driver.kube.client import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 JITTER = 1.2  # client-go's JitterFactor: the renew deadline must leave room for a late retry

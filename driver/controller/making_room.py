@@ -43,8 +43,8 @@ from driver.controller.ledger import (
 )
 from driver.controller.refusals import pods_by_claim
 from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
-from driver.kube import KubeError
-from driver.nodefit import NodeRoom
+from driver.kube.client import KubeError
+from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
 RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is placed within a pass

@@ -3,7 +3,7 @@
 A pass computes placements one unit at a time and hands each to a pool of writers (writes.py), so
 writes overlap with the search and with each other (at most MAX_IN_FLIGHT units, controller.py).
 Lone claims go first, in creation order, then gangs, all or none once every member exists: our
-labelled gangs (driver/opt_in.py), then PodGroups with a gang policy (groups.py). A claim that cannot be
+labelled gangs (driver/scheduling/opt_in.py), then PodGroups with a gang policy (groups.py). A claim that cannot be
 placed gets an Event (gates.py) and waits for the next pass."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from driver.controller.fit import claim_pods, node_room
 from driver.controller.groups import Groups
 from driver.controller.informer import Informer, object_key
 from driver.controller.refusals import pods_by_claim, released
-from driver.nodefit import NodeRoom
-from driver.opt_in import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
+from driver.scheduling.nodefit import NodeRoom
+from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
 
 log = logging.getLogger(__name__)
 ABSORB_S = 2.0  # how long a pass goes on placing lone claims that arrive while its writes are out

@@ -1,5 +1,5 @@
 """kube-scheduler refusing the node the controller chose, for a reason the controller does not
-evaluate (inter-pod affinity, topology spread, volumes, ports: driver/nodefit.py says what it does).
+evaluate (inter-pod affinity, topology spread, volumes, ports: driver/scheduling/nodefit.py says what it does).
 
 kube-scheduler, finding a released pod unfit for the node of its claim's allocation, deallocates
 the claim in its PostFilter (it clears `status.allocation`; only a claim reserved for no pod but
@@ -23,8 +23,8 @@ from typing import Any
 from driver.controller import metrics
 from driver.controller.fit import allocated_node, live_pods
 from driver.controller.informer import Informer, object_key
-from driver.kube import KubeError
-from driver.opt_in import gated, known_claim_names, opted_in
+from driver.kube.client import KubeError
+from driver.scheduling.opt_in import gated, known_claim_names, opted_in
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from driver.allocator.cluster import Placement
+from driver.common.testhooks import stop_point
 from driver.controller import metrics
 from driver.controller.clock import timestamp
 from driver.controller.informer import Informer, object_key
@@ -33,8 +34,7 @@ from driver.controller.ledger import (
     pool_of,
 )
 from driver.controller.placing import Unit
-from driver.kube import ConflictError, KubeError, NotFoundError
-from driver.testhooks import stop_point
+from driver.kube.client import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from driver.files import atomic_write
+from driver.common.files import atomic_write
 
 CDI_VERSION = "0.6.0"
 CDI_CLASS = "claim"

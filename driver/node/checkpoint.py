@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from driver.files import atomic_write, locked
+from driver.common.files import atomic_write, locked
 
 log = logging.getLogger(__name__)
 

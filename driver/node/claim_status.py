@@ -10,7 +10,7 @@ manager `<driver>/<node>`: the claim as read, with this node's entries (our driv
 pool) replaced and every other byte as stored. Not by server-side apply: kube-apiserver compares
 the allocation's opaque configs byte for byte, and an apply re-encodes them, so it was refused
 (422 "status.allocation: field cannot be modified once set") for every claim whose allocation
-carries a config whose stored JSON is not in Go's canonical form (driver/claim_protobuf.py).
+carries a config whose stored JSON is not in Go's canonical form (driver/kube/claim_protobuf.py).
 The PUT carries the claim's resourceVersion: the scheduler's or another driver's concurrent write
 makes it fail with a conflict (retried at once on a fresh read), never lose their fields. Its
 UID is checked on that read: a claim re-created under the same name never gets our entries.
@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from driver.claim_protobuf import DeviceKey
 from driver.claims.refs import ClaimRef
-from driver.events import object_event
-from driver.kube import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
+from driver.inventory.sharing import MIG_KINDS
+from driver.kube.claim_protobuf import DeviceKey
+from driver.kube.client import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
+from driver.kube.events import object_event
 from driver.node import metrics
 from driver.node.state import PreparedDevice
-from driver.sharing import MIG_KINDS
 from partitioner.mps import CONTAINER_PIPE_DIR
 
 log = logging.getLogger(__name__)

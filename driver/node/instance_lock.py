@@ -17,7 +17,7 @@ import os
 import uuid
 from pathlib import Path
 
-from driver.files import atomic_write
+from driver.common.files import atomic_write
 from driver.node.kubelet.sockets import BoundSocket, accepts_connections
 
 log = logging.getLogger(__name__)

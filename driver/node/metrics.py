@@ -29,13 +29,13 @@ from prometheus_client.registry import Collector
 
 from driver.allocator.quantity import ceil_int, parse_quantity
 from driver.claims.refs import ErrorReason
-from driver.discovery import GpuInfo
-from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.inventory.discovery import GpuInfo
+from driver.inventory.sharing import MIG_KINDS, DeviceKind
+from driver.kube.client import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction, is_busy, pod_uid_of_cgroup
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
-from driver.sharing import MIG_KINDS, DeviceKind
 
 log = logging.getLogger(__name__)
 

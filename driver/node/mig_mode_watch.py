@@ -1,6 +1,6 @@
 """The GPUs' MIG modes, read again while the plugin runs, so the slices follow what the GPUs can
 offer. Where a MIG mode switch waits for a GPU reset (Ampere), a GPU offers only what its current
-mode allows (driver/offers.py: offer_limit); an admin may switch the mode and reset the GPU while
+mode allows (driver/inventory/offers.py: offer_limit); an admin may switch the mode and reset the GPU while
 the plugin runs, so the MIG mode is read again every few seconds and the slices follow within one
 round. Each GPU that offers less than configured is named once at start, and again when that
 changes."""
@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 import pynvml
 
-from driver.devices import Inventory
-from driver.discovery import GpuInfo, discover_gpus, with_current_mig_mode
-from driver.kube import KubeError
+from driver.inventory.devices import Inventory
+from driver.inventory.discovery import GpuInfo, discover_gpus, with_current_mig_mode
+from driver.inventory.offers import node_inventory, shortfall
+from driver.inventory.sharing import SharingConfig
+from driver.kube.client import KubeError
 from driver.node.background import BackgroundWorker
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory, shortfall
-from driver.sharing import SharingConfig
 
 log = logging.getLogger(__name__)
 MIG_MODE_POLL_S = 5.0  # a GetMigMode per MIG-capable GPU: cheap, and a reset takes longer

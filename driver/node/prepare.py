@@ -15,7 +15,7 @@ written; UnprepareStarted before anything is undone. At start-up, recovery.py ro
 crash left half-prepared, finishes half-done unprepares, and sweeps what no claim owns.
 
 What each kind of device needs (a MIG instance, an MPS daemon, a time-slice setting) comes from its
-traits (driver/device_kinds.py), never from its name.
+traits (driver/inventory/device_kinds.py), never from its name.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from kubernetes.utils import parse_quantity
 from driver.claims.allocation import AllocatedDevice, ClaimAllocation, allocation_for_node
 from driver.claims.config import config_for_request
 from driver.claims.refs import ClaimError, ClaimRef, ErrorReason
-from driver.device_kinds import KIND_TRAITS
-from driver.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
-from driver.kube import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.common.testhooks import crash_point
+from driver.inventory.device_kinds import KIND_TRAITS
+from driver.inventory.devices import MPS_DEFAULT_COMPUTE, SHARE_DEFAULT_MEMORY, DeviceTarget
+from driver.kube.client import JsonObject, KubeApi, KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
 from driver.node.claim_locks import KeyedLocks, NodeClaimLock
@@ -44,7 +45,6 @@ from driver.node.claim_status import ClaimStatusWriter, claim_generation
 from driver.node.instance_lock import InstanceLock
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord
-from driver.testhooks import crash_point
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
 from partitioner.mps import MpsLimits, MpsPartitioner
 from partitioner.runner import ToolError

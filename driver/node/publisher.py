@@ -13,11 +13,11 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from driver.devices import DeviceTaint, Inventory
-from driver.kube import KubeApi, KubeError, KubeUnavailableError, NotFoundError
+from driver.inventory.devices import DeviceTaint, Inventory
+from driver.inventory.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
+from driver.kube.client import KubeApi, KubeError, KubeUnavailableError, NotFoundError
 from driver.node import metrics
 from driver.node.background import BackgroundWorker
-from driver.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
 
 log = logging.getLogger(__name__)
 RACE_RETRY_S = 0.2

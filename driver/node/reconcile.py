@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from driver.claims.refs import ClaimRef
-from driver.kube import KubeApi, KubeError, NotFoundError
+from driver.kube.client import KubeApi, KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.node.prepare import ClaimPreparer
 from driver.node.state import PreparedClaims

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from driver.claims.refs import ClaimRef
-from driver.device_kinds import KIND_TRAITS, KindTraits
+from driver.inventory.device_kinds import KIND_TRAITS, KindTraits
 from driver.node.prepare import ClaimPreparer
 from driver.node.state import PreparedClaim
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from driver.devices import node_targets
-from driver.discovery import discover_gpus
-from driver.kube import ClientKubeApi, KubeApi
-from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.inventory.devices import node_targets
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import check_offers, node_inventory
+from driver.kube.client import ClientKubeApi, KubeApi
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
 from driver.node.claim_locks import NodeClaimLock
@@ -27,6 +27,7 @@ from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import HealthRecord, MigSlices
 from driver.node.health.service import HEALTH_SERVICES, add_health_services
 from driver.node.instance_lock import InstanceLock
+from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.kubelet.dra_service import add_dra_services
 from driver.node.kubelet.liveness import (
     GatedHealthServicer,
@@ -48,7 +49,6 @@ from driver.node.settings import PluginSettings
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
-from driver.offers import check_offers, node_inventory
 from partitioner.mig import MigPartitioner
 from partitioner.mps import MpsPartitioner
 from partitioner.runner import ToolRunner

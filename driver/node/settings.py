@@ -1,6 +1,6 @@
 """The node's commands (`fgpu discover`, `fgpu kubelet-plugin`): their flags and environment
 variables -> one typed, checked settings object for the plugin. What every command shares (flag
-parsing, environment defaults, value types) is in driver/flags.py."""
+parsing, environment defaults, value types) is in driver/common/flags.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import get_args
 
 from kubernetes.utils import parse_quantity
 
-from driver.featuregates import GATES, FeatureGateError, FeatureGates
-from driver.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, interval, port, seconds
+from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, interval, port, seconds
+from driver.inventory.featuregates import GATES, FeatureGateError, FeatureGates
+from driver.inventory.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from driver.node.health.taints import HealthPolicy, TaintEffect
 from driver.node.kubelet.sockets import (
     SocketPathError,
@@ -23,7 +24,6 @@ from driver.node.kubelet.sockets import (
     rolling_update_registrar_socket_file,
 )
 from driver.nvml.session import is_mock
-from driver.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from partitioner.mps import DEFAULT_SHM_BYTES
 
 MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver

@@ -13,10 +13,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from driver.device_kinds import KIND_TRAITS, KindTraits
+from driver.inventory.device_kinds import KIND_TRAITS, KindTraits
+from driver.inventory.sharing import DeviceKind
 from driver.node.cdi import CdiDevice
 from driver.node.checkpoint import Checkpoint, CheckpointData
-from driver.sharing import DeviceKind
 
 ClaimState = Literal["PrepareStarted", "PrepareCompleted", "UnprepareStarted"]
 

@@ -17,10 +17,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.node.state import PreparedDevice
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES
 from driver.nvml.session import NvmlProcess
-from driver.sharing import MIG_KINDS, DeviceKind
 
 # Busy: an SM utilisation at or above this (percent), over NVML's last sample period (1/6 s to 1 s).
 BUSY_PERCENT = 5

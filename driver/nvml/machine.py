@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from driver.common.yamlfile import YamlFileError, load_yaml
 from driver.nvml.geometry import GEOMETRY_BY_ID
-from driver.yamlfile import YamlFileError, load_yaml
 
 MACHINES_DIR = Path(__file__).resolve().parent / "machines"
 ARCHITECTURES = {"ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}  # NVML_DEVICE_ARCH_*

@@ -16,7 +16,7 @@ import platform
 from importlib import resources
 from pathlib import Path
 
-from driver.files import atomic_write
+from driver.common.files import atomic_write
 
 MARKER = ".fgpu-mock-driver-root"  # says the tree is ours to rewrite
 FAKE_TOOLS = ("nvidia-smi", "nvidia-cuda-mps-control")

@@ -1,5 +1,5 @@
 """The part of /sys a mock machine has: its GPUs' PCI devices, laid out as the kernel lays them out,
-so that the sysfs reader (driver/sysfs.py) works on mock GPUs exactly as on real ones.
+so that the sysfs reader (driver/common/sysfs.py) works on mock GPUs exactly as on real ones.
 
 Per GPU, from the machine profile's topology: devices/pci0000:<root>/<root port>/<switch upstream
 port>/<switch downstream port>/<GPU bus id> with a numa_node file, and bus/pci/devices/<GPU bus id>,

@@ -14,6 +14,7 @@ from typing import Any
 
 import pynvml
 
+from driver.common.sysfs import SYSFS_ROOT
 from driver.nvml.geometry import (
     COMPUTE_INSTANCE_PROFILE_BY_SLICES,
     COMPUTE_SLICES,
@@ -22,7 +23,6 @@ from driver.nvml.geometry import (
 )
 from driver.nvml.machine import MigProfileSpec, load_machine
 from driver.nvml.mock import NO_INSTANCE, MockNvml
-from driver.sysfs import SYSFS_ROOT
 
 MOCK_PREFIX = "mock:"
 MOCK_STATE_ENV = "FGPU_NVML_MOCK_STATE"

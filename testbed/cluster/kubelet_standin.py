@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 import kubernetes
 
-from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
-from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
+from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 

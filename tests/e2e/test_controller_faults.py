@@ -8,7 +8,7 @@ then every claim allocated, no gang partial, every gate lifted, every pod bound.
 The pause points come from the controller's test hook FGPU_TEST_STOP_BEFORE (the process stops
 itself right after its leadership check, so the write that follows goes out after SIGCONT, on
 what it decided before: the race a leadership check cannot close); the skew from
-FGPU_TEST_CLOCK_OFFSET_S (driver/testhooks.py). Leases are short (4 s) to keep it quick."""
+FGPU_TEST_CLOCK_OFFSET_S (driver/common/testhooks.py). Leases are short (4 s) to keep it quick."""
 
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.discovery import discover_gpus
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.opt_in import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
+from driver.scheduling.opt_in import GANG_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster, build_binaries
 from testbed.workloads import wait_for
 from tests.support.controller import CONTROLLER, gang_claim, gated_pod

@@ -1,4 +1,4 @@
-"""The controller places a claim only where the pods that use it can run (driver/nodefit.py,
+"""The controller places a claim only where the pods that use it can run (driver/scheduling/nodefit.py,
 driver/controller/fit.py), on the real control plane: node-a, which first-fit prefers, is made
 unfit for the pod in one way at a time, and the claim must go to node-b by the controller's own
 decision (kube-scheduler never re-allocated it: its field manager is not on the claim's status).

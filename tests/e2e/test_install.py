@@ -28,7 +28,7 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
-from driver.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
+from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
 from testbed.cluster.harness import Cluster, free_port
 from testbed.cluster.image_build import build_image
 from testbed.cluster.images import BUSYBOX_IMAGE

@@ -17,7 +17,7 @@ import yaml
 from kubernetes.stream import stream
 from kubernetes.utils import parse_quantity
 
-from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.kueue_manager import KueueManager
 from testbed.workloads import delete_namespace, wait_until

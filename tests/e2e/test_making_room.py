@@ -18,7 +18,7 @@ import kubernetes
 import pytest
 
 from bench import make_room_wait
-from driver.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
+from driver.scheduling.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.harness import free_port
 from testbed.workloads import NS, claim_template, deployment, pod, unique, wait_until
 from tests.support.controller import CONTROLLER

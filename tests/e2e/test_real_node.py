@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from kubernetes.stream import stream
 
 from bench import pod_start
-from driver.testhooks import STALL_ENV, STALL_SECONDS_ENV
+from driver.common.testhooks import STALL_ENV, STALL_SECONDS_ENV
 from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import (

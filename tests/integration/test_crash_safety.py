@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from driver.common.testhooks import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml
 from driver.nvml.session import MOCK_STATE_ENV, NvmlSession
-from driver.testhooks import CRASH_ENV, PREPARE_STEPS, UNPREPARE_STEPS
 from testbed.claims_api import create_allocated_claim
 from testbed.node_env import fake_tools_env, stop_fake_daemons
 from testbed.plugin_process import PluginUnderTest

@@ -13,11 +13,11 @@ from typing import Any
 import kubernetes
 import pytest
 
-from driver.discovery import discover_gpus
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
 from testbed.claims_api import DRIVER, create_allocated_claim
 from tests.support import ROOT
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from driver.kubeletapi import (
+from driver.node.kubelet.api import (
     dra_health_v1_pb2,
     dra_health_v1_pb2_grpc,
     dra_health_v1alpha1_pb2,

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
-from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
-from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc
+from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
+from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.kubelet.liveness import CHECK_INTERVAL_S, READY_SERVICE
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for

@@ -9,11 +9,11 @@ import yaml
 from driver.allocator.cluster import ClusterAllocator, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.discovery import discover_gpus
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
 from tests.support import ROOT
 
 DRIVER = "gpu.fgpu.dev"

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from driver.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
+from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.kubelet_standin import KubeletStandIn
 
 CONTROLLER = (sys.executable, "-m", "driver.cli", "controller")

@@ -25,7 +25,7 @@ from driver.admission import certs
 from driver.admission.lifetimes import Lifetimes, duration
 from driver.admission.rotation import MUTATING, VALIDATING, CaBundlePublisher, MountedFiles, Rotator, SelfManaged
 from driver.admission.server import WebhookServer, WebhookSettings, tls_context
-from driver.kube import ConflictError
+from driver.kube.client import ConflictError
 
 HOSTS = certs.service_hosts("fgpu-webhook", "fgpu-system", ["127.0.0.1"])
 SHORT = Lifetimes(validity_s=60, renew_before_s=20, ca_validity_s=3600)

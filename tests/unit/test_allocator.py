@@ -11,11 +11,11 @@ from driver.allocator.allocate import NodeAllocator
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.discovery import discover_gpus
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import ALL_KINDS, SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import ALL_KINDS, SharingConfig
-from driver.slices import build_slices
 from tests.support import ROOT
 from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
 

@@ -15,7 +15,7 @@ import yaml
 
 from driver.admission.lifetimes import Lifetimes
 from driver.admission.server import webhook_settings
-from driver.cli import build_parser
+from driver.cli.main import build_parser
 from driver.node.health.taints import HealthPolicy
 from driver.node.kubelet.liveness import READY_SERVICE
 from driver.node.settings import health_policy, sharing_config

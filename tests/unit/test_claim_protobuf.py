@@ -14,8 +14,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import given
 from hypothesis import strategies as st
 
-from driver import claim_protobuf as pb
-from driver.kubeletapi import resourceclaim_status_pb2 as messages
+from driver.kube import claim_protobuf as pb
+from driver.kube import resourceclaim_status_pb2 as messages
 
 DRIVER = "gpu.fgpu.dev"
 # An opaque config as a Python client sends it (spaces, keys unsorted): what must survive verbatim.

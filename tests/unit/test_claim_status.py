@@ -11,7 +11,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from driver.claims.refs import ClaimRef
-from driver.kube import (
+from driver.kube.client import (
     ConflictError,
     KubeError,
     KubeUnavailableError,

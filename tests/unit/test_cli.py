@@ -134,7 +134,7 @@ def test_values_from_the_environment_can_be_copied_and_pickled(monkeypatch):
     import copy
     import pickle
 
-    from driver.cli import build_parser
+    from driver.cli.main import build_parser
 
     monkeypatch.setenv("NODE_NAME", "node-from-env")
     args = build_parser().parse_args(["kubelet-plugin"])

@@ -23,8 +23,8 @@ from driver.controller.informer import Informer, object_key
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import FENCE_ANNOTATION, entries_of, ledger_name
 from driver.controller.victims import EvictionBudget
-from driver.kube import ConflictError, KubeUnavailableError, NotFoundError, RefusedError
-from driver.opt_in import gang_of, known_claim_names, pending, pod_claim_names
+from driver.kube.client import ConflictError, KubeUnavailableError, NotFoundError, RefusedError
+from driver.scheduling.opt_in import gang_of, known_claim_names, pending, pod_claim_names
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import pytest
 
 from driver.allocator.model import Claim
 from driver.controller.refusals import given_back, pods_by_claim, refusal_reason, scheduler_says
-from driver.nodefit import REFUSED, NodeFacts, NodeRoom, PodNeeds
-from driver.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
+from driver.scheduling.nodefit import REFUSED, NodeFacts, NodeRoom, PodNeeds
+from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 
 
 def allocation(node: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""The traits table covers every kind, and agrees with the kinds' sets in driver/sharing.py."""
+"""The traits table covers every kind, and agrees with the kinds' sets in driver/inventory/sharing.py."""
 
-from driver.device_kinds import KIND_TRAITS
-from driver.sharing import ALL_KINDS, MIG_KINDS
+from driver.inventory.device_kinds import KIND_TRAITS
+from driver.inventory.sharing import ALL_KINDS, MIG_KINDS
 
 
 def test_every_kind_has_its_traits_and_the_partition_kinds_are_the_mig_kinds():

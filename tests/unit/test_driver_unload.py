@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from driver.claims.refs import ClaimRef
-from driver.devices import DeviceTaint
+from driver.inventory.devices import DeviceTaint
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import HealthRecord
 from driver.node.health.taints import UNREACHABLE, HealthPolicy

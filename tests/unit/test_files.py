@@ -1,4 +1,4 @@
-"""driver/files.py: atomic writes (durable ones fsync the file and its directory) and the side-file lock."""
+"""driver/common/files.py: atomic writes (durable ones fsync the file and its directory) and the side-file lock."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from driver import files
-from driver.files import atomic_write, locked
+from driver.common import files
+from driver.common.files import atomic_write, locked
 
 
 def fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -13,7 +13,7 @@ from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.fragmentation import request_key
 from driver.allocator.model import slice_from_object
 from driver.allocator.state import AllocatedState
-from driver.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
+from driver.scheduling.nodefit import CPU, MEMORY, PODS, NodeFacts, NodeRoom, PodNeeds
 from tests.support import ROOT
 from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, h100_slices, place, profile
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from driver.devices import node_targets
-from driver.discovery import discover_gpus
+from driver.inventory.devices import node_targets
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
 from driver.node.health.monitor import HealthBoard, HealthMonitor
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices
 from driver.node.health.taints import HealthPolicy, device_health, device_taints
 from driver.node.metrics import REGISTRY
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import EventWatch, GpuLostError, NvmlEvent, NvmlSession, gpu_reachable
-from driver.offers import node_inventory
-from driver.sharing import SharingConfig
 from testbed.fakes import InMemoryKubeApi, node_object
 
 NOW = 1_800_000_000.0

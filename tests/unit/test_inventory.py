@@ -2,12 +2,12 @@ from pathlib import Path
 
 import pytest
 
-from driver.discovery import discover_gpus
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import ALL_KINDS, SharingConfig, SharingConfigError, load_sharing_config
+from driver.inventory.slices import MAX_DEVICES_WITH_COUNTERS, build_slices
 from driver.nvml.geometry import MEMORY_SLICES
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import ALL_KINDS, SharingConfig, SharingConfigError, load_sharing_config
-from driver.slices import MAX_DEVICES_WITH_COUNTERS, build_slices
 
 
 def inventory(machine: str = "dgx-h100", sharing: SharingConfig | None = None):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from driver.claims.refs import ClaimRef
-from driver.cli import build_parser
-from driver.flags import SettingsError
+from driver.cli.main import build_parser
+from driver.common.flags import SettingsError
 from driver.node.server import PluginProcess
 from driver.node.settings import PluginSettings, plugin_settings
 from driver.nvml import mock_driver_root

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from driver.claims.refs import ClaimRef
-from driver.kubeletapi import dra_v1_pb2
 from driver.node import metrics
+from driver.node.kubelet.api import dra_v1_pb2
 from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedClaim

@@ -1,4 +1,4 @@
-"""Pod fit as kube-scheduler's Filter plugins decide it (driver/nodefit.py), on hand-built pods
+"""Pod fit as kube-scheduler's Filter plugins decide it (driver/scheduling/nodefit.py), on hand-built pods
 and nodes: each reason, the filters' order, requests counted as resource.PodRequests counts them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from driver.nodefit import NodeFacts, NodeRoom, PodNeeds, pod_requests, summary, unfit_reasons
+from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds, pod_requests, summary, unfit_reasons
 from tests.support.allocation import claim
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from driver.manifests import Manifest, Pod, PodClaim, Ref, claim_object, claim_template, manifest, pods_of
-from driver.plan import Plan, make_plan
+from driver.cli.plan import Plan, make_plan
+from driver.cli.plan_inputs import Manifest, Pod, PodClaim, Ref, claim_object, claim_template, manifest, pods_of
 from tests.support import ROOT
 from tests.support.cli import KUBECONFIG
 
@@ -312,7 +312,7 @@ def test_given_nodes_restrict_placement(h100: list[Manifest], machines: dict[str
 
 
 def test_claims_go_only_where_their_pods_fit(h100: list[Manifest], machines: dict[str, Path]):
-    """Pod fit as kube-scheduler checks it (driver/nodefit.py): each replica's pod is counted on the
+    """Pod fit as kube-scheduler checks it (driver/scheduling/nodefit.py): each replica's pod is counted on the
     node its claim went to, so the third replica of 3-CPU pods finds no node with CPU left."""
     n2 = [manifest(obj, "given") for obj in yaml.safe_load(machines["n2"].read_text())["items"]]
     nodes = [

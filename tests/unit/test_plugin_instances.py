@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from driver.claims.refs import ClaimRef
-from driver.cli import build_parser
-from driver.flags import SettingsError
+from driver.cli.main import build_parser
+from driver.common.flags import SettingsError
 from driver.node.checkpoint import Checkpoint
 from driver.node.claim_locks import NodeClaimLock
 from driver.node.instance_lock import InstanceLock

@@ -8,7 +8,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from driver.kubeletapi import dra_v1_pb2
+from driver.node.kubelet.api import dra_v1_pb2
 from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.kubelet.prepare_retries import EVENT_REASON, PrepareRetries, WaitingPod, waiting_pods
 from driver.node.state import PreparedClaim, PreparedDevice

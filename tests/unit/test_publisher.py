@@ -1,6 +1,6 @@
 import time
 
-from driver.devices import Inventory, PublishedDevice
+from driver.inventory.devices import Inventory, PublishedDevice
 from driver.node import metrics
 from driver.node.publisher import SlicePublisher
 from testbed.fakes import InMemoryKubeApi, node_object

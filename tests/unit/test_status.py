@@ -8,12 +8,20 @@ from typing import Any
 
 import yaml
 
-from driver.discovery import discover_gpus
+from driver.cli.status import (
+    ClusterStatus,
+    GpuStatus,
+    cluster_status,
+    render_json,
+    render_table,
+    render_yaml,
+    to_document,
+)
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import node_inventory
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.nvml.session import NvmlSession
-from driver.offers import node_inventory
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
-from driver.status import ClusterStatus, GpuStatus, cluster_status, render_json, render_table, render_yaml, to_document
 
 DRIVER = "gpu.fgpu.dev"
 INVENTORY = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())

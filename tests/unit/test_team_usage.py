@@ -15,8 +15,9 @@ import pynvml
 import pytest
 
 from driver.claims.refs import ClaimRef
-from driver.cli import main
-from driver.kubeletapi import dra_v1_pb2
+from driver.cli.main import main
+from driver.cli.usage_report import idle_claims, usage_by_namespace
+from driver.node.kubelet.api import dra_v1_pb2
 from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedDevice
@@ -24,7 +25,6 @@ from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction
 from driver.nvml.machine import load_machine
 from driver.nvml.mock import MockNvml, MockProcess
 from driver.nvml.session import MOCK_STATE_ENV, NvmlProcess, NvmlSession
-from driver.usage_report import idle_claims, usage_by_namespace
 from testbed.fakes import CallContext, InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
 

@@ -11,22 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from driver.devices import (
+from driver.common.flags import SettingsError
+from driver.common.sysfs import PciTopology, SysfsError, numa_node, pci_topology, pcie_root
+from driver.inventory.devices import (
     NOT_OFFERED_ATTRIBUTE,
     NUMA_NODE_ATTRIBUTE,
     PCIE_ROOT_ATTRIBUTE,
     Attribute,
     DeviceTaint,
 )
-from driver.discovery import discover_gpus
-from driver.flags import SettingsError
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import check_offers, node_inventory, shortfall
+from driver.inventory.sharing import SharingConfig
+from driver.inventory.slices import build_slices
 from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.publisher import SlicePublisher
 from driver.nvml.session import NvmlSession
-from driver.offers import check_offers, node_inventory, shortfall
-from driver.sharing import SharingConfig
-from driver.slices import build_slices
-from driver.sysfs import PciTopology, SysfsError, numa_node, pci_topology, pcie_root
 from testbed.fakes import InMemoryKubeApi, node_object
 from tests.support.allocation import DRIVER, allocator, claim, devices, exactly, place
 

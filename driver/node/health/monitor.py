@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from driver.devices import DeviceTaint, DeviceTarget
-from driver.discovery import GpuInfo
-from driver.kube import KubeError
+from driver.inventory.devices import DeviceTaint, DeviceTarget
+from driver.inventory.discovery import GpuInfo
+from driver.kube.client import KubeError
 from driver.node import metrics
 from driver.node.background import BackgroundWorker
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from driver.files import atomic_write, locked
+from driver.common.files import atomic_write, locked
 
 log = logging.getLogger(__name__)
 FaultKind = Literal["xid", "ecc", "lost", "driver"]  # driver: not loaded, every GPU out of reach

@@ -12,13 +12,13 @@ from typing import Any
 
 import grpc
 
-from driver.kubeletapi import (
+from driver.node.health.monitor import HealthBoard, HealthSnapshot
+from driver.node.kubelet.api import (
     dra_health_v1_pb2,
     dra_health_v1_pb2_grpc,
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
 )
-from driver.node.health.monitor import HealthBoard, HealthSnapshot
 
 KEEPALIVE_S = 10.0
 HEALTH_TIMEOUT_S = 30  # what kubelet waits, per device, for the next word

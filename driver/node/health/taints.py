@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from driver.devices import DeviceTaint, DeviceTarget
+from driver.inventory.devices import DeviceTaint, DeviceTarget
 from driver.node.health.record import GpuFault
 from driver.nvml.geometry import memory_slots
 

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 
 from driver.claims.refs import ClaimRef
-from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.node import metrics
+from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.node.prepare import ClaimPreparer
 
 Answered = Callable[[list[str], bool], None]

@@ -38,10 +38,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from driver.kubeletapi import dra_v1_pb2, dra_v1_pb2_grpc
-from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
-from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.background import BackgroundWorker
+from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc
+from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
+from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.kubelet.sockets import BoundSocket
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import logging
 
 import grpc
 
-from driver.kubeletapi import pluginregistration_v1_pb2 as reg_pb
-from driver.kubeletapi import pluginregistration_v1_pb2_grpc as reg_grpc
+from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
+from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from driver.node.kubelet.liveness import RegistrationState
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from driver.devices import CounterSet, Inventory, PublishedDevice
+from driver.inventory.devices import CounterSet, Inventory, PublishedDevice
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_WITH_COUNTERS = 64  # a slice where any device consumes counters

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from driver.status import render_json, render_yaml, table
+from driver.cli.status import render_json, render_yaml, table
 
 GPU_SECONDS = "fgpu_gpu_seconds_total"
 IDLE_SECONDS = "fgpu_claim_idle_seconds"

@@ -15,9 +15,9 @@ from typing import Any, TextIO
 
 from driver.allocator.model import ObjectError
 from driver.allocator.pools import Node
+from driver.common.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
 from driver.controller.api import ControllerApi
-from driver.nodefit import PodNeeds
-from driver.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
+from driver.scheduling.nodefit import PodNeeds
 
 STDIN = "-"
 CLUSTER = "cluster"  # where an object listed from the API server comes from

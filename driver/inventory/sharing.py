@@ -1,6 +1,6 @@
 """The kinds of device a GPU can offer (DeviceKind: whole, MIG, MPS, time-slicing, and shares
 inside a MIG partition) and the node's configuration of which kinds each GPU offers (--offer,
---sharing-config, --mig-share-profiles). What a GPU then offers, and why not: driver/offers.py."""
+--sharing-config, --mig-share-profiles). What a GPU then offers, and why not: driver/inventory/offers.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from driver.yamlfile import YamlFileError, load_yaml
+from driver.common.yamlfile import YamlFileError, load_yaml
 
 # What a published device stands for; mig-mps, mig-timeslice: MPS or time-sliced shares inside a
 # MIG partition (docs/sharing.md).

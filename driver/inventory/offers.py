@@ -1,6 +1,6 @@
 """What each GPU offers, and why not: one place for the node's offer.
 
-A GPU offers the kinds of device its sharing configuration names (driver/sharing.py: --offer,
+A GPU offers the kinds of device its sharing configuration names (driver/inventory/sharing.py: --offer,
 --sharing-config, --mig-share-profiles, less what disabled feature gates rule out), less what it
 cannot make real as it is now:
 - kinds it cannot offer at all (no MIG on the GPU; a profile no GPU has) stop the node at start
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from driver.devices import (
+from driver.common.flags import SettingsError
+from driver.inventory.devices import (
     NOT_OFFERED_ATTRIBUTE,
     Attribute,
     CounterSet,
@@ -29,9 +30,8 @@ from driver.devices import (
     mig_share_targets,
     node_targets,
 )
-from driver.discovery import GpuInfo
-from driver.flags import SettingsError
-from driver.sharing import ALL_KINDS, MIG_KINDS, DeviceKind, SharingConfig
+from driver.inventory.discovery import GpuInfo
+from driver.inventory.sharing import ALL_KINDS, MIG_KINDS, DeviceKind, SharingConfig
 
 
 @dataclass(frozen=True)

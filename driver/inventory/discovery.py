@@ -6,10 +6,10 @@ from dataclasses import dataclass, replace
 
 import pynvml
 
+from driver.common.sysfs import pci_topology
 from driver.nvml.geometry import MIG_GEOMETRY
 from driver.nvml.machine import MIG_MODE_NEEDS_RESET, MigProfileSpec, known_mig_profiles
 from driver.nvml.session import NvmlSession, RawGpu
-from driver.sysfs import pci_topology
 
 ARCHITECTURE_NAMES = {7: "Ampere", 8: "Ada Lovelace", 9: "Hopper", 10: "Blackwell"}
 

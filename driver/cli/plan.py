@@ -31,8 +31,7 @@ from driver.allocator.model import (
 from driver.allocator.pools import Node
 from driver.allocator.scoring import DEFAULT_POLICY, Policy
 from driver.allocator.state import AllocatedState
-from driver.flags import DEFAULT_DRIVER_NAME
-from driver.manifests import (
+from driver.cli.plan_inputs import (
     WORKLOAD_KINDS,
     ClaimTemplate,
     Manifest,
@@ -48,8 +47,9 @@ from driver.manifests import (
     pods_of,
     read_manifests,
 )
-from driver.nodefit import NodeFacts, NodeRoom, PodNeeds
-from driver.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.common.flags import DEFAULT_DRIVER_NAME
+from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
+from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")
@@ -215,7 +215,7 @@ class World:
 
     def room(self, pods_of: dict[str, tuple[PodNeeds, ...]]) -> NodeRoom | None:
         """With Nodes given, what they have left for the planned claims' pods (kube-scheduler's
-        checks, driver/nodefit.py); without, pods are not checked."""
+        checks, driver/scheduling/nodefit.py); without, pods are not checked."""
         return NodeRoom(self.node_facts, pods_of) if self.nodes else None
 
     def drivers(self) -> set[str]:

@@ -12,10 +12,13 @@ from pathlib import Path
 import yaml
 
 from driver.allocator.scoring import DEFAULT_POLICY, POLICIES
-from driver.discovery import discover_gpus
-from driver.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, positive, seconds
-from driver.kube import ClientKubeApi, KubeConfigError, KubeError
-from driver.logs import LOG_FORMATS, configure_logging
+from driver.cli.logs import LOG_FORMATS, configure_logging
+from driver.cli.status import RENDERERS, cluster_status
+from driver.common.flags import DEFAULT_DRIVER_NAME, FlagParser, SettingsError, env_default, port, positive, seconds
+from driver.inventory.discovery import discover_gpus
+from driver.inventory.offers import check_offers, node_inventory, shortfall
+from driver.inventory.slices import build_slices
+from driver.kube.client import ClientKubeApi, KubeConfigError, KubeError
 from driver.node.settings import (
     add_node_flags,
     add_plugin_flags,
@@ -26,9 +29,6 @@ from driver.node.settings import (
 from driver.nvml.machine import MachineProfileError
 from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
-from driver.offers import check_offers, node_inventory, shortfall
-from driver.slices import build_slices
-from driver.status import RENDERERS, cluster_status
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
@@ -109,7 +109,7 @@ def cmd_webhook(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from driver.allocator.model import ObjectError
-    from driver.plan import PlanInput, plan
+    from driver.cli.plan import PlanInput, plan
 
     paths = (*args.manifests, *args.slices, *args.classes, *args.claims)
     if not paths and not args.kubeconfig:
@@ -140,7 +140,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _usage_status(args: argparse.Namespace) -> int:
     """`fgpu status --idle` / `--by namespace`: from the node plugins' metrics."""
-    from driver.usage_report import (
+    from driver.cli.usage_report import (
         MetricsReadError,
         idle_claims,
         read_metrics,
@@ -457,6 +457,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fgpu: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 from environment variables checked as flags are, and the value types flags share (ports, seconds).
 
 Each command's own flags are defined with its command: the node's (discover, kubelet-plugin) and
-the plugin's settings in driver/node/settings.py, the others' in driver/cli.py."""
+the plugin's settings in driver/node/settings.py, the others' in driver/cli/main.py."""
 
 from __future__ import annotations
 

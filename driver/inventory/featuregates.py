@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from driver.sharing import DeviceKind, SharingConfig
+from driver.inventory.sharing import DeviceKind, SharingConfig
 
 
 class FeatureGateError(ValueError):

@@ -43,7 +43,7 @@ from driver.allocator.state import AllocatedState
 from driver.claims.allocation import allocation_for_node
 from driver.claims.config import config_for_request
 from driver.claims.refs import ClaimError, ClaimRef
-from driver.devices import NOT_OFFERED_ATTRIBUTE
+from driver.inventory.devices import NOT_OFFERED_ATTRIBUTE
 
 # The `type` attribute -> the kind; mig-mps and mig-timeslice are shares inside a MIG partition.
 KIND_OF_TYPE = {

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from driver.kubeletapi.resourceclaim_status_pb2 import (
+from driver.kube.resourceclaim_status_pb2 import (
     AllocatedDeviceStatus,
     Condition,
     NetworkDeviceData,

@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from driver.discovery import GpuInfo
+from driver.inventory.discovery import GpuInfo
+from driver.inventory.sharing import MIG_KINDS, DeviceKind, SharingConfig
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES, memory_slots
 from driver.nvml.machine import MigProfileSpec
-from driver.sharing import MIG_KINDS, DeviceKind, SharingConfig
 
 AttributeKind = Literal["string", "int", "bool", "version"]
 # Kubernetes' standard attributes (k8s.io/dynamic-resource-allocation/deviceattribute).

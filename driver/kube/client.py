@@ -20,9 +20,9 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from driver import claim_protobuf
-from driver.claim_protobuf import DeviceKey
-from driver.yamlfile import YamlFileError, load_yaml
+from driver.common.yamlfile import YamlFileError, load_yaml
+from driver.kube import claim_protobuf
+from driver.kube.claim_protobuf import DeviceKey
 
 JsonObject = dict[str, Any]
 

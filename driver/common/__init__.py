@@ -1,0 +1,1 @@
+"""What several of fgpu's packages share: files, flags, YAML files, sysfs, test hooks."""

@@ -1,0 +1,1 @@
+"""The node's GPUs as DRA sees them: discovery, devices, offers, slices (pure but discovery)."""

@@ -1,0 +1,1 @@
+"""Kubernetes API access: the client, the claim-status protobuf, Events."""

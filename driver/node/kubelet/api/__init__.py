@@ -1,0 +1,1 @@
+"""Generated kubelet gRPC stubs (proto/generate.py): DRA, health, plugin registration."""

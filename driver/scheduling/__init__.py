@@ -1,0 +1,1 @@
+"""Pure scheduling rules above the allocator: what fits a node, which claims opt in."""
