@@ -27,10 +27,10 @@ run: setup cluster
 test: setup cluster
 	$(PYTHON) -m pytest -q tests
 
-# The quick tier: pure tests (allocator, CEL, devices, slices, config, checkpoint, CDI, claims,
-# the chart if helm is already built); no root, no Go, no network, under 2 minutes.
+# The quick tier: tests/unit, the pure tests (no root, no Go, no network); the folder is the tier
+# (docs/testing.md).
 unit: setup
-	$(PYTHON) -m pytest -q -m "not cluster and not real_node and not root" --no-builds -p no:cacheprovider tests/unit
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/unit
 
 # The differential test on new random scenarios for FUZZ_MINUTES; a failure is written, shrunk,
 # to tests/allocator/cases/ (CI runs a fixed set and those cases).

@@ -12,6 +12,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 # Before grpc is imported: the tests start plugins with a preexec_fn (a plain fork, so atfork
 # handlers run), and grpc's fork support restarts its poller in the child, which the child's
@@ -27,6 +28,8 @@ import yaml
 from testbed.cluster.harness import NO_BUILDS_ENV, Cluster, built_binaries
 from testbed.cluster.host_state import RUN_MARKER, HostState
 from testbed.cluster.node import RealNode
+from testbed.fakes import InMemoryKubeApi
+from testbed.node_env import NodeEnv, build_node, fake_tools_env, stop_fake_daemons
 from testbed.plugin_process import PluginUnderTest
 from tests.support import ROOT
 
@@ -117,3 +120,13 @@ def start_plugin(cluster: Cluster) -> Iterator:
     for plugin in started:
         plugin.stop()
         shutil.rmtree(plugin.root, ignore_errors=True)
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[InMemoryKubeApi, NodeEnv]]:
+    """An in-memory API and a node's driver on mock dgx-h100 with the fake tools on PATH."""
+    for key, value in fake_tools_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    api = InMemoryKubeApi()
+    yield api, build_node(tmp_path, api)
+    stop_fake_daemons(tmp_path)

@@ -58,35 +58,10 @@ def test_registration_socket_names_follow_upstream(driver: str, dir_length: int,
     assert rolling_update_registrar_socket_file(directory(dir_length), driver, UID) == expected
 
 
-@pytest.fixture(autouse=True)
-def no_uid_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("POD_UID", "STATE_DIR", "DRIVER_ROOT", "REGISTRATION_GRACE"):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 def settings(tmp_path: Path, *flags: str) -> PluginSettings:
     paths = [f"--{name}-dir={tmp_path / name}" for name in ("plugin", "cdi", "registrar")]  # a later flag wins
     argv = ["kubelet-plugin", "--node-name=node-a", "--nvml=mock:dgx-h100", *paths, *flags]
     return plugin_settings(build_parser().parse_args(argv))
-
-
-@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
-def test_sockets_are_named_after_the_pod_uid(tmp_path: Path, no_uid_from_the_environment: pytest.MonkeyPatch):
-    # kubelet's own directories: short enough for the full UID
-    dirs = ("--registrar-dir=/var/lib/kubelet/plugins_registry", "--plugin-dir=/var/lib/kubelet/plugins/gpu.fgpu.dev")
-    plain = settings(tmp_path, *dirs)
-    assert plain.registration_socket == Path("/var/lib/kubelet/plugins_registry/gpu.fgpu.dev-reg.sock")
-    assert plain.dra_socket == Path("/var/lib/kubelet/plugins/gpu.fgpu.dev/dra.sock")
-    flagged = settings(tmp_path, *dirs, f"--rolling-update-uid={UID}")
-    assert flagged.registration_socket == Path(f"/var/lib/kubelet/plugins_registry/gpu.fgpu.dev-{UID}-reg.sock")
-    assert flagged.dra_socket == Path(f"/var/lib/kubelet/plugins/gpu.fgpu.dev/dra-{UID}.sock")
-    no_uid_from_the_environment.setenv("POD_UID", UID)  # the downward API's metadata.uid
-    assert settings(tmp_path, *dirs) == flagged
-    with pytest.raises(SettingsError, match="is not a pod UID"):
-        settings(tmp_path, "--rolling-update-uid=../../etc")
-    assert plain.registration_grace_s == 60
-    assert settings(tmp_path, *dirs, "--registration-grace=5").registration_grace_s == 5
 
 
 def listen(path: Path) -> socket.socket:

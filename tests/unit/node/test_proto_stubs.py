@@ -4,7 +4,7 @@ from pathlib import Path
 
 from driver.node.kubelet.api import dra_health_v1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_committed_stubs_match_the_protos(tmp_path: Path):

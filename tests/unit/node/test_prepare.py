@@ -12,8 +12,6 @@ from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
 from driver.node.claim_locks import KeyedLocks
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 
-NODE = "node-a"
-
 
 @pytest.fixture
 def env(node):

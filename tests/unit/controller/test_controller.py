@@ -26,7 +26,7 @@ from driver.controller.victims import EvictionBudget
 from driver.kube.client import ConflictError, KubeUnavailableError, NotFoundError, RefusedError
 from driver.scheduling.opt_in import gang_of, known_claim_names, pending, pod_claim_names
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class FakeApi:
