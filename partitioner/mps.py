@@ -24,12 +24,12 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pynvml
 
-from driver.common.testhooks import crash_point
 from driver.nvml.session import NvmlSession
 from partitioner import tmpfs
 from partitioner.runner import ToolError, ToolRunner
@@ -90,14 +90,20 @@ class MpsPartitioner:
         state_dir: Path,
         shm_bytes: int = DEFAULT_SHM_BYTES,
         daemon_cgroups_of: int | None = None,
+        on_shm_mounted: Callable[[], None] = lambda: None,
+        on_daemon_stopped: Callable[[], None] = lambda: None,
     ) -> None:
         """`daemon_cgroups_of`: a pid whose cgroups the daemons join (1, the host's init, for a plugin
-        in a container); None: they stay in the plugin's."""
+        in a container); None: they stay in the plugin's. `on_shm_mounted`, `on_daemon_stopped`:
+        called at those points of start and stop, between two side effects (where the node plugin's
+        crash-safety tests kill it)."""
         self._session = session
         self._runner = runner
         self._root = state_dir / "mps"
         self._shm_bytes = shm_bytes
         self._daemon_cgroups_of = daemon_cgroups_of
+        self._on_shm_mounted = on_shm_mounted
+        self._on_daemon_stopped = on_daemon_stopped
 
     def pipe_dir(self, gpu_uuid: str) -> Path:
         return self._root / gpu_uuid / "pipe"
@@ -141,7 +147,7 @@ class MpsPartitioner:
         shm = self.shm_dir(gpu_uuid)
         if not tmpfs.is_mounted(shm):  # after a crash between here and the launch it already is
             tmpfs.mount_tmpfs(self._runner, shm, self._shm_bytes, source=f"fgpu-mps-{gpu_uuid}")
-        crash_point("prepare:mps-shm-mounted")
+        self._on_shm_mounted()
         if exclusive_gpu:
             self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
         control = self._runner.locate(MPS_CONTROL)
@@ -174,7 +180,7 @@ class MpsPartitioner:
             self._runner.run(MPS_CONTROL, stdin="quit\n", env=self._env(gpu_uuid))
             _wait_for_exit(pid, gpu_uuid)
             log.debug("stopped the MPS control daemon of GPU %d (%s)", gpu_index, gpu_uuid)
-        crash_point("unprepare:mps-daemon-stopped")
+        self._on_daemon_stopped()
         if exclusive_gpu:
             self._session.set_compute_mode(gpu_index, pynvml.NVML_COMPUTEMODE_DEFAULT)
         if tmpfs.is_mounted(self.shm_dir(gpu_uuid)):

@@ -19,7 +19,8 @@ from driver.kube.client import KubeApi
 from driver.node.cdi import CdiWriter, DriverFiles
 from driver.node.checkpoint import Checkpoint
 from driver.node.instance_lock import InstanceLock
-from driver.node.prepare import ClaimPreparer, Partitioners
+from driver.node.partition_use import Partitioners
+from driver.node.prepare import ClaimPreparer
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession

@@ -15,7 +15,7 @@ start of every operation; checkpoint.py re-parses whenever the bytes changed).
 
 Like upstream's kubeletplugin helper (Serialize with RollingUpdate) the lock spans instances; unlike
 it, one instance's threads share it: their operations keep the preparer's per-claim and per-GPU
-locking (prepare.py) and run in parallel. Kubelet sends its calls to the newest instance, so the
+locking (prepare.py, partition_use.py) and run in parallel. Kubelet sends its calls to the newest instance, so the
 other one holds the lock only for the calls it already had in flight.
 """
 

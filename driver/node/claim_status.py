@@ -232,7 +232,7 @@ class ClaimStatusWriter:
                 log.warning("claim %s: cannot read it to remove its status.devices: %s; retrying later", ref, err)
                 continue
             gone = current is None or (current.get("metadata") or {}).get("uid") != ref.uid
-            if not gone and self.waiting(ref, current):
+            if not gone and current is not None and self.waiting(ref, current):  # (not gone: read)
                 continue
             if gone or self._write(ref, [], "removing"):
                 self._forget(ref)

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from driver.allocator.quantity import ceil_int, parse_quantity
 from driver.claims.refs import ErrorReason
+from driver.common.quantity import ceil_int, parse_quantity
 from driver.inventory.discovery import GpuInfo
 from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.kube.client import JsonObject, KubeApi, KubeError, NotFoundError

@@ -51,7 +51,7 @@ class ClaimReconciler(BackgroundWorker):
         for uid in set(self._missing_since) - set(prepared):
             del self._missing_since[uid]
         self._preparer.status.retry_clears()
-        for index in sorted(self._preparer.gpus_missing_partitions()):
+        for index in sorted(self._preparer.prepare_again.gpus_missing_partitions()):
             log.warning("GPU %d: a prepared claim's MIG instance is gone (a GPU reset); checking its claims", index)
             self._preparer.check_prepared(index)
         unprepared = []

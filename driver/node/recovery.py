@@ -54,9 +54,9 @@ def _sweep_mig(preparer: ClaimPreparer, prepared: dict[str, PreparedClaim]) -> N
         for d in c.devices
         if d.traits.in_partition and d.holds
     }
-    mig = preparer.partitioners.mig
+    mig = preparer.partition_use.partitioners.mig
     for index in _gpus_offering(preparer, lambda kind: kind.in_partition):
-        with preparer.locks.held(f"gpu/{index}"):
+        with preparer.partition_use.gpu_lock(index):
             for record in mig.instances(index):
                 if (index, record.profile_id, record.start) not in owned:
                     log.warning("destroying orphaned MIG instance %d on GPU %d", record.gi_id, index)
@@ -67,14 +67,14 @@ def _sweep_mps(preparer: ClaimPreparer, prepared: dict[str, PreparedClaim]) -> N
     """Daemons of GPUs (whole-GPU shares) and of MIG partitions (keyed by the MIG device's UUID)."""
     shares = {
         # (GPU, the daemon's device: the GPU's UUID or the partition's MIG UUID, whether it has the GPU to itself)
-        (d.gpu_index, d.mig_uuid if d.traits.in_partition else d.gpu_uuid, not d.traits.in_partition)
+        (d.gpu_index, d.mig_uuid if d.traits.in_partition and d.mig_uuid else d.gpu_uuid, not d.traits.in_partition)
         for c in prepared.values()
         for d in c.devices
         if d.traits.mps and d.holds and (not d.traits.in_partition or d.mig_uuid)
     }
-    mps = preparer.partitioners.mps
+    mps = preparer.partition_use.partitioners.mps
     for index, uuid, exclusive in sorted(shares):
-        with preparer.locks.held(f"gpu/{index}"):
+        with preparer.partition_use.gpu_lock(index):
             # The daemon outlives the plugin: adopted when it runs, started again after a reboot.
             started = mps.start(index, uuid, exclusive_gpu=exclusive)
         log.info("MPS daemon of %s %s", uuid, "started" if started else "adopted")
@@ -83,7 +83,7 @@ def _sweep_mps(preparer: ClaimPreparer, prepared: dict[str, PreparedClaim]) -> N
     partitions = {
         uuid: index
         for index in _gpus_offering(preparer, lambda kind: kind.in_partition and kind.mps)
-        for record in preparer.partitioners.mig.instances(index)
+        for record in preparer.partition_use.partitioners.mig.instances(index)
         for _, uuid in record.compute_instances
     }
     for uuid in sorted(mps.gpus_with_state() - wanted):
@@ -91,7 +91,7 @@ def _sweep_mps(preparer: ClaimPreparer, prepared: dict[str, PreparedClaim]) -> N
         if uuid in gpus or uuid.startswith("MIG-"):
             index = gpus.get(uuid, partitions.get(uuid, -1))
             log.warning("stopping the MPS daemon of %s and unmounting its tmpfs: no MPS share there", uuid)
-            with preparer.locks.held(f"gpu/{index}"):
+            with preparer.partition_use.gpu_lock(index):
                 mps.stop(index, uuid, exclusive_gpu=uuid in gpus)
 
 

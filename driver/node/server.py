@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from driver.common.testhooks import Step
 from driver.inventory.devices import node_targets
 from driver.inventory.discovery import discover_gpus
 from driver.inventory.offers import check_offers, node_inventory
@@ -41,7 +42,8 @@ from driver.node.kubelet.registration import RegistrationService
 from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.mig_mode_watch import MigModeWatch
-from driver.node.prepare import ClaimPreparer, Partitioners
+from driver.node.partition_use import Partitioners
+from driver.node.prepare import ClaimPreparer
 from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
 from driver.node.recovery import recover
@@ -82,6 +84,7 @@ class PluginProcess:
             mock_device_nodes=settings.mock_gpus,
         )
         self.instance = InstanceLock(settings.state_dir)
+        hooks = settings.test_hooks
         partitioners = Partitioners(
             mig=MigPartitioner(self._nvml),
             mps=MpsPartitioner(
@@ -90,6 +93,8 @@ class PluginProcess:
                 settings.state_dir,
                 settings.mps_shm_bytes,
                 daemon_cgroups_of=HOST_INIT_PID if settings.mps_daemon_in_host_cgroups else None,
+                on_shm_mounted=partial(hooks.reached, Step.MPS_SHM_MOUNTED),
+                on_daemon_stopped=partial(hooks.reached, Step.MPS_DAEMON_STOPPED),
             ),
             timeslice=TimeSlicer(runner),
         )
@@ -105,6 +110,7 @@ class PluginProcess:
             instance=self.instance,
             node_lock=NodeClaimLock(settings.state_dir),
             driver_missing=lambda: self.health_monitor.driver_missing(),  # made below, asked at prepares
+            test_hooks=hooks,
         )
         self.reconciler = ClaimReconciler(
             self.api, self.preparer, self.claims, settings.unprepare_grace_s, settings.reconcile_interval_s

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from kubernetes.utils import parse_quantity
-
 from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, interval, port, seconds
+from driver.common.quantity import parse_quantity
+from driver.common.testhooks import NO_TEST_HOOKS, TestHooks, from_environment
 from driver.inventory.featuregates import GATES, FeatureGateError, FeatureGates
 from driver.inventory.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from driver.node.health.taints import HealthPolicy, TaintEffect
@@ -57,6 +57,7 @@ class PluginSettings:
     health_monitor: bool = True
     metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
     retry_waiting_pods: bool = True
+    test_hooks: TestHooks = NO_TEST_HOOKS  # the FGPU_* test variables' hooks, set by tests only
 
     @property
     def mock_gpus(self) -> bool:
@@ -344,6 +345,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         health_monitor=args.health_monitor,
         metrics_port=args.metrics_port,
         retry_waiting_pods=args.retry_waiting_pods,
+        test_hooks=from_environment(),
     )
     for flag, directory in (("--registrar-dir", settings.registrar_dir), ("--plugin-dir", settings.plugin_dir),
                             ("--cdi-dir", settings.cdi_dir), ("--state-dir", settings.state_dir)):  # fmt: skip

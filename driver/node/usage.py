@@ -127,10 +127,10 @@ class UsageLedger:
         self._last_at = now
         current: dict[tuple[str, str], _Seen] = {}
         for device in held:
-            key = (device.claim_uid, device.device)
-            before = self._seen.get(key)
+            seen_key = (device.claim_uid, device.device)
+            before = self._seen.get(seen_key)
             last_used = now if device.busy or before is None else before.last_used
-            current[key] = _Seen(device, last_used)
+            current[seen_key] = _Seen(device, last_used)
         self._seen = current
 
     def idle(self, now: float) -> list[IdleClaimDevice]:

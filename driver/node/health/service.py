@@ -26,7 +26,7 @@ MAX_MESSAGE = 1024  # kubelet truncates longer messages
 
 
 def _make_servicer(base: type, messages: ModuleType) -> type:
-    class Servicer(base):  # type: ignore[misc, valid-type]
+    class Servicer(base):
         def __init__(self, board: HealthBoard, pool: str) -> None:
             self._board, self._pool = board, pool
 

@@ -24,7 +24,7 @@ def _make_servicer(base: type, messages: ModuleType, has_share_id: bool) -> type
     """One servicer class per API version: the versions differ only in their message types and
     in v1's share_id field."""
 
-    class Servicer(base):  # type: ignore[misc, valid-type]
+    class Servicer(base):
         def __init__(self, preparer: ClaimPreparer, answered: Answered) -> None:
             self._preparer = preparer
             self._answered = answered

@@ -104,7 +104,7 @@ class Verdict:
     reason: str
 
     @property
-    def status(self) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    def status(self) -> int:  # a HealthCheckResponse.ServingStatus value
         return health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 

@@ -59,11 +59,11 @@ def test_a_reconciler_pass_finds_an_admins_reset_of_a_healthy_gpu(node):
     elsewhere = prepare(api, env, "elsewhere", "gpu-5-mig-3g40gb-4")
     kept = mig_uuid(env, elsewhere)
     reconciler = ClaimReconciler(api, env.preparer, env.claims)
-    assert env.preparer.gpus_missing_partitions() == set()
+    assert env.preparer.prepare_again.gpus_missing_partitions() == set()
     env.session.nvml.reset_gpu(4)
-    assert env.preparer.gpus_missing_partitions() == {4}
+    assert env.preparer.prepare_again.gpus_missing_partitions() == {4}
     reconciler.reconcile_once()
-    assert env.preparer.gpus_missing_partitions() == set()
+    assert env.preparer.prepare_again.gpus_missing_partitions() == set()
     assert mig_uuid(env, on_reset) == env.session.gpu_instances(4)[0].compute_instances[0][1]
     assert mig_uuid(env, elsewhere) == kept
 
