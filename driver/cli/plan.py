@@ -49,7 +49,16 @@ from driver.cli.plan_inputs import (
 )
 from driver.common.flags import DEFAULT_DRIVER_NAME
 from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
-from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.scheduling.opt_in import GANG_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
+from driver.scheduling.units import (
+    Gang,
+    Lone,
+    claim_opted_in,
+    gang_incomplete,
+    no_group,
+    size_unreadable,
+)
+from driver.scheduling.units import units as scheduling_units
 
 T = TypeVar("T")
 DRIVER_SELECTOR = re.compile(r"""device\.driver\s*==\s*["']([^"']+)["']""")
@@ -243,7 +252,7 @@ class World:
         """Gang members allocated already, per gang."""
         counts: dict[str, int] = defaultdict(int)
         for claim in self.taken:
-            if _opted_in(claim) and (gang := gang_of(claim)) is not None:
+            if claim_opted_in(claim) and (gang := gang_of(claim)) is not None:
                 counts[gang[0]] += 1
         return counts
 
@@ -366,7 +375,7 @@ def _workload_units(
             given, template = templates[_referenced(pod, pod_claim)]
             claim = _converted(claim_from_object, given, claim_object(template, pod, pod_claim))
             subject = f"{pod.subject}: claim {pod_claim.name} from template {pod_claim.template}"
-            if pod.node and _opted_in(claim) and gang_of(claim):
+            if pod.node and claim_opted_in(claim) and gang_of(claim):
                 result.skipped.append(Skip(subject, manifest.where, "a gang of a DaemonSet's pods is not planned"))
                 continue
             units.append(Unit(subject, claim, manifest.where, pod.node, (pod.needs,) if pod.needs else ()))
@@ -381,7 +390,7 @@ def _kept(unit: Unit, world: World, driver: str, result: Plan) -> bool:
         reason = f"for another driver: class {', '.join(foreign)} (give its DeviceClass and ResourceSlices to plan it)"
         result.skipped.append(Skip(unit.subject, unit.where, reason))
         return False
-    if gang_of(unit.claim) and not _opted_in(unit.claim):
+    if gang_of(unit.claim) and not claim_opted_in(unit.claim):
         result.notes.append(
             f"{unit.subject}: labelled {GANG_LABEL} without {OPT_IN_LABEL}={OPT_IN_VALUE}: kube-scheduler "
             "allocates it alone, and so does the plan"
@@ -408,29 +417,26 @@ def _foreign(name: str, classes: dict[str, DeviceClass], drivers: set[str], driv
     return bool(selected) and not selected & drivers
 
 
-def _opted_in(claim: Claim) -> bool:
-    return claim.labels.get(OPT_IN_LABEL) == OPT_IN_VALUE
-
-
 # Allocation
 
 
 def _allocate(world: World, units: list[Unit], room: NodeRoom | None) -> list[Outcome]:
-    """Lone claims in input order, then gangs all or none (the controller's order); reported in
-    input order. With a room, each claim only where its pods fit, the pods placed before counted."""
-    gangs: dict[tuple[str, int], list[Unit]] = defaultdict(list)
+    """Lone claims in input order, then gangs all or none (the controller's order,
+    driver/scheduling/units.py); reported in input order. With a room, each claim only where its
+    pods fit, the pods placed before counted."""
     outcomes: dict[int, Outcome] = {}
-    for unit in units:
-        gang = gang_of(unit.claim) if _opted_in(unit.claim) else None
-        if gang is None:
-            outcomes[id(unit)] = _place(world.cluster, unit, room)
-        else:
-            gangs[gang].append(unit)
     allocated = world.allocated_members()
-    for (gang, size), members in gangs.items():
-        for outcome in _place_gang(world.cluster, gang, size, members, allocated.get(gang, 0), room):
-            outcomes[id(outcome.unit)] = outcome
+    for unit in scheduling_units(units, _claim_of, no_group):
+        if isinstance(unit, Lone):
+            outcomes[id(unit.member)] = _place(world.cluster, unit.member, room)
+        elif isinstance(unit, Gang):
+            for outcome in _place_gang(world.cluster, unit, allocated.get(unit.name, 0), room):
+                outcomes[id(outcome.unit)] = outcome
     return [outcomes[id(unit)] for unit in units]
+
+
+def _claim_of(unit: Unit) -> Claim:
+    return unit.claim
 
 
 def _place(cluster: ClusterAllocator, unit: Unit, room: NodeRoom | None) -> Outcome:
@@ -445,21 +451,16 @@ def _place(cluster: ClusterAllocator, unit: Unit, room: NodeRoom | None) -> Outc
     return _placed(unit, outcome)
 
 
-def _place_gang(
-    cluster: ClusterAllocator, gang: str, size: int, members: list[Unit], allocated: int, room: NodeRoom | None
-) -> list[Outcome]:
+def _place_gang(cluster: ClusterAllocator, gang: Gang[Unit], allocated: int, room: NodeRoom | None) -> list[Outcome]:
     """As the controller places a gang: nothing until all its claims exist, then all or none."""
-    if size == 0:
-        reason = f"label {GANG_SIZE_LABEL} must be a whole number"
-    elif len(members) + allocated < size:
-        reason = f"gang {gang} waits for {size - len(members) - allocated} more claim(s) of {size}"
-    else:
-        outcome = cluster.allocate_gang([unit.claim for unit in members], room)
+    reason = size_unreadable(gang) or gang_incomplete(gang, allocated)
+    if reason is None:
+        outcome = cluster.allocate_gang([unit.claim for unit in gang.members], room)
         if not isinstance(outcome, Failure):
             by_claim = {id(placement.claim): placement for placement in outcome}
-            return [_placed(unit, by_claim[id(unit.claim)]) for unit in members]
+            return [_placed(unit, by_claim[id(unit.claim)]) for unit in gang.members]
         reason = outcome.reason
-    return [Outcome(unit, error=reason) for unit in members]
+    return [Outcome(unit, error=reason) for unit in gang.members]
 
 
 def _placed(unit: Unit, placement: Placement) -> Outcome:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from driver.allocator.model import ObjectError
 from driver.allocator.pools import Node
 from driver.common.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
-from driver.controller.api import ControllerApi
+from driver.controller.api import ClientControllerApi
 from driver.scheduling.nodefit import PodNeeds
 
 STDIN = "-"
@@ -170,7 +170,7 @@ def manifest(obj: Any, where: str) -> Manifest:
     return Manifest(Ref(kind, namespace, metadata["name"]), obj, where)
 
 
-class _ReadOnlyApi(ControllerApi):
+class _ReadOnlyApi(ClientControllerApi):
     """The controller's paged lists, plus claim templates; fgpu plan only ever lists."""
 
     def __init__(self, kubeconfig: str) -> None:

@@ -1,10 +1,12 @@
-"""The controller's API calls over the official client, JSON in and out (errors as in driver.kube.client)."""
+"""The controller's API calls: what it asks of the API server (ControllerApi), and that over the
+official client, JSON in and out (errors as in driver.kube.client). An in-memory server for tests
+and benchmarks is testbed/controller_api.py."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import kubernetes
 
@@ -13,7 +15,47 @@ from driver.kube.client import ClientKubeApi, TooManyRequestsError
 JsonObject = dict[str, Any]
 
 
-class ControllerApi(ClientKubeApi):
+class ControllerApi(Protocol):
+    """Every call the controller, its informers, its lease (leader.py) and its ledgers (ledger.py) make."""
+
+    def list_pages(
+        self, kind: str, label_selector: str = "", namespace: str = "", limit: int = 500
+    ) -> Iterator[tuple[list[JsonObject], str]]: ...
+
+    def watch(
+        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""
+    ) -> Iterator[tuple[str, JsonObject]]: ...
+
+    def get_claim(self, namespace: str, name: str) -> JsonObject: ...
+
+    def replace_claim(self, claim: JsonObject) -> JsonObject: ...
+
+    def replace_claim_status(self, claim: JsonObject) -> JsonObject: ...
+
+    def set_scheduling_gates(self, pod: JsonObject, gates: list[JsonObject]) -> JsonObject: ...
+
+    def create_event(self, namespace: str, event: JsonObject) -> JsonObject: ...
+
+    def scheduling_failures(self, namespace: str, pod: str) -> list[str]: ...
+
+    def evict_pod(self, namespace: str, name: str) -> str | None: ...
+
+    def delete_pod(self, namespace: str, name: str) -> None: ...
+
+    def get_lease(self, namespace: str, name: str) -> JsonObject: ...
+
+    def create_lease(self, namespace: str, lease: JsonObject) -> JsonObject: ...
+
+    def replace_lease(self, namespace: str, lease: JsonObject) -> JsonObject: ...
+
+    def create_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject: ...
+
+    def replace_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject: ...
+
+
+class ClientControllerApi(ClientKubeApi):
+    """ControllerApi over the official client."""
+
     def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int = 32) -> None:
         super().__init__(kubeconfig, timeout_s)
         # Writes go out from a pool of threads: one connection each, or urllib3 drops the extras.

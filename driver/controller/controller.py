@@ -3,68 +3,66 @@
 Claims opt in with a label and their pods wait behind a scheduling gate (driver/scheduling/opt_in.py). A pass, run
 whenever a cache changes and this replica leads, places the waiting claims (placing.py), writes
 each unit ledger first, then status (writes.py), and lifts the gates of pods whose claims are all
-allocated (gates.py). The caches, the snapshot of the pools and the allocator are kept here from
-pass to pass and told only what changed; a standby keeps them current too, so that it places
-claims at once when it wins the lease. A write that fails ends the pass: the claims and ledgers are
-read afresh from the API server before anything else is allocated."""
+allocated (gates.py). The caches, the snapshot of the pools and the allocator are kept from
+pass to pass and told only what changed (allocators.py); a standby keeps them current too, so that
+it places claims at once when it wins the lease. A write that fails ends the pass: the claims and
+ledgers are read afresh from the API server before anything else is allocated.
+
+The replica is made of collaborators, each owning its state and given what it uses (replica.py):
+what a pass needs of the last is in its context (pass_context.py), made afresh by each pass."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from driver.allocator.cluster import ClusterAllocator, Placement, Snapshot
-from driver.allocator.model import ObjectError, Slice, class_from_object, slice_from_object
-from driver.allocator.pools import Node
+from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.model import ObjectError, Slice, slice_from_object
 from driver.allocator.scoring import DEFAULT_POLICY, Policy
-from driver.allocator.state import AllocatedState
+from driver.common.testhooks import NO_TEST_HOOKS, TestHooks
 from driver.controller import metrics
-from driver.controller.gates import Gates
+from driver.controller.allocators import AllocatorCache
+from driver.controller.api import ControllerApi
+from driver.controller.clock import WallClock
+from driver.controller.gates import GatedPods, GateLifter
 from driver.controller.informer import Informer
 from driver.controller.leader import LeaderElector, LeaseTimings
-from driver.controller.ledger import LEDGER_LABEL, Ledgers, ResultKey, allocated_results, results_of
-from driver.controller.making_room import MakingRoom
-from driver.controller.placing import Placing
-from driver.controller.refusals import Refusal, Refusals
+from driver.controller.ledger import LEDGER_LABEL, Ledgers
+from driver.controller.making_room import RoomMaker
+from driver.controller.pass_context import Pass
+from driver.controller.placing import Placer
+from driver.controller.refusals import RefusalTracker
+from driver.controller.replica import Replica
+from driver.controller.reporter import Reporter
 from driver.controller.victims import EvictionBudget
-from driver.controller.writes import Writes
+from driver.controller.writes import ClaimWriter
 from driver.kube.client import KubeError
-from driver.scheduling.opt_in import gated, pending
+from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency
 
 
-@dataclass
-class Counted:
-    """The allocator kept between passes and the results its state counts."""
-
-    allocator: ClusterAllocator
-    key: tuple[int, int]  # the snapshot and the classes it was built on
-    results: dict[ResultKey, dict[str, Any]]
-
-
-class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
-    """One replica: its caches, its lease and the loop. Placing, writing, gates, noticing
-    kube-scheduler's refusals and making room are its parts in placing.py, writes.py, gates.py,
-    refusals.py and making_room.py; the state they share is made here."""
+class Controller:
+    """One replica: its caches, its lease, the loop and the collaborators a pass runs."""
 
     def __init__(
         self,
-        api: Any,
+        api: ControllerApi,
         identity: str,
         policy: Policy = DEFAULT_POLICY,
         lease_namespace: str = "kube-system",
         timings: LeaseTimings | None = None,
         evictions_per_minute: int = 0,
         compact: bool = False,
+        hooks: TestHooks = NO_TEST_HOOKS,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
-        minute; 0 turns it off. `compact`: with it, also move pods while nothing waits."""
+        minute; 0 turns it off. `compact`: with it, also move pods while nothing waits. `hooks`:
+        where tests shift the wall clock and stop before writes (driver/common/testhooks.py)."""
+        wall_clock = WallClock(hooks.clock_offset_s)
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
@@ -81,27 +79,26 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
             identity,
             timings or LeaseTimings(),
             on_change=lambda leading: self.changed.set(),  # a new leader starts at once
+            wall_clock=wall_clock,
         )
         self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on
         self.ledgers = Ledgers(api, lease_namespace, self.informers["ledgers"].update, self.stale.set)
-        self._writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
-        self._snapshot: Snapshot | None = None
-        self._counted: Counted | None = None
-        self._pods_lock = threading.Lock()
-        self._pods_of: tuple[int, dict[str, list[str]]] = (-1, {})
+        self.writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
         self._sync_reported = False
-        self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
-        self._snapshot_slices: tuple[int, dict[str, Slice]] = (-1, {})  # informer version, slices by name
-        self._reported: dict[str, str] = {}  # claim uid -> last failure reported as an Event
-        self._placed: dict[str, str] = {}  # refusals.py: claim uid -> node of the allocation written
-        self._refused: dict[str, set[str]] = {}  # refusals.py: pod key -> nodes kube-scheduler refused
-        self._unreported: dict[str, Refusal] = {}
         self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
         self.compact = compact and self.budget is not None
-        self._unplaced: list[list[dict[str, Any]]] = []  # making_room.py: units that fit nowhere this pass
-        self._spared: dict[str, float] = {}  # making_room.py: claims whose eviction a budget refused
-        self._reserved: dict[str, list[dict[str, Any]]] = {}  # making_room.py: this pass's reservations
         self.stop_event = threading.Event()
+        # The collaborators, each given what it uses: callables where one tells another (written
+        # units lift their pods' gates, and are watched for kube-scheduler's refusals).
+        self.replica = replica = Replica(api, self.informers, self.ledgers, self.stale, self.writers, self.acting)
+        gated = GatedPods(self.informers["pods"])
+        reporter = Reporter(api, self.informers["pods"], gated, wall_clock)
+        self.allocators = AllocatorCache(self.informers, self.ledgers, policy)
+        self.refusals = RefusalTracker(api, self.informers, reporter)
+        self.gates = GateLifter(replica, gated)
+        self.writer = ClaimWriter(replica, self.gates.lift_pods, self.refusals.placed, wall_clock, hooks)
+        self.placer = Placer(replica, self.allocators, self.writer, reporter, self._room)
+        self.room_maker = RoomMaker(replica, self.budget, reporter, self._room)
 
     # --- running ------------------------------------------------------------------------------
 
@@ -118,7 +115,7 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
             if not self._synced():
                 continue
             if not self.acting():
-                self._keep_ready()
+                self.keep_ready()
                 continue
             try:
                 self.run_pass()
@@ -126,16 +123,16 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
                 log.warning("pass ended early: %s", error)
                 self.stop_event.wait(1.0)
                 self.changed.set()
-        self._writers.shutdown(wait=True)
+        self.writers.shutdown(wait=True)
         elector.join()
         self.leader.release()  # after the last write: the standby may start at once
 
-    def _keep_ready(self) -> None:
+    def keep_ready(self) -> ClusterAllocator:
         """A standby keeps its allocator current with its caches (reads only, no writes), so that
         when it wins the lease its first pass places claims at once, instead of first gathering the
-        pools and counting every claim's allocation."""
+        pools and counting every claim's allocation. Returns that allocator."""
         self.ledgers.begin(self.informers["ledgers"].items())
-        self.allocator()
+        return self.allocators.allocator()
 
     def _synced(self) -> bool:
         """Whether every cache has been listed; the first time, says how long that took."""
@@ -161,84 +158,25 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
 
     # --- one pass -----------------------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
-        """Slices and nodes as the allocator sees them: gathered afresh only when a node's labels
-        change (other node updates come often and matter not); a slice added, changed or deleted
-        touches only its pool, for the nodes that see it (and the allocator's caches of those)."""
-        nodes = sorted(
-            (n["metadata"]["name"], tuple(sorted((n["metadata"].get("labels") or {}).items())))
-            for n in self.informers["nodes"].items()
-        )
-        slices_version = self.informers["slices"].version
-        if self._snapshot is None or hash(tuple(nodes)) != self._snapshot_nodes:
-            slices = self.informers["slices"].items()
-            self._snapshot = Snapshot.from_slices(slices, [Node(name, dict(labels)) for name, labels in nodes])
-            self._snapshot_nodes = hash(tuple(nodes))
-            self._snapshot_slices = (slices_version, {s.name: s for s in slices})
-        elif slices_version != self._snapshot_slices[0]:
-            before, now = self._snapshot_slices[1], {s.name: s for s in self.informers["slices"].items()}
-            added = [s for name, s in now.items() if before.get(name) is not s]
-            removed = [s for name, s in before.items() if now.get(name) is not s]
-            counted = self._counted
-            if counted is not None and counted.allocator.snapshot is self._snapshot:
-                counted.allocator.update_slices(added, removed)
-            else:
-                self._snapshot.update(added, removed)
-            self._snapshot_slices = (slices_version, now)
-        return self._snapshot
-
-    def allocator(self) -> ClusterAllocator:
-        """Everything the claims hold and the ledgers record (as of the ledger versions the pass's
-        writes are conditioned on). The allocator is kept from pass to pass and told only what
-        changed, so its per-node caches survive for the nodes nothing touched."""
-        snapshot = self.snapshot()
-        results = allocated_results(self.informers["claims"].items(), self.ledgers.objects())
-        key = (id(snapshot), self.informers["classes"].version)
-        counted = self._counted
-        if counted is None or counted.key != key:
-            classes = {}
-            for obj in self.informers["classes"].items():
-                cls = class_from_object(obj)
-                classes[cls.name] = cls
-            state = AllocatedState()
-            for result in results.values():
-                state.add_result(result)
-            self._counted = Counted(ClusterAllocator(snapshot, classes, state, self.policy), key, results)
-            return self._counted.allocator
-        gone = [counted.results[k] for k in counted.results.keys() - results.keys()]
-        new = [results[k] for k in results.keys() - counted.results.keys()]
-        counted.allocator.release("", {"devices": {"results": gone}})
-        counted.allocator.add("", {"devices": {"results": new}})
-        counted.results = results
-        return counted.allocator
-
-    def _count(self, placements: Iterable[tuple[dict[str, Any], Placement]]) -> None:
-        """Placements just committed to the allocator: counted, so the next pass does not add them
-        again when it finds them in the claims (or takes them out if they were never written)."""
-        if self._counted is not None:
-            for obj, placement in placements:
-                self._counted.results.update(results_of(obj["metadata"].get("uid", ""), placement.allocation))
-
     def run_pass(self) -> None:
         self.stale.clear()
         self.ledgers.begin(self.informers["ledgers"].items())
-        self._resolve_undecided()
-        self._reserved = self._reservations()
-        self._notice_refusals()
-        allocator = self.allocator()  # also when nothing waits: ready for the next burst
-        waiting = self._waiting()
+        self.writer.resolve_undecided()
+        reserved = self.room_maker.reservations()
+        self.refusals.notice()
+        current = Pass(self.allocators.allocator(), reserved)  # also when nothing waits: ready for the next burst
+        waiting = self.replica.waiting()
         metrics.PENDING.set(len(waiting))
-        self._unplaced = []
         if waiting and not self.stale.is_set():
-            self._allocate(allocator, waiting)
-        if self._unplaced and not self.stale.is_set():
-            self._make_room(allocator)
-        elif self.compact and not waiting and not self._reserved and not self._any_gated():
-            self._compact(allocator)
+            self.placer.place(current, waiting)
+        if current.unplaced and not self.stale.is_set():
+            self.room_maker.make_room(current)
+        elif self.compact and not waiting and not current.reserved and not self.replica.any_gated():
+            self.room_maker.compact(current.allocator)
         if self.stale.is_set():
             self.refresh()
             return
-        self._lift_gates()
+        self.gates.lift_all()
 
     def refresh(self) -> None:
         """A conflict means the world changed: read the claims (their allocations) and the ledgers
@@ -246,19 +184,14 @@ class Controller(Placing, Writes, Gates, Refusals, MakingRoom):
         metrics.REFRESHES.inc()
         for kind in ("claims", "ledgers"):
             self.informers[kind].relist()
-        self._counted = None
+        self.allocators.forget()
         self.stale.clear()
         self.changed.set()
 
-    def _any_gated(self) -> bool:
-        """A pod waits at our gate (its claim perhaps not made yet): the controller is not idle."""
-        return any(gated(pod) for pod in self.informers["pods"].items())
-
-    def _waiting(self) -> list[dict[str, Any]]:
-        return sorted(
-            (c for c in self.informers["claims"].items() if pending(c)),
-            key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
-        )
+    def _room(self) -> NodeRoom:
+        """What the nodes have left for the pods of the claims a pass places, kube-scheduler's
+        refusals (refusals.py) ruled out."""
+        return self.replica.room(self.refusals.refused)
 
 
 def _readable_slice(obj: dict[str, Any]) -> Slice | None:

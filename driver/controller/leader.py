@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from driver.controller.clock import monotonic, timestamp
+from driver.controller.clock import WALL_CLOCK, WallClock, monotonic
 from driver.kube.client import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,12 @@ class LeaderElector:
         timings: LeaseTimings | None = None,
         on_change: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = monotonic,
+        wall_clock: WallClock = WALL_CLOCK,
     ) -> None:
         self.api, self.namespace, self.name, self.identity = api, namespace, name, identity
         self.timings = timings or LeaseTimings()
         self._on_change = on_change or (lambda leading: None)
-        self._clock = clock
+        self._clock, self._wall_clock = clock, wall_clock
         self._observed: tuple[str, dict[str, Any]] | None = None  # (resourceVersion, spec) last seen
         self._observed_at = -math.inf
         self._valid_until = -math.inf  # when this replica must stop acting, unless it renews
@@ -101,7 +102,7 @@ class LeaderElector:
             self._observed, self._observed_at = (version, spec), self._clock()
 
     def _write(self, lease: dict[str, Any] | None, spec: dict[str, Any], holder: str | None) -> dict[str, Any]:
-        now = timestamp(precise=True)
+        now = self._wall_clock.timestamp(precise=True)
         new_spec = {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": math.ceil(self.timings.lease_s),

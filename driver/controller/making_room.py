@@ -14,34 +14,26 @@ the budgets (every plan refused) deletes the cheapest plan's pods, as kube-sched
 
 A reservation is counted by every pass as held (so nothing else is placed on the devices while
 the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is
-gone or allocated, or when it expires (writes.py, _resolve_undecided)."""
+gone or allocated, or when it expires (writes.py, resolve_undecided)."""
 
 from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import COMPACTION_MOVES, Plan, compaction, make_room
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller import metrics
-from driver.controller.informer import Informer, object_key
-from driver.controller.ledger import (
-    RESERVED_KEY,
-    Ledgers,
-    PoolId,
-    ResultKey,
-    entries_for,
-    entries_of,
-    entry_results,
-    pool_of,
-)
+from driver.controller.informer import object_key
+from driver.controller.ledger import RESERVED_KEY, PoolId, entries_for, entries_of, entry_results, pool_of
+from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim
+from driver.controller.replica import Replica
+from driver.controller.reporter import Reporter
 from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
 from driver.kube.client import KubeError
 from driver.scheduling.nodefit import NodeRoom
@@ -51,80 +43,50 @@ RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is pl
 SPARED_S = 15.0  # how long a claim whose eviction a budget refused is left out of plans
 
 
-@dataclass
-class SetAside:
-    """Reserved devices freed for their own claim while it is placed (MakingRoom._set_aside)."""
+class RoomMaker:
+    """Makes room for the units a pass could not place, and compacts while nothing waits; keeps
+    the claims whose eviction a budget refused out of plans a while. `room`: what the nodes have
+    left for the pods (fit.py), as of the moment it is called."""
 
-    allocator: ClusterAllocator
-    reserved: list[dict[str, Any]]
-    counted: dict[ResultKey, dict[str, Any]]  # the results the kept allocator counts (controller.py)
-    keys: dict[ResultKey, dict[str, Any]]  # the reservations' among them
+    def __init__(
+        self,
+        replica: Replica,
+        budget: EvictionBudget | None,
+        reporter: Reporter,
+        room: Callable[[], NodeRoom],
+    ) -> None:
+        """`budget`: None turns making room off."""
+        self._replica, self._budget, self._reporter, self._room = replica, budget, reporter, room
+        self._api, self._informers, self._ledgers = replica.api, replica.informers, replica.ledgers
+        self._spared: dict[str, float] = {}  # claim uid -> until (time.monotonic()): an eviction was refused
 
-    def put_back(self) -> None:
-        """Placing failed: the devices are held for the claim again."""
-        if self.reserved:
-            self.allocator.add("", {"devices": {"results": self.reserved}})
-            self.counted.update(self.keys)
-
-
-class MakingRoom:
-    """The Controller's making room (controller.py builds the state named here). Uses its
-    acting() and _counted (controller.py), _room() (placing.py), _event() and _report() (gates.py)."""
-
-    api: Any
-    informers: dict[str, Informer]
-    ledgers: Ledgers
-    stale: threading.Event
-    budget: EvictionBudget | None  # None: making room is off
-    compact: bool  # compaction when nothing waits (with a budget)
-    _counted: Any  # controller.py's Counted: the kept allocator and the results it counts
-    _unplaced: list[list[dict[str, Any]]]  # this pass's units that fit nowhere
-    _spared: dict[str, float]  # claim uid -> until (time.monotonic()): an eviction was refused
-    _reserved: dict[str, list[dict[str, Any]]]  # this pass's reservations (_reservations)
-
-    # --- reservations held for a claim ----------------------------------------------------------
-
-    def _reservations(self) -> dict[str, list[dict[str, Any]]]:
+    def reservations(self) -> dict[str, list[dict[str, Any]]]:
         """Claim uid -> the device results reserved for it in the ledgers (as of this pass)."""
         held: dict[str, list[dict[str, Any]]] = {}
-        for ledger in self.ledgers.objects():
+        for ledger in self._ledgers.objects():
             if any(RESERVED_KEY in text for text in (ledger.get("data") or {}).values()):  # most have none
                 for uid, entry in entries_of(ledger).items():
                     if entry.reservation:
                         held.setdefault(uid, []).extend(entry_results(pool_of(ledger), entry))
         return held
 
-    def _set_aside(self, allocator: ClusterAllocator, objects: Sequence[dict[str, Any]]) -> SetAside:
-        """Free the devices reserved for these claims, to place them; the caller puts them back
-        if placing fails. Placed, a reservation stays out of the allocator's count until a pass
-        finds it in the ledgers again (it is dropped there once the claim is allocated)."""
-        uids = {o["metadata"].get("uid", "") for o in objects}
-        reserved = [r for uid in uids for r in self._reserved.get(uid, ())]
-        counted = self._counted.results if self._counted is not None else {}
-        keys = {k: r for k, r in counted.items() if k[0] in uids}
-        if reserved:
-            allocator.release("", {"devices": {"results": reserved}})
-            for key in keys:
-                del counted[key]
-        return SetAside(allocator, reserved, counted, keys)
-
     # --- planning and carrying out --------------------------------------------------------------
 
-    def _make_room(self, allocator: ClusterAllocator) -> None:
+    def make_room(self, current: Pass) -> None:
         """For each unit that fit nowhere this pass, in order: the cheapest plan that can be
         carried out now."""
-        if self.budget is None or not self._unplaced:
+        if self._budget is None or not current.unplaced:
             return
         now = time.monotonic()
         self._spared = {uid: until for uid, until in self._spared.items() if until > now}
-        pods_of = pods_by_claim(self.informers["pods"].items())
+        pods_of = pods_by_claim(self._informers["pods"].items())
         room = self._room()
-        for objects in self._unplaced:
-            if self.stale.is_set() or not self.acting():
+        for objects in current.unplaced:
+            if self._replica.stopped():
                 return
-            if any(o["metadata"].get("uid") in self._reserved for o in objects):
+            if any(o["metadata"].get("uid") in current.reserved for o in objects):
                 continue  # room is being made: its victims are on their way out
-            self._make_room_for(allocator, objects, pods_of, room)
+            self._make_room_for(current.allocator, objects, pods_of, room)
 
     def _make_room_for(
         self,
@@ -141,7 +103,7 @@ class MakingRoom:
         if not pending_pods:
             return  # nothing would run on the room made
         rank = max(priority(p) for p in pending_pods)
-        claim_objects = self.informers["claims"].items()
+        claim_objects = self._informers["claims"].items()
         for preempt in (False, True):
             if preempt and not may_preempt(pending_pods):
                 return
@@ -160,14 +122,14 @@ class MakingRoom:
         self, plans: list[Plan], objects: list[dict[str, Any]], by_holder: dict[int, Candidate], preempt: bool
     ) -> None:
         """The first plan whose evictions all go; a refused one is undone as far as it can be."""
-        assert self.budget is not None
+        assert self._budget is not None
         refused_all = True
         for plan in plans:
             victims = [by_holder[id(v)] for v in plan.victims]
             if any(v.holder.claim.uid in self._spared for v in victims):
                 continue
             pods = [p for v in victims for p in v.pods]
-            if len(pods) > self.budget.left(time.monotonic()):
+            if len(pods) > self._budget.left(time.monotonic()):
                 self._tell(objects, f"room can be made by evicting {len(pods)} pod(s); waiting for the eviction budget")
                 return
             if not self._reserve(plan, objects):
@@ -177,7 +139,7 @@ class MakingRoom:
                 return
             refused_all = refused_all and refusal != ""
             self._unreserve(self._reserved_by(plan, objects))
-            if self.stale.is_set():
+            if self._replica.stale.is_set():
                 return
         if preempt and refused_all and plans:
             self._preempt_past_budgets(plans[0], objects, by_holder)
@@ -191,7 +153,7 @@ class MakingRoom:
             obj = by_key[placement.claim.key]
             uid = obj["metadata"]["uid"]
             for pool, entry in entries_for(obj, placement.allocation, until).items():
-                if not (self.acting() and self.ledgers.change(pool, add={uid: entry})):
+                if not (self._replica.acting() and self._ledgers.change(pool, add={uid: entry})):
                     self._unreserve(written)
                     return False
                 written.append((pool, uid))
@@ -199,8 +161,8 @@ class MakingRoom:
 
     def _unreserve(self, reserved: list[tuple[PoolId, str]]) -> None:
         for pool, uid in reserved:
-            if self.acting():
-                self.ledgers.change(pool, remove=[uid])
+            if self._replica.acting():
+                self._ledgers.change(pool, remove=[uid])
 
     def _reserved_by(self, plan: Plan, objects: list[dict[str, Any]]) -> list[tuple[PoolId, str]]:
         by_key = {object_key(o): o for o in objects}
@@ -226,7 +188,7 @@ class MakingRoom:
                 metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
                 why = "has a lower priority" if victim.preempted else "is movable"
                 message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
-                self._event("v1", "Pod", pod, reason, message, True)
+                self._reporter.event("v1", "Pod", pod, reason, message, True)
         self._tell(objects, f"making room on {target}: evicted pod(s) {names}; devices reserved for the claim")
         return None
 
@@ -234,10 +196,10 @@ class MakingRoom:
         """Evict one of a victim's pods: None when it goes (the budget spent), else why not: a
         budget's refusal (the victim's claim is then spared a while; nothing was disrupted, so the
         budget is not spent), or "" when the API server failed."""
-        assert self.budget is not None
+        assert self._budget is not None
         meta = pod["metadata"]
         try:
-            refused = self.api.evict_pod(meta["namespace"], meta["name"])
+            refused = self._api.evict_pod(meta["namespace"], meta["name"])
         except KubeError as error:
             log.warning("cannot evict pod %s: %s", object_key(pod), error)
             return ""
@@ -245,12 +207,13 @@ class MakingRoom:
             self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
             metrics.EVICTIONS.labels("refused").inc()
             return refused or "refused by a disruption budget"
-        self.budget.spend(time.monotonic())
+        self._budget.spend(time.monotonic())
         return None
 
     def _preempt_past_budgets(self, plan: Plan, objects: list[dict[str, Any]], by_holder: dict[int, Candidate]) -> None:
         """Every plan was refused by a PodDisruptionBudget: kube-scheduler's preemption then goes
         ahead with the cheapest (budgets are honoured as far as victims allow, no further)."""
+        assert self._budget is not None
         if not self._reserve(plan, objects):
             return
         target = ", ".join(sorted({p.node for p in plan.placements}))
@@ -258,29 +221,29 @@ class MakingRoom:
             for pod in victim.pods:
                 meta = pod["metadata"]
                 try:
-                    self.api.delete_pod(meta["namespace"], meta["name"])
+                    self._api.delete_pod(meta["namespace"], meta["name"])
                 except KubeError as error:
                     log.warning("cannot delete pod %s: %s", object_key(pod), error)
                     continue
-                self.budget.spend(time.monotonic())
+                self._budget.spend(time.monotonic())
                 metrics.EVICTIONS.labels("preemption").inc()
                 message = (
                     f"deleted by fgpu to make room for claim(s) {_keys(objects)} on {target}: the pod has a lower "
                     "priority and every choice of victims was refused by a PodDisruptionBudget"
                 )
-                self._event("v1", "Pod", pod, "Preempted", message, True)
+                self._reporter.event("v1", "Pod", pod, "Preempted", message, True)
 
-    def _compact(self, allocator: ClusterAllocator) -> None:
+    def compact(self, allocator: ClusterAllocator) -> None:
         """Nothing waits: move movable pods off lightly used GPUs into holes on GPUs in use, so that
         whole GPUs are free for the next large claim (the planner's `compaction`), within the
         eviction budget. The moved pods' new claims are placed as any other (no reservation): a
         pass after the moves waits until nothing waits again."""
-        assert self.budget is not None
-        left = min(self.budget.left(time.monotonic()), COMPACTION_MOVES)
+        assert self._budget is not None
+        left = min(self._budget.left(time.monotonic()), COMPACTION_MOVES)
         if left < 1:
             return
-        pods_of = pods_by_claim(self.informers["pods"].items())
-        claims = self.informers["claims"].items()
+        pods_of = pods_by_claim(self._informers["pods"].items())
+        claims = self._informers["claims"].items()
         found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True)
         by_holder = {id(c.holder): c for c in found}
         for move in compaction(allocator, [c.holder for c in found], left):
@@ -290,11 +253,11 @@ class MakingRoom:
                     return
                 metrics.EVICTIONS.labels("compaction").inc()
                 message = f"evicted by fgpu to compact: its GPU empties, and the pod fits on {move.to.node}"
-                self._event("v1", "Pod", pod, "Compacted", message, False)
+                self._reporter.event("v1", "Pod", pod, "Compacted", message, False)
 
     def _tell(self, objects: list[dict[str, Any]], message: str, warning: bool = False) -> None:
         for obj in objects:
-            self._report(obj, message, warning, why="MakingRoom")
+            self._reporter.report(obj, message, warning, why="MakingRoom")
 
 
 def _keys(objects: list[dict[str, Any]]) -> str:

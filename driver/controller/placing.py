@@ -3,237 +3,229 @@
 A pass computes placements one unit at a time and hands each to a pool of writers (writes.py), so
 writes overlap with the search and with each other (at most MAX_IN_FLIGHT units, controller.py).
 Lone claims go first, in creation order, then gangs, all or none once every member exists: our
-labelled gangs (driver/scheduling/opt_in.py), then PodGroups with a gang policy (groups.py). A claim that cannot be
-placed gets an Event (gates.py) and waits for the next pass."""
+labelled gangs (driver/scheduling/opt_in.py), then PodGroups with a gang policy (groups.py), in the
+order driver/scheduling/units.py gives. A claim that cannot be placed gets an Event (reporter.py)
+and waits for the next pass; the units that fit nowhere are left in the pass for making_room.py."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from driver.allocator.cluster import ClusterAllocator, Failure, Placement
+from driver.allocator.cluster import Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
-from driver.controller.fit import claim_pods, node_room
+from driver.controller.allocators import AllocatorCache
+from driver.controller.fit import claim_pods
 from driver.controller.groups import Groups
-from driver.controller.informer import Informer, object_key
+from driver.controller.informer import object_key
+from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim, released
+from driver.controller.replica import Replica
+from driver.controller.reporter import Reporter
+from driver.controller.writes import ClaimWriter, Unit
 from driver.scheduling.nodefit import NodeRoom
-from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, gang_label, gang_of, pending
+from driver.scheduling.opt_in import GANG_LABEL, gang_label, pending
+from driver.scheduling.units import (
+    Gang,
+    Group,
+    Lone,
+    gang_incomplete,
+    group_absent,
+    group_incomplete,
+    group_unplaced,
+    size_unreadable,
+    units,
+)
 
 log = logging.getLogger(__name__)
 ABSORB_S = 2.0  # how long a pass goes on placing lone claims that arrive while its writes are out
+Waiting = tuple[dict[str, Any], Claim]  # a waiting claim: its object, and the claim read from it
 
 
-@dataclass
-class Unit:
-    """Claims written together: one claim, or the waiting members of a gang (all or none)."""
+class Placer:
+    """Places a pass's waiting claims on its allocator and hands each unit to `writer`. `room`:
+    what the nodes have left for the pods (fit.py), as of the moment it is called."""
 
-    placements: list[Placement]
-    objects: dict[str, dict[str, Any]]  # claim key -> the object its placement was computed on
-    # Gang members allocated earlier (by an interrupted pass) that this unit completes: their
-    # resourceVersion is moved first, so that a take-back decided on them elsewhere fails.
-    kept: list[dict[str, Any]] = field(default_factory=list)
+    def __init__(
+        self,
+        replica: Replica,
+        allocators: AllocatorCache,
+        writer: ClaimWriter,
+        reporter: Reporter,
+        room: Callable[[], NodeRoom],
+    ) -> None:
+        self._replica, self._allocators, self._writer, self._reporter = replica, allocators, writer, reporter
+        self._room = room
+        self._informers = replica.informers
 
-
-class Placing:
-    """The Controller's placing (controller.py builds the state named here). Uses its acting(),
-    _waiting() and _count() (controller.py), _write_unit() and _take_back() (writes.py),
-    _report() and _report_group() (gates.py), _set_aside() (making_room.py); the units that fit
-    nowhere go to `_unplaced`, for making_room.py."""
-
-    informers: dict[str, Informer]
-    stale: threading.Event
-    _writers: ThreadPoolExecutor
-    _refused: dict[str, set[str]]
-    _unplaced: list[list[dict[str, Any]]]
-
-    def _allocate(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]]) -> None:
+    def place(self, current: Pass, waiting: list[dict[str, Any]]) -> None:
         """Place and hand out the waiting claims; while their writes are out (up to ABSORB_S), lone
         claims that arrive are placed too, on the same allocator and ledger versions, instead of
         waiting for the next pass. Gang members that arrive wait for it."""
         started = time.perf_counter()
         handled = {object_key(c) for c in waiting}
         room = self._room()
-        in_flight = self._submit(allocator, waiting, room)
-        version = self.informers["claims"].version
-        while time.perf_counter() - started < ABSORB_S and not self.stale.is_set() and self.acting():
+        in_flight = self._submit(current, waiting, room)
+        version = self._informers["claims"].version
+        while time.perf_counter() - started < ABSORB_S and not self._replica.stale.is_set() and self._replica.acting():
             if not wait(in_flight, timeout=0.02, return_when=FIRST_COMPLETED).not_done:
                 break
-            if self.informers["claims"].version == version:
+            if self._informers["claims"].version == version:
                 continue
-            version = self.informers["claims"].version
-            arrived = [c for c in self._waiting() if object_key(c) not in handled and not gang_label(c)]
+            version = self._informers["claims"].version
+            arrived = [c for c in self._replica.waiting() if object_key(c) not in handled and not gang_label(c)]
             if arrived:  # a PodGroup's members wait for the next pass too
-                groups = self._groups()
+                groups = self._replica.groups()
                 arrived = [c for c in arrived if groups.of_claim(c) is None]
             if not arrived:
                 continue
             handled.update(object_key(c) for c in arrived)
             # The pods that came with the claims; what this pass took of the nodes stays.
-            room.pods_of = claim_pods(self.informers["pods"].items(), self.informers["claims"].items())
-            in_flight += self._submit(allocator, arrived, room)
+            room.pods_of = claim_pods(self._informers["pods"].items(), self._informers["claims"].items())
+            in_flight += self._submit(current, arrived, room)
         wait(in_flight)
         log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)
         for future in in_flight:
             if future.exception() is not None:
                 log.error("writing a unit failed", exc_info=future.exception())
-                self.stale.set()
+                self._replica.stale.set()
 
-    def _submit(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]], room: NodeRoom) -> list[Future[None]]:
-        return [self._writers.submit(self._write_unit, unit) for unit in self._units(allocator, waiting, room)]
+    def _submit(self, current: Pass, waiting: list[dict[str, Any]], room: NodeRoom) -> list[Future[None]]:
+        writers = self._replica.writers
+        return [writers.submit(self._writer.write_unit, unit) for unit in self._units(current, waiting, room)]
 
-    def _room(self) -> NodeRoom:
-        """What the nodes have left for the pods of the claims this pass places (fit.py)."""
-        return node_room(
-            self.informers["nodes"].items(),
-            self.informers["pods"].items(),
-            self.informers["claims"].items(),
-            self._refused,
-        )
-
-    def _groups(self) -> Groups:
-        """The PodGroups with a gang policy, their pods and claims, as the caches have them now."""
-        claims = self.informers["claims"]
-        return Groups(self.informers["podgroups"].items(), self.informers["pods"].items(), claims.get)
-
-    def _units(self, allocator: ClusterAllocator, waiting: list[dict[str, Any]], room: NodeRoom) -> Iterator[Unit]:
+    def _units(self, current: Pass, waiting: list[dict[str, Any]], room: NodeRoom) -> Iterator[Unit]:
         """Placements, one unit at a time (lone claims first, in creation order, then gangs); stops
         as soon as a write has failed or this replica no longer leads."""
-        gangs: dict[tuple[str, int], list[Claim]] = defaultdict(list)
-        groups = self._groups()
-        grouped: dict[str, list[Claim]] = defaultdict(list)
+        groups = self._replica.groups()
+        for unit in units(self._readable(waiting), _claim_of, lambda item: groups.of_claim(item[0])):
+            if isinstance(unit, Lone):
+                obj, claim = unit.member
+                if (placement := self._place_one(current, claim, obj, room)) is not None:
+                    yield Unit([placement], {claim.key: obj})
+                continue
+            if self._replica.stopped():
+                return
+            if isinstance(unit, Gang):
+                placed = self._place_gang(current, unit, room)
+            else:
+                placed = self._place_group(current, groups, unit, room)
+            if placed is not None:
+                yield placed
+
+    def _readable(self, waiting: list[dict[str, Any]]) -> Iterator[Waiting]:
+        """The waiting claims read, one by one as they are asked for (those that cannot be read
+        reported); ends as soon as a write has failed or this replica no longer leads."""
         for obj in waiting:
-            if self.stale.is_set() or not self.acting():
+            if self._replica.stopped():
                 return
             try:
-                claim = claim_from_object(obj)
+                yield obj, claim_from_object(obj)
             except ObjectError as error:
-                self._report(obj, f"cannot read the claim: {error}")
-                continue
-            gang = gang_of(claim)
-            if gang is not None:
-                gangs[gang].append(claim)
-            elif (group := groups.of_claim(obj)) is not None:
-                grouped[group].append(claim)
-            elif (placement := self._place_one(allocator, claim, obj, room)) is not None:
-                yield Unit([placement], {claim.key: obj})
-        for (name, size), members in gangs.items():
-            if self.stale.is_set() or not self.acting():
-                return
-            if (unit := self._place_gang(allocator, name, size, members, room)) is not None:
-                yield unit
-        for group, members in grouped.items():
-            if self.stale.is_set() or not self.acting():
-                return
-            if (unit := self._place_group(allocator, groups, group, members, room)) is not None:
-                yield unit
+                self._reporter.report(obj, f"cannot read the claim: {error}")
 
-    def _place_one(
-        self, allocator: ClusterAllocator, claim: Claim, obj: dict[str, Any], room: NodeRoom
-    ) -> Placement | None:
+    def _place_one(self, current: Pass, claim: Claim, obj: dict[str, Any], room: NodeRoom) -> Placement | None:
         started = time.perf_counter()
-        aside = self._set_aside(allocator, [obj])
+        allocator = current.allocator
+        aside = self._allocators.set_aside(allocator, [obj], current.reserved)
         outcome = allocator.allocate(claim, room=room)
         metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, Failure):
             aside.put_back()
             metrics.ALLOCATIONS.labels("unschedulable").inc()
-            self._report(obj, outcome.reason)
-            self._unplaced.append([obj])
+            self._reporter.report(obj, outcome.reason)
+            current.unplaced.append([obj])
             return None
         allocator.commit(outcome)
         room.take(outcome)
-        self._count([(obj, outcome)])
+        self._allocators.count([(obj, outcome)])
         return outcome
 
-    def _place_gang(
-        self, allocator: ClusterAllocator, name: str, size: int, members: list[Claim], room: NodeRoom
-    ) -> Unit | None:
-        objects = {c.key: self.informers["claims"].get(c.key) for c in members}
-        if size == 0:
+    def _place_gang(self, current: Pass, gang: Gang[Waiting], room: NodeRoom) -> Unit | None:
+        members = [claim for _, claim in gang.members]
+        objects = {c.key: self._informers["claims"].get(c.key) for c in members}
+        if (unreadable := size_unreadable(gang)) is not None:
             for obj in objects.values():
-                self._report(obj, f"label {GANG_SIZE_LABEL} must be a whole number")
+                self._reporter.report(obj, unreadable)
             return None
         present = {key: obj for key, obj in objects.items() if obj is not None}
         if len(present) < len(objects):
             return None  # deleted since the pass began
-        allocated = [c for c in self._gang_claims(name) if not pending(c)]
-        if len(members) + len(allocated) < size:
-            missing = size - len(members) - len(allocated)
+        allocated = [c for c in self._gang_claims(gang.name) if not pending(c)]
+        if (incomplete := gang_incomplete(gang, len(allocated))) is not None:
             for obj in objects.values():
-                self._report(obj, f"gang {name} waits for {missing} more claim(s) of {size}", warning=False)
+                self._reporter.report(obj, incomplete, warning=False)
             return None
-        aside = self._set_aside(allocator, list(present.values()))
-        outcome = allocator.allocate_gang(members, room)
+        aside = self._allocators.set_aside(current.allocator, list(present.values()), current.reserved)
+        outcome = current.allocator.allocate_gang(members, room)
         if isinstance(outcome, Failure):
             aside.put_back()
             metrics.GANGS.labels("unschedulable").inc()
             for obj in present.values():
-                self._report(obj, outcome.reason)
+                self._reporter.report(obj, outcome.reason)
             if not allocated:
-                self._unplaced.append(list(present.values()))
-            if allocated and len(allocated) < size and not self._any_released(allocated):
+                current.unplaced.append(list(present.values()))
+            if allocated and len(allocated) < gang.size and not self._any_released(allocated):
                 # Members left allocated by an interrupted pass: all or none, so give them back.
                 # Not once their pods are let go: a member kube-scheduler gave back (refusals.py)
                 # leaves the rest running or binding, and only its own claim to place again.
-                self._take_back(allocated)
+                self._writer.take_back(allocated)
             return None
-        self._count((present[p.claim.key], p) for p in outcome)
+        self._allocators.count((present[p.claim.key], p) for p in outcome)
         return Unit(outcome, present, kept=allocated)
 
-    def _place_group(
-        self, allocator: ClusterAllocator, groups: Groups, group: str, members: list[Claim], room: NodeRoom
-    ) -> Unit | None:
+    def _place_group(self, current: Pass, groups: Groups, group: Group[Waiting], room: NodeRoom) -> Unit | None:
         """A PodGroup's gang (groups.py): the opt-in claims of its members (pods with every claim
         made), all or none, once minCount members exist; nothing placed before."""
-        state, podgroup = groups.state(group), groups.podgroup(group)
-        objects = {c.key: self.informers["claims"].get(c.key) for c in members}
+        members = [claim for _, claim in group.members]
+        state, podgroup = groups.state(group.name), groups.podgroup(group.name)
+        objects = {c.key: self._informers["claims"].get(c.key) for c in members}
         if podgroup is None or state.present < state.size:
             if podgroup is None:
-                absent = self.informers["podgroups"].absent
-                reason = f"pod group {group} waits: no PodGroup {group} (scheduling.k8s.io/v1beta1) to read"
-                reason += f": {absent}" if absent else ""
+                reason = group_absent(group.name, self._informers["podgroups"].absent)
             else:
-                reason = f"pod group {group} waits for {state.size - state.present} more pod(s) of {state.size}"
-            self._report_group(podgroup, objects.values(), reason, warning=False)
+                reason = group_incomplete(group.name, state.present, state.size)
+            self._reporter.report_group(podgroup, objects.values(), reason, warning=False)
             return None
         placing = [c for c in members if c.key in state.pending]
         present = {c.key: obj for c in placing if (obj := objects[c.key]) is not None}
         if not placing or len(present) < len(state.pending):
             return None  # a claim was deleted since, or cannot be read (reported): none then
-        aside = self._set_aside(allocator, list(present.values()))
-        outcome = allocator.allocate_gang(placing, room)
+        aside = self._allocators.set_aside(current.allocator, list(present.values()), current.reserved)
+        outcome = current.allocator.allocate_gang(placing, room)
         if isinstance(outcome, Failure):
             aside.put_back()
             metrics.GANGS.labels("unschedulable").inc()
-            reason = f"pod group {group} (gang of {state.size} pods): {outcome.reason}"
-            self._report_group(podgroup, present.values(), reason)
+            self._reporter.report_group(
+                podgroup, present.values(), group_unplaced(group.name, state.size, outcome.reason)
+            )
             if not state.allocated:
-                self._unplaced.append(list(present.values()))
+                current.unplaced.append(list(present.values()))
             if state.allocated and not state.whole and not state.released:
                 # Members left allocated by an interrupted pass, none let go: all or none.
-                self._take_back(state.allocated)
+                self._writer.take_back(state.allocated)
             return None
-        self._count((present[p.claim.key], p) for p in outcome)
+        self._allocators.count((present[p.claim.key], p) for p in outcome)
         # Members written earlier are fenced first (writes.py) while the group's pods wait for them.
         return Unit(outcome, present, kept=[] if state.released else state.allocated)
 
     def _any_released(self, claims: list[dict[str, Any]]) -> bool:
-        pods_of = pods_by_claim(self.informers["pods"].items())
+        pods_of = pods_by_claim(self._informers["pods"].items())
         return any(released(pods_of.get(object_key(c), [])) for c in claims)
 
     def _gang_claims(self, gang: str) -> list[dict[str, Any]]:
         namespace, name = gang.split("/", 1)
         return [
             c
-            for c in self.informers["claims"].items()
+            for c in self._informers["claims"].items()
             if c["metadata"].get("namespace") == namespace
             and (c["metadata"].get("labels") or {}).get(GANG_LABEL) == name
         ]
+
+
+def _claim_of(item: Waiting) -> Claim:
+    return item[1]

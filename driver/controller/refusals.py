@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from driver.controller import metrics
+from driver.controller.api import ControllerApi
 from driver.controller.fit import allocated_node, live_pods
 from driver.controller.informer import Informer, object_key
+from driver.controller.reporter import Reporter
 from driver.kube.client import KubeError
 from driver.scheduling.opt_in import gated, known_claim_names, opted_in
 
@@ -114,22 +117,32 @@ def scheduler_says(pod: JsonObject | None) -> str | None:
     return None
 
 
-class Refusals:
-    """The Controller's part that notices refusals (controller.py builds the state named here);
-    uses its _event() (gates.py). `placed` is filled by writes.py as allocations are written."""
+class RefusalTracker:
+    """Remembers the allocations this replica wrote (`placed`, told by writes.py), notices those
+    kube-scheduler gave back, rules the refused nodes out for those pods (`refused`, read by the
+    pass's node room) and tells each refusal once."""
 
-    api: Any
-    informers: dict[str, Informer]
-    _placed: dict[str, str]  # claim uid -> the node of the allocation this replica wrote
-    _refused: dict[str, set[str]]  # pod key -> nodes kube-scheduler refused for it
-    _unreported: dict[str, Refusal]  # claim uid -> refusal waiting for kube-scheduler's words
+    def __init__(self, api: ControllerApi, informers: dict[str, Informer], reporter: Reporter) -> None:
+        self._api, self._informers, self._reporter = api, informers, reporter
+        self._placed: dict[str, str] = {}  # claim uid -> the node of the allocation this replica wrote
+        self._refused: dict[str, set[str]] = {}  # pod key -> nodes kube-scheduler refused for it
+        self._unreported: dict[str, Refusal] = {}  # claim uid -> refusal waiting for kube-scheduler's words
 
-    def _notice_refusals(self) -> None:
+    @property
+    def refused(self) -> Mapping[str, AbstractSet[str]]:
+        """Pod key -> nodes kube-scheduler refused for it."""
+        return self._refused
+
+    def placed(self, uid: str, node: str) -> None:
+        """The allocation of claim `uid` on `node` was written by this replica: watched from now on."""
+        self._placed[uid] = node
+
+    def notice(self) -> None:
         """Called at the start of a pass, before anything is placed: the refused nodes are then
         ruled out for the pods the pass places claims for."""
         if self._placed:
-            claims = {c["metadata"].get("uid", ""): c for c in self.informers["claims"].items()}
-            pods_of = pods_by_claim(self.informers["pods"].items())
+            claims = {c["metadata"].get("uid", ""): c for c in self._informers["claims"].items()}
+            pods_of = pods_by_claim(self._informers["pods"].items())
             refusals, done = given_back(self._placed, claims, pods_of, time.monotonic())
             for uid in done:
                 del self._placed[uid]
@@ -139,7 +152,7 @@ class Refusals:
                     self._refused.setdefault(pod, set()).add(refusal.node)
                 self._unreported[refusal.uid] = refusal
         if self._refused:
-            live = {object_key(p) for p in self.informers["pods"].items()}
+            live = {object_key(p) for p in self._informers["pods"].items()}
             for pod in self._refused.keys() - live:
                 del self._refused[pod]
         self._report_refusals()
@@ -148,7 +161,7 @@ class Refusals:
         """Each refusal counted and told once, with kube-scheduler's message once its pod status has
         it (it writes the claim first, the pod's condition after), or without it after a while."""
         for uid, refusal in list(self._unreported.items()):
-            pods = [self.informers["pods"].get(key) for key in refusal.pods]
+            pods = [self._informers["pods"].get(key) for key in refusal.pods]
             said = [m for pod in pods if (m := scheduler_says(pod)) is not None]
             waited = time.monotonic() - refusal.noticed
             if not said and waited >= ASK_AFTER_S:
@@ -163,19 +176,19 @@ class Refusals:
                 f"kube-scheduler refused node {refusal.node} for the pod ({message}) and gave back claim "
                 f"{claim_name}; fgpu places it again without that node"
             )
-            claim = self.informers["claims"].get(refusal.claim)
+            claim = self._informers["claims"].get(refusal.claim)
             if claim is not None and claim["metadata"].get("uid") == uid:
-                self._event("resource.k8s.io/v1", "ResourceClaim", claim, EVENT_REASON, what, True)
+                self._reporter.event("resource.k8s.io/v1", "ResourceClaim", claim, EVENT_REASON, what, True)
             for pod in pods:
                 if pod is not None:
-                    self._event("v1", "Pod", pod, EVENT_REASON, what, True)
+                    self._reporter.event("v1", "Pod", pod, EVENT_REASON, what, True)
 
     def _failed_scheduling(self, pods: tuple[str, ...]) -> list[str]:
         """kube-scheduler's newest FailedScheduling message on any of the pods ([] if none yet)."""
         for key in pods:
             namespace, name = key.split("/", 1)
             try:
-                if messages := self.api.scheduling_failures(namespace, name):
+                if messages := self._api.scheduling_failures(namespace, name):
                     return messages[:1]
             except KubeError as error:
                 log.warning("cannot read the events of pod %s: %s", key, error)

@@ -1,7 +1,8 @@
 """Helpers shared by the tests (no test module imports another): the chart (chart.py), the
 reference allocator, its scenarios and the differential check (reference.py, scenarios.py,
 differential.py), the allocator on small inventories (allocation.py), a node's pool (pools.py),
-a node's prepared state (node_state.py), the controller (controller.py), the CLI (cli.py)."""
+a node's prepared state (node_state.py), the controller as a process (controller.py) and in-process on
+an in-memory API server (controller_cluster.py), the CLI (cli.py)."""
 
 from pathlib import Path
 

@@ -19,8 +19,8 @@ from typing import Any
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.pools import Node
-from driver.allocator.quantity import parse_quantity
 from driver.allocator.state import AllocatedState
+from driver.common.quantity import parse_quantity
 from tests.support.reference import ReferenceAllocator
 
 POLICIES = ("binpack", "spread", "first-fit")

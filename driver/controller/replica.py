@@ -1,0 +1,60 @@
+"""What one replica's collaborators share (kube-scheduler's framework handle): its API, its caches,
+its ledgers, the pool its writes go out from, the flag a failed write raises, and whether it may
+act; and the reads of the caches that more than one of them makes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from driver.controller.api import ControllerApi
+from driver.controller.fit import node_room
+from driver.controller.groups import Groups
+from driver.controller.informer import Informer
+from driver.controller.ledger import Ledgers
+from driver.scheduling.nodefit import NodeRoom
+from driver.scheduling.opt_in import gated, pending
+
+
+@dataclass(frozen=True)
+class Replica:
+    api: ControllerApi
+    informers: dict[str, Informer]
+    ledgers: Ledgers
+    stale: threading.Event  # a write failed: end the pass, read afresh, then go on
+    writers: ThreadPoolExecutor
+    acting: Callable[[], bool]  # checked before every write: this replica leads and is not stopping
+
+    def stopped(self) -> bool:
+        """Whether a pass stops here: a write failed, or this replica no longer acts."""
+        return self.stale.is_set() or not self.acting()
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """The opt-in claims waiting for an allocation, oldest first."""
+        return sorted(
+            (c for c in self.informers["claims"].items() if pending(c)),
+            key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
+        )
+
+    def any_gated(self) -> bool:
+        """A pod waits at our gate (its claim perhaps not made yet): the controller is not idle."""
+        return any(gated(pod) for pod in self.informers["pods"].items())
+
+    def groups(self) -> Groups:
+        """The PodGroups with a gang policy, their pods and claims, as the caches have them now."""
+        claims = self.informers["claims"]
+        return Groups(self.informers["podgroups"].items(), self.informers["pods"].items(), claims.get)
+
+    def room(self, refused: Mapping[str, AbstractSet[str]]) -> NodeRoom:
+        """What the nodes have left for the pods of the claims a pass places (fit.py); `refused`:
+        pod key -> nodes kube-scheduler refused for it (refusals.py)."""
+        return node_room(
+            self.informers["nodes"].items(),
+            self.informers["pods"].items(),
+            self.informers["claims"].items(),
+            refused,
+        )

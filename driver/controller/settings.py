@@ -1,0 +1,109 @@
+"""`fgpu controller`: its flags and environment variables -> one typed, checked ControllerSettings,
+and the controller built and run from them. What every command shares (flag parsing, environment
+defaults, value types) is in driver/common/flags.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+from driver.allocator.scoring import DEFAULT_POLICY, POLICIES, Policy
+from driver.common.flags import SettingsError, Subcommands, env_default, port, positive, seconds
+from driver.controller.leader import LeaseTimings
+
+# client-go's defaults and kube-controller-manager's flag names, in seconds.
+LEADER_ELECTION_FLAGS = (
+    ("--leader-elect-lease-duration", "LEASE_DURATION", "15", "seconds a standby waits on an unchanged Lease"),
+    ("--leader-elect-renew-deadline", "RENEW_DEADLINE", "10", "seconds the leader acts after its last renewal began"),
+    ("--leader-elect-retry-period", "RETRY_PERIOD", "2", "seconds between renewals and a standby's looks"),
+)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    kubeconfig: str | None
+    identity: str  # this replica's name in the Lease
+    policy: Policy
+    lease_namespace: str
+    timings: LeaseTimings
+    evictions_per_minute: int  # making room's budget; 0: it is off
+    compact: bool  # also move pods while nothing waits
+    metrics_port: int  # Prometheus metrics; 0 or -1: off
+
+
+def add_controller_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="client configuration [KUBECONFIG]"
+    )
+    parser.add_argument("--policy", choices=list(POLICIES), default=DEFAULT_POLICY, help="placement scoring")
+    parser.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
+    parser.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
+    parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus metrics here (0 or -1: off)")
+    for flag, env, default, what in LEADER_ELECTION_FLAGS:
+        parser.add_argument(flag, type=seconds, default=env_default(default, env), help=f"{what} [{env}]")
+    parser.add_argument(
+        "--make-room",
+        action="store_true",
+        help="evict movable pods (gpu.fgpu.dev/movable) and lower-priority ones to place a claim that fits nowhere",
+    )
+    parser.add_argument(
+        "--evictions-per-minute", type=positive, default=10, help="making room evicts at most this many pods a minute"
+    )
+    parser.add_argument(
+        "--compact-when-idle",
+        action="store_true",
+        help="with --make-room: while nothing waits, move movable pods so that lightly used GPUs empty",
+    )
+
+
+def controller_settings(args: argparse.Namespace) -> ControllerSettings:
+    try:
+        timings = LeaseTimings(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                               args.leader_elect_retry_period)  # fmt: skip
+    except ValueError as err:
+        raise SettingsError(f"--leader-elect-*: {err}") from err
+    if args.compact_when_idle and not args.make_room:
+        raise SettingsError("--compact-when-idle moves pods as making room does: give --make-room too")
+    return ControllerSettings(
+        kubeconfig=args.kubeconfig,
+        identity=args.identity or f"{socket.gethostname()}-{os.getpid()}",
+        policy=args.policy,
+        lease_namespace=args.lease_namespace,
+        timings=timings,
+        evictions_per_minute=args.evictions_per_minute if args.make_room else 0,
+        compact=args.compact_when_idle,
+        metrics_port=args.metrics_port,
+    )
+
+
+def run_controller(settings: ControllerSettings) -> None:
+    """Allocate until SIGTERM or SIGINT."""
+    # The controller's code is loaded only to run it: every `fgpu` command imports this module for its flags.
+    from prometheus_client import start_http_server
+
+    from driver.common.testhooks import from_environment
+    from driver.controller.api import ClientControllerApi
+    from driver.controller.controller import Controller
+
+    api = ClientControllerApi(settings.kubeconfig)  # a bad client configuration stops it before it serves anything
+    if settings.metrics_port > 0:
+        start_http_server(settings.metrics_port)
+    controller = Controller(api, settings.identity, settings.policy, settings.lease_namespace, settings.timings,
+                            settings.evictions_per_minute, settings.compact, from_environment())  # fmt: skip
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: controller.stop())
+    controller.run()
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    run_controller(controller_settings(args))
+    return 0
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
+    add_controller_flags(parser)
+    parser.set_defaults(func=cmd_controller)

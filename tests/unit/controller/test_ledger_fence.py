@@ -1,0 +1,149 @@
+"""The ledger fence: each unit recorded in the pools' ledgers before its claims are written, two
+replicas that both believe they lead, conflicts, decisions left by a stopped replica, writes in
+flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from driver.controller.ledger import FENCE_ANNOTATION
+from driver.kube.client import ConflictError
+from tests.support.controller_cluster import (
+    assert_no_device_given_twice,
+    claims_in,
+    devices_of,
+    fake_cluster,
+    gated_pod,
+    gates,
+    ledger_entries,
+    opt_in_claim,
+    sync,
+)
+
+
+def test_the_ledger_records_the_claim_before_its_status_and_only_our_gate_is_lifted(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("train", 2))
+    api.put("pods", gated_pod("trainer", "train"))
+    replicas(api).run_pass()
+    claim = claims_in(api)["train"]
+    assert len(devices_of(claim)) == 2
+    assert "resource.kubernetes.io/delete-protection" in claim["metadata"]["finalizers"]
+    (entry,) = ledger_entries(api).values()
+    assert entry.claim == "ml/train" and {("n1", d) for d, _ in entry.results} == set(devices_of(claim))
+    assert int(entry.version) < int(claim["metadata"]["resourceVersion"])  # the status write's precondition
+    assert gates(api, "trainer") == ["other"]
+
+
+def test_a_conflict_ends_the_pass_and_the_claims_are_read_afresh(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    claim = api.put("claims", opt_in_claim("train", 2))
+    controller = replicas(api)
+    api.put("claims", {**claim, "metadata": {**claim["metadata"], "labels": {**claim["metadata"]["labels"], "x": "y"}}})
+    controller.run_pass()  # its copy of the claim is stale: the write conflicts, nothing is allocated
+    assert not api.status_writes and not ledger_entries(api)
+    assert controller.informers["claims"].get("ml/train")["metadata"]["labels"]["x"] == "y"  # read afresh
+    controller.run_pass()
+    assert len(devices_of(claims_in(api)["train"])) == 2
+
+
+def test_two_replicas_that_both_lead_never_give_a_device_twice(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    first, second = replicas(api, "a"), replicas(api, "b")  # both synced while nothing was allocated
+    api.put("claims", opt_in_claim("x", 6))
+    sync(first, "claims")
+    first.run_pass()
+    assert len(devices_of(claims_in(api)["x"])) == 6
+    # The second replica's cache never saw x nor the ledger (as after a pause): it places y on GPUs
+    # x holds, and its ledger write conflicts; it reads afresh and finds y cannot fit.
+    second.informers["claims"].update(api.put("claims", opt_in_claim("y", 6)))
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert second.informers["claims"].get("ml/x")["status"]["allocation"]  # read afresh
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert [e["reason"] for e in api.events] == ["FailedAllocation"]
+    assert_no_device_given_twice(api)
+
+
+def test_a_decision_left_by_a_stopped_replica_is_voided_before_its_claim_is_placed_again(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    stopped = replicas(api, "a")
+    real_change = stopped.ledgers.change
+
+    def change_then_stop(*args: Any, **kwargs: Any) -> bool:
+        ok = real_change(*args, **kwargs)
+        stopped.leader.leading = lambda: False  # type: ignore[method-assign]  # SIGSTOP right after the ledger write
+        return ok
+
+    stopped.ledgers.change = change_then_stop  # type: ignore[method-assign]
+    stopped.run_pass()
+    (decided,) = ledger_entries(api).values()
+    assert devices_of(claims_in(api)["x"]) == []
+    held = stopped.informers["claims"].get("ml/x")  # what it will write when it resumes
+    assert held["metadata"]["resourceVersion"] == decided.version
+
+    successor = replicas(api, "b")
+    successor.run_pass()
+    claim = claims_in(api)["x"]
+    assert claim["metadata"]["annotations"][FENCE_ANNOTATION] == decided.version
+    assert len(devices_of(claim)) == 8
+    (entry,) = ledger_entries(api).values()
+    assert entry.version != decided.version
+    allocation = {"devices": {"results": [{"driver": "gpu.fgpu.dev", "pool": "n1", "device": "gpu-0"}]}}
+    with pytest.raises(ConflictError):  # the resumed replica's write of its old decision fails
+        api.replace_claim_status({**held, "status": {"allocation": allocation}})
+
+
+def test_an_entry_holds_the_devices_until_its_claim_is_gone(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    controller = replicas(api)
+    controller.run_pass()
+    x = claims_in(api)["x"]
+    controller.informers["claims"].update({**x, "status": {}})  # a cache that lost x's allocation
+    controller.informers["claims"].update(api.put("claims", opt_in_claim("y", 8)))
+    controller.run_pass()  # the ledger still holds x's GPUs: y waits
+    assert devices_of(claims_in(api)["y"]) == [] and len(devices_of(claims_in(api)["x"])) == 8
+    del api.store["claims"]["ml/x"]
+    sync(controller, "claims")  # the watch's DELETED
+    controller.run_pass()  # x's entry is checked against the API server: x is gone, so is its entry
+    assert [e.claim for e in ledger_entries(api).values()] == ["ml/y"]
+    assert len(devices_of(claims_in(api)["y"])) == 8
+
+
+def test_writes_overlap_with_a_bound_on_how_many(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=5)
+    for i in range(40):
+        api.put("claims", opt_in_claim(f"c{i:02d}", 1))
+    api.write_delay_s = 0.02
+    replicas(api).run_pass()
+    assert 1 < api.most_in_flight <= 16
+    assert api.ledger_writes < 40  # units that reach a ledger together share one write
+    assert all(len(devices_of(c)) == 1 for c in claims_in(api).values())
+    assert_no_device_given_twice(api)
+
+
+def test_a_status_write_that_may_have_landed_keeps_its_entry(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("x", 8))
+    api.lost_replies = {1}  # x's allocation is written, the answer is lost
+    first = replicas(api, "a")
+    first.run_pass()
+    assert len(devices_of(claims_in(api)["x"])) == 8
+    (entry,) = ledger_entries(api).values()  # not dropped on a failure that may be a success
+    assert entry.claim == "ml/x"
+    # A replica whose cache never saw x allocated (its watch lags) counts the entry: y must wait.
+    second = replicas(api, "b")
+    x = claims_in(api)["x"]
+    second.informers["claims"].update(
+        {**x, "metadata": {**x["metadata"], "resourceVersion": entry.version}, "status": {}}
+    )
+    second.informers["claims"].update(api.put("claims", opt_in_claim("y", 1)))
+    second.run_pass()
+    assert devices_of(claims_in(api)["y"]) == []
+    assert api.status_writes == ["x"]  # nor is x placed again: its entry was checked against the claim
+    assert_no_device_given_twice(api)

@@ -1,0 +1,278 @@
+"""Making room: evicting movable and lower-priority pods, reservations, budgets, preemption past
+them, compaction while nothing waits."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from driver.controller.victims import EvictionBudget
+from testbed.controller_api import InMemoryControllerApi
+from tests.support.controller_cluster import (
+    assert_no_device_given_twice,
+    claims_in,
+    devices_of,
+    fake_cluster,
+    gated_pod,
+    gates,
+    ledger_entries,
+    opt_in_claim,
+    sync,
+)
+
+N1 = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}
+SHARE = {"clients": "1", "compute": "10", "memory": "10Gi"}
+
+
+def held(name: str, device: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    """A claim allocated earlier on n1: a whole GPU, or (device gpu-N-mps) a 10Gi MPS share."""
+    share = device.endswith("-mps")
+    exactly: dict[str, Any] = {"deviceClassName": "mps.gpu.fgpu.dev" if share else "gpu.fgpu.dev", "count": 1}
+    result: dict[str, Any] = {"request": "r", "driver": "gpu.fgpu.dev", "pool": "n1", "device": device}
+    if share:
+        exactly["capacity"] = {"requests": {"memory": "10Gi"}}
+        result |= {"shareID": f"share-{name}", "consumedCapacity": SHARE}
+    meta = {"name": name, "namespace": "ml", "creationTimestamp": created}
+    spec = {"devices": {"requests": [{"name": "r", "exactly": exactly}]}}
+    return {
+        "metadata": meta,
+        "spec": spec,
+        "status": {"allocation": {"devices": {"results": [result]}, "nodeSelector": N1}},
+    }
+
+
+def running(name: str, claim: str, movable: bool = False, owned: bool = True, priority: int = 0,
+            created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:  # fmt: skip
+    meta: dict[str, Any] = {"name": name, "namespace": "ml", "creationTimestamp": created}
+    if movable:
+        meta["annotations"] = {"gpu.fgpu.dev/movable": "true"}
+    if owned:
+        meta["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": "rs-1", "controller": True}]
+    spec = {"nodeName": "n1", "priority": priority, "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}
+    return {"metadata": meta, "spec": spec, "status": {"phase": "Running"}}
+
+
+def fragmented(api: InMemoryControllerApi, movable: bool = True, owned: bool = True, shares: int = 2) -> None:
+    """n1: the last `shares` GPUs each hold one 10Gi MPS share (the later GPU's the younger), the
+    others are whole, held by pods that are not movable: no GPU is free, though the shares fit on one."""
+    for i in range(8 - shares):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}"))
+    for i in range(8 - shares, 8):
+        created = f"2026-01-0{i - 4}T00:00:00Z"
+        api.put("claims", held(f"share-{i}", f"gpu-{i}-mps", created))
+        api.put("pods", running(f"infer-{i}", f"share-{i}", movable, owned, created=created))
+
+
+def pending_gpu(api: InMemoryControllerApi, name: str = "train", priority: int = 0, **spec: Any) -> None:
+    api.put("claims", opt_in_claim(name, 1))
+    pod = gated_pod(f"{name}-pod", name)
+    pod["spec"] |= {"priority": priority, **spec}
+    api.put("pods", pod)
+
+
+def events_of(api: InMemoryControllerApi, name: str, reason: str | None = None) -> list[str]:
+    return [
+        e["message"]
+        for e in api.events
+        if e["involvedObject"]["name"] == name and (reason is None or e["reason"] == reason)
+    ]
+
+
+def gone(api: InMemoryControllerApi, claim: str) -> None:
+    """kube-controller-manager's part once a pod is evicted: its (template's) claim is deleted."""
+    api.store["claims"].pop(f"ml/{claim}")
+
+
+def test_the_fewest_youngest_movable_pods_are_evicted_and_their_devices_held_for_the_claim(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer-7"]  # one pod is enough; GPU 7's is the younger
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.claim == "ml/train" and reservation.results == (("gpu-7", ""),) and reservation.reservation
+    assert "evicted by fgpu to make room for claim(s) ml/train on n1 (the pod is movable)" in events_of(
+        api, "infer-7", "EvictedToMakeRoom"
+    )
+    assert any("making room on n1: evicted pod(s) ml/infer-7" in m for m in events_of(api, "train"))
+
+    # The evicted pod's claim is gone; a claim older than train, pending now, may not take GPU 7.
+    gone(api, "share-7")
+    early = opt_in_claim("early", 1)
+    early["metadata"]["creationTimestamp"] = "2025-01-01T00:00:00Z"
+    api.put("claims", early)
+    sync(controller)
+    controller.run_pass()
+    claims = claims_in(api)
+    assert devices_of(claims["train"]) == [("n1", "gpu-7")] and not devices_of(claims["early"])
+    assert not any(e.reservation for e in ledger_entries(api).values())  # train's own entry replaced it
+    assert api.evicted == ["infer-7"]  # nothing is evicted for early: no movable pod would fit elsewhere
+    assert gates(api, "train-pod") == ["other"]
+    assert_no_device_given_twice(api)
+
+
+def test_room_is_made_for_a_whole_gang_with_a_reservation_for_each_member(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api, shares=3)
+    gang = {"gpu.fgpu.dev/gang": "g", "gpu.fgpu.dev/gang-size": "2"}
+    for name in ("w0", "w1"):
+        api.put("claims", opt_in_claim(name, 1, **gang))
+        api.put("pods", gated_pod(f"{name}-pod", name))
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert sorted(api.evicted) == ["infer-6", "infer-7"]  # the two youngest; both move onto GPU 5
+    reserved = {e.claim: e.results for e in ledger_entries(api).values() if e.reservation}
+    assert reserved == {"ml/w0": (("gpu-6", ""),), "ml/w1": (("gpu-7", ""),)} or reserved == {
+        "ml/w0": (("gpu-7", ""),),
+        "ml/w1": (("gpu-6", ""),),
+    }
+    for claim in ("share-6", "share-7"):
+        gone(api, claim)
+    sync(controller)
+    controller.run_pass()
+    placed = {n: devices_of(c) for n, c in claims_in(api).items() if n in ("w0", "w1")}
+    assert sorted(d for devices in placed.values() for d in devices) == [("n1", "gpu-6"), ("n1", "gpu-7")]
+    assert gates(api, "w0-pod") == gates(api, "w1-pod") == ["other"]
+
+
+def test_a_budget_that_refuses_an_eviction_fails_the_plan_and_the_next_is_tried(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    api.budgeted = {"infer-7"}
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer-6"]
+    assert any("eviction of pod ml/infer-7 refused: Cannot evict pod" in m for m in events_of(api, "train"))
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.results == (("gpu-6", ""),)  # the refused plan's reservation is gone
+
+
+def test_nothing_is_evicted_when_every_plan_is_refused(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    api.budgeted = {"infer-6", "infer-7"}
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and api.deleted == []
+    assert not ledger_entries(api)
+
+
+@pytest.mark.parametrize(
+    "movable, owned, evictions",
+    [(False, True, 10), (True, False, 10), (True, True, 0)],
+    ids=["not annotated", "no controller recreates it", "making room off"],
+)
+def test_pods_not_movable_are_never_evicted(h100_slices, replicas, movable, owned, evictions):
+    api = fake_cluster(h100_slices)
+    fragmented(api, movable=movable, owned=owned)
+    pending_gpu(api)
+    replicas(api, evictions_per_minute=evictions).run_pass()
+    assert api.evicted == [] and not ledger_entries(api)
+
+
+def test_a_plan_over_the_eviction_budget_waits(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=1)
+    assert controller.budget is not None
+    controller.budget.spend(time.monotonic())  # the minute's one eviction is spent
+    controller.run_pass()
+    assert api.evicted == [] and not ledger_entries(api)
+    assert any("waiting for the eviction budget" in m for m in events_of(api, "train"))
+
+
+def test_a_reservation_is_dropped_once_its_claim_is_gone(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert ledger_entries(api)
+    gone(api, "train")
+    sync(controller)
+    controller.run_pass()
+    assert not ledger_entries(api)
+
+
+def test_a_higher_priority_pod_preempts_a_lower_one_that_is_not_movable(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=100 if i != 3 else 10))
+    pending_gpu(api, priority=50)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["job-3"]
+    assert "the pod has a lower priority" in events_of(api, "job-3", "Preempted")[0]
+    gone(api, "whole-3")
+    sync(controller)
+    controller.run_pass()
+    assert devices_of(claims_in(api)["train"]) == [("n1", "gpu-3")]
+
+
+@pytest.mark.parametrize("priority, spec", [(10, {}), (50, {"preemptionPolicy": "Never"})], ids=["equal", "never"])
+def test_no_preemption_at_equal_priority_or_when_the_pod_says_never(h100_slices, replicas, priority, spec):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=10))
+    pending_gpu(api, priority=priority, **spec)
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and api.deleted == []
+
+
+def test_preemption_past_every_budget_deletes_the_cheapest_victims(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    for i in range(8):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", owned=False, priority=10))
+    api.budgeted = {f"job-{i}" for i in range(8)}
+    pending_gpu(api, priority=50)
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert api.evicted == [] and len(api.deleted) == 1
+    assert "refused by a PodDisruptionBudget" in events_of(api, api.deleted[0], "Preempted")[0]
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.claim == "ml/train"
+
+
+def test_the_eviction_budget_is_a_sliding_minute():
+    budget = EvictionBudget(2)
+    budget.spend(0.0)
+    budget.spend(30.0)
+    assert budget.left(59.9) == 0
+    assert budget.left(60.0) == 1  # the first eviction is a minute old
+    assert budget.left(90.0) == 2
+
+
+def test_while_nothing_waits_compaction_empties_the_lightest_gpu_into_a_hole(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    fragmented(api)  # GPUs 6 and 7 each hold one movable 10Gi share
+    controller = replicas(api, evictions_per_minute=10, compact=True)
+    controller.run_pass()
+    assert len(api.evicted) == 1 and api.evicted[0] in ("infer-6", "infer-7")
+    assert "its GPU empties" in events_of(api, api.evicted[0], "Compacted")[0]
+    assert not ledger_entries(api)  # no reservation: the moved pod's new claim is placed as any other
+
+
+@pytest.mark.parametrize("busy", ["a claim waits", "a gated pod waits", "a share that may not move"])
+def test_compaction_waits_while_anything_waits_and_leaves_a_gpu_something_holds(h100_slices, replicas, busy):
+    api = fake_cluster(h100_slices)
+    fragmented(api)
+    if busy == "a claim waits":
+        api.put("claims", opt_in_claim("later", 99))
+    elif busy == "a gated pod waits":
+        pod = gated_pod("replacement", "")
+        pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "t"}]  # claim not made yet
+        api.put("pods", pod)
+    else:
+        for i in (6, 7):  # beside each movable share, one that stays
+            api.put("claims", held(f"stays-{i}", f"gpu-{i}-mps"))
+            api.put("pods", running(f"stays-{i}", f"stays-{i}"))
+    replicas(api, evictions_per_minute=10, compact=True).run_pass()
+    assert api.evicted == []
