@@ -1,7 +1,7 @@
 """Benchmark: from a fault injected into a mock GPU to its taint visible in the API server.
 
 The real `fgpu kubelet-plugin` process against the test bed's kube-apiserver; each round injects an
-XID 79 on the next GPU (as `fgpu mock-fault` does), polls the slices until that GPU's device is
+XID 79 on the next GPU (as `fgpu mock fault` does), polls the slices until that GPU's device is
 tainted, then clears the fault (as `fgpu health clear` does) and waits until the taints are gone.
 
   python -m bench.health --injections 20

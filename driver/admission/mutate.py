@@ -71,7 +71,9 @@ def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
     """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
     request = admission_request(document)
     response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
-    pod = request.get("object") if isinstance(request.get("object"), dict) else {}
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        pod = {}
     kind = (request.get("kind") or {}).get("kind", "")
     meta = pod.get("metadata") or {}
     namespace = request.get("namespace") or meta.get("namespace") or ""

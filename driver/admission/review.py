@@ -65,7 +65,9 @@ def review(document: Any, driver: str) -> dict[str, Any]:
     """The AdmissionReview answering `document` (an AdmissionReview with a request)."""
     request = admission_request(document)
     kind = (request.get("kind") or {}).get("kind", "")
-    obj = request.get("object") if isinstance(request.get("object"), dict) else {}
+    obj = request.get("object")
+    if not isinstance(obj, dict):
+        obj = {}
     errors = config_errors(kind, obj, driver)
     response: dict[str, Any] = {"uid": request["uid"], "allowed": not errors}
     if errors:

@@ -4,7 +4,8 @@ POST /validate answers an AdmissionReview (driver/admission/review.py); POST /mu
 --gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims (driver/admission/mutate.py);
 GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
 driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
-while serving: new connections get the new one, without a restart.
+while serving: new connections get the new one, without a restart. Its flags and settings are in
+driver/admission/settings.py.
 """
 
 from __future__ import annotations
@@ -15,86 +16,22 @@ import os
 import signal
 import ssl
 import threading
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from driver.admission import certs
-from driver.admission.lifetimes import DEFAULT_LIFETIMES, Lifetimes
 from driver.admission.mutate import ClaimReader, mutate
 from driver.admission.review import review
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
+from driver.admission.settings import WebhookSettings
 
 LOG = logging.getLogger("fgpu.webhook")
 # etcd's request limit is 1.5 MiB: no object kube-apiserver sends is larger than this.
 MAX_BODY_BYTES = 3 * 2**20
 HANDSHAKE_TIMEOUT_S = 10.0
 REVIEWS = Counter("fgpu_webhook_reviews_total", "Admission reviews answered", ["kind", "result"])
-
-
-@dataclass(frozen=True)
-class WebhookSettings:
-    driver_name: str
-    bind_address: str
-    port: int
-    cert_file: Path | None = None  # a certificate from files (cert-manager's or an operator's Secret) ...
-    key_file: Path | None = None
-    ca_file: Path | None = None  # ... and its CA, copied into the configuration's caBundle
-    tls_secret: str = ""  # ... or self-managed: the Secret the webhook keeps its CA and certificate in
-    namespace: str = ""
-    hosts: tuple[str, ...] = ()  # the serving certificate's names (self-managed)
-    lifetimes: Lifetimes = DEFAULT_LIFETIMES
-    webhook_configuration: str = ""  # the ValidatingWebhookConfiguration whose caBundle it writes
-    gate_pods: bool = False  # POST /mutate: the scheduling gate for pods of opt-in claims
-    mutating_configuration: str = ""  # the MutatingWebhookConfiguration whose caBundle it writes too
-    kubeconfig: str | None = None
-    check_interval_s: float = 10.0
-
-    def check(self) -> None:
-        """Raises ValueError naming the flags that do not go together."""
-        if self.tls_secret:
-            if self.cert_file or self.key_file or self.ca_file:
-                raise ValueError("--tls-secret (self-managed) or --tls-cert-file/--tls-private-key-file, not both")
-            if not self.namespace:
-                raise ValueError("--tls-secret needs --namespace (or POD_NAMESPACE): where the Secret is")
-            if not self.hosts:
-                raise ValueError("--tls-secret needs --service-name or --extra-san: the names to certify")
-            self.lifetimes.check()
-        elif not (self.cert_file and self.key_file):
-            raise ValueError("the following arguments are required: --tls-cert-file and --tls-private-key-file "
-                             "(a certificate), or --tls-secret (self-managed)")  # fmt: skip
-        if self.ca_file and not self.webhook_configuration:
-            raise ValueError("--ca-bundle-file needs --webhook-configuration: whose caBundle to write")
-        if self.mutating_configuration and not self.webhook_configuration:
-            raise ValueError("--mutating-webhook-configuration needs --webhook-configuration (and a CA to write)")
-
-
-def webhook_settings(args: Any) -> WebhookSettings:
-    """The settings `fgpu webhook`'s flags give (driver/cli/main.py)."""
-    lifetimes = Lifetimes(args.cert_validity, args.cert_renew_before, args.ca_validity)
-    return WebhookSettings(
-        driver_name=args.driver_name,
-        bind_address=args.bind_address,
-        port=args.port,
-        cert_file=args.tls_cert_file,
-        key_file=args.tls_private_key_file,
-        ca_file=args.ca_bundle_file,
-        tls_secret=args.tls_secret,
-        namespace=args.namespace or "",
-        hosts=certs.service_hosts(args.service_name, args.namespace or "", args.extra_san or ()),
-        lifetimes=lifetimes,
-        webhook_configuration=args.webhook_configuration,
-        gate_pods=args.gate_pods,
-        mutating_configuration=args.mutating_webhook_configuration,
-        kubeconfig=args.kubeconfig,
-        # Often enough to renew in time with a margin of seconds (tests); a GET of the Secret and
-        # of the configuration every 10 s at most otherwise.
-        check_interval_s=max(0.5, min(10.0, lifetimes.renew_before_s / 4)),
-    )
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -145,7 +82,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             document = json.loads(self.rfile.read(length))
-            answer = review(document, self.server.driver_name) if path == "/validate" else mutate(document, claims)
+            if path == "/mutate" and claims is not None:  # (else /validate: the only other path served)
+                answer = mutate(document, claims)
+            else:
+                answer = review(document, self.server.driver_name)
         except ValueError as err:  # ReviewError, and malformed JSON
             LOG.warning("bad admission request from %s: %s", self.client_address[0], err)
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")

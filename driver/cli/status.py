@@ -37,12 +37,12 @@ from driver.allocator.capacity import consumption, fits
 from driver.allocator.cluster import Snapshot
 from driver.allocator.model import Device, DeviceId, slice_from_object
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
 from driver.allocator.state import AllocatedState
 from driver.claims.allocation import allocation_for_node
 from driver.claims.config import config_for_request
 from driver.claims.refs import ClaimError, ClaimRef
+from driver.common.quantity import Amount, format_amount
 from driver.inventory.devices import NOT_OFFERED_ATTRIBUTE
 
 # The `type` attribute -> the kind; mig-mps and mig-timeslice are shares inside a MIG partition.

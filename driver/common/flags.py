@@ -1,8 +1,11 @@
 """Flag and environment handling shared by every `fgpu` command: one-line errors (exit 2), defaults
 from environment variables checked as flags are, and the value types flags share (ports, seconds).
 
-Each command's own flags are defined with its command: the node's (discover, kubelet-plugin) and
-the plugin's settings in driver/node/settings.py, the others' in driver/cli/main.py."""
+Each command's own flags are defined with its command, whose module's `register` adds it to `fgpu`
+(driver/cli/main.py): the node's (discover, kubelet-plugin) and the plugin's settings in
+driver/node/settings.py, the controller's in driver/controller/settings.py, the webhook's in
+driver/admission/settings.py, `fgpu plan`'s and `fgpu status`'s in driver/cli/plan_command.py and
+status_command.py, `fgpu mock ...`'s in driver/nvml/commands.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 DEFAULT_DRIVER_NAME = "gpu.fgpu.dev"
+# What `add_subparsers` returns: each command's module adds its parser to it (its `register`).
+Subcommands = argparse._SubParsersAction
 
 
 class SettingsError(ValueError):

@@ -787,7 +787,7 @@ class MockNvml:
         eventSet.registered.clear()
 
     # Not NVML: the machine around the GPUs, and how a test or a person changes it: fail a GPU
-    # (`fgpu mock-fault`, docs/health.md), reset one.
+    # (`fgpu mock fault`, docs/health.md), reset one.
 
     def inject_xid(self, gpu: int, xid: int, gi_id: int = NO_INSTANCE, ci_id: int = NO_INSTANCE) -> None:
         self._inject(gpu, pynvml.nvmlEventTypeXidCriticalError, xid, gi_id, ci_id)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from driver.admission.lifetimes import Lifetimes
-from driver.admission.server import webhook_settings
+from driver.admission.settings import webhook_settings
 from driver.cli.main import build_parser
 from driver.node.health.taints import HealthPolicy
 from driver.node.kubelet.liveness import READY_SERVICE

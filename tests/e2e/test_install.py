@@ -506,7 +506,7 @@ def test_a_mock_fault_in_the_plugin_pod_taints_and_an_operator_clears_it(cluster
         )
         return {d.name for s in slices.items for d in s.spec.devices or [] if d.taints}
 
-    in_plugin_pod(core, release, "fgpu", "mock-fault", "--gpu", "7", "xid", "--xid", "79")  # the chart's env
+    in_plugin_pod(core, release, "fgpu", "mock", "fault", "--gpu", "7", "xid", "--xid", "79")  # the chart's env
     wait_until("GPU 7 tainted", lambda: "gpu-7" in tainted())
     assert {name.split("-")[1] for name in tainted()} == {"7"}
     assert "cleared all faults" in in_plugin_pod(core, release, "fgpu", "health", "clear")

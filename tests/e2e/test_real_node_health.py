@@ -1,5 +1,5 @@
 """Device health on the real node: an XID 79 injected into a mock GPU (as a person would, with
-`fgpu mock-fault`) taints that GPU's devices in the slices, kube-scheduler places a new claim on
+`fgpu mock fault`) taints that GPU's devices in the slices, kube-scheduler places a new claim on
 another GPU, a claim that tolerates the taint still gets it, kubelet (ResourceHealthStatus) shows
 the running pod's device unhealthy; `fgpu health clear` clears it all."""
 
@@ -83,7 +83,7 @@ def test_an_xid_fences_the_gpu_and_clearing_it_lifts_the_fence(
     bad_gpu = f"gpu-{index}"
 
     injected = time.monotonic()
-    fgpu(node_plugin, "mock-fault", "--gpu", str(index), "xid", "--xid", "79")
+    fgpu(node_plugin, "mock", "fault", "--gpu", str(index), "xid", "--xid", "79")
     wait_until("the GPU's devices tainted", lambda: share in tainted_devices(resource_api, real_node.name))
     print(f"XID 79 to taint in the apiserver: {time.monotonic() - injected:.2f}s")
     assert {d for d in tainted_devices(resource_api, real_node.name)} == {

@@ -184,7 +184,7 @@ def test_a_reboot_with_the_plugin_late_brings_the_pods_back_once_it_registers(
 def test_an_admins_gpu_reset_under_a_running_mig_pod_makes_its_instance_again(
     cluster, core_api, resource_api, real_node, node_plugin, workloads
 ):
-    """`nvidia-smi -r` (here `fgpu mock-fault --gpu I reset`) of a healthy GPU: no NVML event says
+    """`nvidia-smi -r` (here `fgpu mock fault --gpu I reset`) of a healthy GPU: no NVML event says
     so; the plugin's reconciler pass finds the claim's MIG instance gone and makes it again at its
     placement (the container's processes died with the reset; its owner restarts it, and a new
     container gets the new instance)."""
@@ -199,7 +199,7 @@ def test_an_admins_gpu_reset_under_a_running_mig_pod_makes_its_instance_again(
     before = mig_status(resource_api, name)
     gpu = claim_of(resource_api, name).status.devices[0].data["gpuIndex"]
     env = {**os.environ, MOCK_STATE_ENV: str(node_plugin.mock_state)}
-    argv = [sys.executable, "-m", "driver.cli", "mock-fault", f"--nvml={node_plugin.nvml}", f"--gpu={gpu}", "reset"]
+    argv = [sys.executable, "-m", "driver.cli", "mock", "fault", f"--nvml={node_plugin.nvml}", f"--gpu={gpu}", "reset"]
     done = subprocess.run([*argv, f"--state-dir={node_plugin.state_dir}"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -221,7 +221,7 @@ NEW_DRIVER = "580.105.08"
 def test_the_driver_gone_and_back_under_a_running_deployment(
     cluster, core_api, resource_api, real_node, node_plugin, workloads
 ):
-    """An NVIDIA driver upgrade as the GPU operator's driver container does it (`fgpu mock-driver
+    """An NVIDIA driver upgrade as the GPU operator's driver container does it (`fgpu mock driver
     unload`, then `load --version`), under a pod that holds a MIG 1g device but runs nothing on it
     (a process on the GPU would keep the driver loaded). While no driver answers, every device is
     tainted NoExecute (`gpu.fgpu.dev/unreachable=driver-not-loaded`): kube-controller-manager
@@ -239,7 +239,7 @@ def test_the_driver_gone_and_back_under_a_running_deployment(
     first_claim = claim_of(resource_api, first).metadata.uid
     env = {MOCK_STATE_ENV: str(node_plugin.mock_state), "NVML": node_plugin.nvml}
 
-    fgpu("mock-driver", "unload", "--state-dir", str(node_plugin.state_dir), env=env)
+    fgpu("mock", "driver", "unload", "--state-dir", str(node_plugin.state_dir), env=env)
     wait_until("every device tainted", lambda: driver_tainted(resource_api, real_node.name))
     wait_until("the replica evicted", lambda: first not in replicas(core_api, name))
     wait_until("its claim unprepared", lambda: first_claim not in checkpoint(node_plugin))
@@ -247,7 +247,7 @@ def test_the_driver_gone_and_back_under_a_running_deployment(
     wait_until("kube-scheduler finding no device for it", lambda: failed_scheduling(core_api, second))
     assert not allocated(resource_api, second)
 
-    fgpu("mock-driver", "load", "--version", NEW_DRIVER, env=env)
+    fgpu("mock", "driver", "load", "--version", NEW_DRIVER, env=env)
     wait_until("the replacement running", lambda: running(core_api, second), timeout_s=120)
     assert not driver_tainted(resource_api, real_node.name)
     assert driver_versions(resource_api, real_node.name) == {"580.105.8"}

@@ -1,5 +1,5 @@
 """The NVIDIA driver unloaded under the running plugin process and loaded again, an upgrade (with
-`fgpu mock-driver`, as a person would): the plugin keeps serving, taints every device in the
+`fgpu mock driver`, as a person would): the plugin keeps serving, taints every device in the
 slices the real apiserver holds, refuses prepares with a clear error, and once the driver is back
 makes the prepared MIG claim's instance again, untaints and publishes the new driver version."""
 
@@ -120,7 +120,7 @@ def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, core_
     before = mig_uuids(state_file, 2)[3]
     assert recorded(instance, resource_api, mig).count(before) == 2
 
-    fgpu("mock-driver", "unload", "--state-dir", str(instance.state_dir), env=mock_env)
+    fgpu("mock", "driver", "unload", "--state-dir", str(instance.state_dir), env=mock_env)
     wait_for(lambda: len(driver_tainted(resource_api)) == DEVICES)
     whole = create_claim(resource_api, devices=[("gpu", "gpu-4")], pool=NODE)
     refused = instance.prepare([whole, mig])
@@ -132,7 +132,7 @@ def test_the_driver_unloaded_and_upgraded_under_the_running_plugin(plugin, core_
     assert instance.process.poll() is None and instance.health() == health_pb2.HealthCheckResponse.SERVING
     assert recorded(instance, resource_api, mig).count(before) == 2  # nothing released while it cannot be checked
 
-    fgpu("mock-driver", "load", "--version", NEW_VERSION, env=mock_env)
+    fgpu("mock", "driver", "load", "--version", NEW_VERSION, env=mock_env)
     wait_for(lambda: not driver_tainted(resource_api))
     made_again = mig_uuids(state_file, 2)
     assert set(made_again) == {3} and made_again[3] != before  # made again at its placement before the untaint
@@ -188,7 +188,7 @@ def test_a_plugin_started_before_the_driver_waits_for_it_alive_and_not_ready(
         cluster.add_node(NODE)
     root = short_temp_dir("nodriver")
     mock_env = {MOCK_STATE_ENV: str(Path(root) / "gpus.json"), "NVML": "mock:dgx-h100"}
-    fgpu("mock-driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
+    fgpu("mock", "driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
     port = free_port()
     instance = start_plugin(node=NODE, root=root, extra_env=mock_env, extra_args=[f"--healthcheck-port={port}"],
                             wait=False)  # fmt: skip
@@ -198,7 +198,7 @@ def test_a_plugin_started_before_the_driver_waits_for_it_alive_and_not_ready(
     time.sleep(2)  # a poll or two later, still waiting
     assert instance.process.poll() is None and not instance.registration_socket.exists()
 
-    fgpu("mock-driver", "load", env=mock_env)
+    fgpu("mock", "driver", "load", env=mock_env)
     instance.wait_for_sockets()
     instance.register()
     wait_for(lambda: health_on(port, READY_SERVICE) == health_pb2.HealthCheckResponse.SERVING)
@@ -209,7 +209,7 @@ def test_a_plugin_started_before_the_driver_waits_for_it_alive_and_not_ready(
 def test_a_plugin_waiting_for_the_driver_stops_on_sigterm(cluster, start_plugin):
     root = short_temp_dir("nodriver")
     mock_env = {MOCK_STATE_ENV: str(Path(root) / "gpus.json"), "NVML": "mock:dgx-h100"}
-    fgpu("mock-driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
+    fgpu("mock", "driver", "unload", "--state-dir", str(Path(root) / "plugin"), env=mock_env)
     instance = start_plugin(node=NODE, root=root, extra_env=mock_env, wait=False)
     wait_for(lambda: "the NVIDIA driver is not loaded" in instance.logs())
     assert instance.stop(signal.SIGTERM) == 0

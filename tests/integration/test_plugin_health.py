@@ -1,5 +1,5 @@
 """Device health end to end on the plugin process: a fault injected into the mock GPUs (with the
-`fgpu mock-fault` command, as a person would) reaches kubelet's health stream and the published
+`fgpu mock fault` command, as a person would) reaches kubelet's health stream and the published
 slices as taints that the real apiserver accepts; `fgpu health clear` takes them away."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def test_an_injected_xid_reaches_kubelet_and_the_slices_until_cleared(plugin, re
         assert {d.health for d in first.devices} == {dra_health_v1_pb2.HealthStatus.Value("HEALTHY")}
         assert {d.device.pool_name for d in first.devices} == {NODE} and first.devices[0].health_check_timeout_seconds
 
-        fgpu("mock-fault", "--gpu", "4", "xid", "--xid", "79", env=mock_env)
-        fgpu("mock-fault", "--gpu", "6", "xid", "--xid", "13", env=mock_env)  # an application's error
+        fgpu("mock", "fault", "--gpu", "4", "xid", "--xid", "79", env=mock_env)
+        fgpu("mock", "fault", "--gpu", "6", "xid", "--xid", "13", env=mock_env)  # an application's error
         report = next(r for r in stream if any(d.health == unhealthy for d in r.devices))
         bad = {d.device.device_name: d.message for d in report.devices if d.health == unhealthy}
         assert len(bad) == PER_GPU and all(n == "gpu-4" or n.startswith("gpu-4-mig-") for n in bad)

@@ -1,5 +1,5 @@
 """The plugin as a real process on mock GPUs: its GPU-seconds and idle claims follow what
-`fgpu mock-usage` makes NVML report, and `fgpu status --idle` / `--by namespace` read them from its
+`fgpu mock usage` makes NVML report, and `fgpu status --idle` / `--by namespace` read them from its
 metrics endpoint over HTTP, as an operator would."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_usage_metrics_follow_the_mock_and_fgpu_status_reports_them(start_plugin
     env = {"PATH": "/usr/bin:/bin", "NVML": "mock:dgx-h100", MOCK_STATE_ENV: str(state)}
     metrics = f"--metrics=http://127.0.0.1:{port}/metrics"
     try:
-        fgpu("mock-usage", "--gpu=1", "--utilization=90", env=env)  # the trainer computes
+        fgpu("mock", "usage", "--gpu=1", "--utilization=90", env=env)  # the trainer computes
         # Each scrape takes a sample: this one sees both claims held (if the plugin's own samples,
         # 5 s apart, have not yet), so that 3 s later the notebook has been idle for 3 s.
         fgpu("status", "--idle=1h", metrics, "-o", "json", env=env)
@@ -48,8 +48,8 @@ def test_usage_metrics_follow_the_mock_and_fgpu_status_reports_them(start_plugin
 
         # A process on the notebook's MIG device is use; the trainer's GPU goes quiet.
         (gi_id,) = json.loads(state.read_text())["gpus"][4]["gpu_instances"]
-        fgpu("mock-usage", "--gpu=4", "--pid=4242", f"--gi={gi_id}", "--ci=0", env=env)
-        fgpu("mock-usage", "--gpu=1", "--utilization=0", env=env)
+        fgpu("mock", "usage", "--gpu=4", "--pid=4242", f"--gi={gi_id}", "--ci=0", env=env)
+        fgpu("mock", "usage", "--gpu=1", "--utilization=0", env=env)
         time.sleep(3)
         idle = fgpu("status", "--idle=2s", metrics, "-o", "json", env=env)["idleClaims"]
         assert [(c["claim"], c["kind"]) for c in idle] == [(f"default/{trainer['name']}", "whole")]

@@ -24,7 +24,8 @@ from cryptography import x509
 from driver.admission import certs
 from driver.admission.lifetimes import Lifetimes, duration
 from driver.admission.rotation import MUTATING, VALIDATING, CaBundlePublisher, MountedFiles, Rotator, SelfManaged
-from driver.admission.server import WebhookServer, WebhookSettings, tls_context
+from driver.admission.server import WebhookServer, tls_context
+from driver.admission.settings import WebhookSettings
 from driver.kube.client import ConflictError
 
 HOSTS = certs.service_hosts("fgpu-webhook", "fgpu-system", ["127.0.0.1"])

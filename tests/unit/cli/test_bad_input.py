@@ -237,12 +237,17 @@ CASES = [
         "--state-dir '{out}/state' is not a directory; give the plugin's state directory",
     ),
     (
-        "mock-fault GPU not a number",
-        ["mock-fault", "--nvml=mock:l4x4", "--gpu=x", "ecc"],
+        "mock fault GPU not a number",
+        ["mock", "fault", "--nvml=mock:l4x4", "--gpu=x", "ecc"],
         {},
-        "fgpu mock-fault: argument --gpu: invalid int value: 'x'",
+        "fgpu mock fault: argument --gpu: invalid int value: 'x'",
     ),
-    ("mock-fault unknown fault", ["mock-fault", "--nvml=mock:l4x4", "--gpu=0", "fire"], {}, "invalid choice: 'fire'"),
+    (
+        "mock fault unknown fault",
+        ["mock", "fault", "--nvml=mock:l4x4", "--gpu=0", "fire"],
+        {},
+        "invalid choice: 'fire'",
+    ),
     (
         "mig share profile unknown",
         [*DISCOVER, "--offer=mig,mig-mps", "--mig-share-profiles=3g.40gb"],

@@ -78,10 +78,10 @@ def test_mock_fault_and_health_clear_say_what_is_wrong_in_one_line(tmp_path: Pat
     def fgpu(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "driver.cli", *args], capture_output=True, text=True, env=env)
 
-    run = fgpu("mock-fault", "--nvml=mock:l4x4", "--gpu=9", "ecc")
-    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock-fault on GPU 9: Invalid Argument")
-    run = fgpu("mock-fault", "--gpu=0", "lost")
-    assert run.returncode == 2 and "mock-fault needs --nvml mock:<machine>" in run.stderr
+    run = fgpu("mock", "fault", "--nvml=mock:l4x4", "--gpu=9", "ecc")
+    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock fault on GPU 9: Invalid Argument")
+    run = fgpu("mock", "fault", "--gpu=0", "lost")
+    assert run.returncode == 2 and "mock fault needs --nvml mock:<machine>" in run.stderr
     run = fgpu("health", "clear")
     assert (
         run.returncode == 2
@@ -89,8 +89,8 @@ def test_mock_fault_and_health_clear_say_what_is_wrong_in_one_line(tmp_path: Pat
     )
     run = fgpu("health", "clear", f"--state-dir={tmp_path}", "--gpu=GPU-x")
     assert (run.returncode, run.stdout.strip()) == (0, "cleared; 0 fault(s) of other GPUs left")
-    run = fgpu("mock-fault", "--nvml=mock:l4x4", "--gpu=0", "reset")
-    assert run.returncode == 2 and "mock-fault reset needs --state-dir" in run.stderr
+    run = fgpu("mock", "fault", "--nvml=mock:l4x4", "--gpu=0", "reset")
+    assert run.returncode == 2 and "mock fault reset needs --state-dir" in run.stderr
 
 
 def test_mock_fault_reset_clears_what_a_gpu_reset_clears(tmp_path: Path):
@@ -107,7 +107,7 @@ def test_mock_fault_reset_clears_what_a_gpu_reset_clears(tmp_path: Path):
     uuids = [session.nvml.gpu_uuid(i) for i in (1, 2)]
     smi.write_text(json.dumps({uuid: {"timeslice": 3} for uuid in uuids}))
     env = {"PATH": "/usr/bin:/bin", "FGPU_NVML_MOCK_STATE": str(state)}
-    argv = [sys.executable, "-m", "driver.cli", "mock-fault", "--nvml=mock:dgx-h100", "--gpu=1", "reset"]
+    argv = [sys.executable, "-m", "driver.cli", "mock", "fault", "--nvml=mock:dgx-h100", "--gpu=1", "reset"]
     run = subprocess.run([*argv, f"--state-dir={tmp_path / 'state'}"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert session.gpu_instances(1) == [] and len(session.gpu_instances(2)) == 1  # that GPU only

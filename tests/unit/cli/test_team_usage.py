@@ -271,7 +271,7 @@ def test_the_report_sums_nodes_and_keeps_one_row_per_claim_device():
     assert idle_claims(texts, 7201).idle_claims == []
 
 
-# --- the mock's usage, as `fgpu mock-usage` sets it ---------------------------------------------------
+# --- the mock's usage, as `fgpu mock usage` sets it ---------------------------------------------------
 
 
 def test_mock_usage_sets_what_nvml_reports_per_gpu_partition_and_process(tmp_path: Path):
@@ -279,7 +279,7 @@ def test_mock_usage_sets_what_nvml_reports_per_gpu_partition_and_process(tmp_pat
     env = {"PATH": "/usr/bin:/bin", MOCK_STATE_ENV: str(state)}
 
     def fgpu(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "driver.cli", "mock-usage", "--nvml=mock:dgx-h100", *args]
+        command = [sys.executable, "-m", "driver.cli", "mock", "usage", "--nvml=mock:dgx-h100", *args]
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
 
     session = NvmlSession(MockNvml(load_machine("dgx-h100"), state))
@@ -306,8 +306,8 @@ def test_mock_usage_sets_what_nvml_reports_per_gpu_partition_and_process(tmp_pat
     assert session.processes(0) == [NvmlProcess(42, None, 0)] and session.usage(0).gpu_percent == 0
 
     run = fgpu("--gpu=3", "--pid=44", "--gi=13")
-    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock-usage on GPU 3: Not Found")
+    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock usage on GPU 3: Not Found")
     run = fgpu("--gpu=0", "--utilization=101")
-    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock-usage on GPU 0: Invalid Argument")
+    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock usage on GPU 0: Invalid Argument")
     run = fgpu("--gpu=0")
     assert run.returncode == 2 and "give --utilization, or --pid" in run.stderr
