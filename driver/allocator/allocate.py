@@ -5,6 +5,7 @@ puts the best placements first, where upstream takes pool and slice order (first
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -14,13 +15,14 @@ from driver.allocator.capacity import consumption, fits
 from driver.allocator.cel import CompiledSelector, SelectorError, compile_selector
 from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
 from driver.allocator.pools import Node, Pool, placement_matches
-from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.state import AllocatedState
+from driver.common.quantity import Amount, format_amount
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
 
 
 SelectorResults = dict[Hashable, "bool | str"]  # selector_key -> matches, or the runtime error
+# (also ("pool", outcomes) -> one tuple for equal outcomes of a pool's devices: _pool_outcomes)
 
 
 def selector_key(selector: CompiledSelector, device: Device) -> Hashable:
@@ -134,7 +136,8 @@ class NodeAllocator:
         outcomes = pool.selector_outcomes.get(selector.expression)
         if outcomes is None:
             outcomes = tuple(self._outcome(selector, device) for device in pool.devices)
-            outcomes = self.selector_results.setdefault(("pool", outcomes), outcomes)  # type: ignore[assignment]
+            interned: dict[Hashable, Any] = self.selector_results  # ("pool", outcomes) -> that tuple
+            outcomes = interned.setdefault(("pool", outcomes), outcomes)
             pool.selector_outcomes[selector.expression] = outcomes
         return outcomes
 
@@ -318,7 +321,7 @@ class NodeAllocator:
             if not self._counters_fit(pool):
                 self._draw_counters(device, -1)
                 return None
-        undo_steps: list[Callable[[], None]] = []
+        undo_steps: list[Callable[[], object]] = []  # what each returns is dropped
         if draws:
             undo_steps.append(lambda: self._draw_counters(device, -1))
 
@@ -338,7 +341,7 @@ class NodeAllocator:
                         f"{'/'.join(device.id)} because a claim constraint would not be satisfied"
                     )
                 return None
-            undo_steps.append(lambda i=index, c=constraint: self._remove_constraint(claim_index, i, c, request))
+            undo_steps.append(functools.partial(self._remove_constraint, claim_index, index, constraint, request))
         if not shared:
             self._exclusive[device.id] = self._exclusive.get(device.id, 0) + 1
             undo_steps.append(lambda: self._exclusive.__setitem__(device.id, self._exclusive[device.id] - 1))
@@ -458,8 +461,8 @@ class NodeAllocator:
         for chosen in self._chosen[claim_index]:
             placement = chosen.device.placement
             if placement.node_name or chosen.device.binds_to_node:
-                term = {"key": "metadata.name", "operator": "In", "values": [self.node.name]}
-                return {"nodeSelectorTerms": [{"matchFields": [term]}]}
+                by_name = {"key": "metadata.name", "operator": "In", "values": [self.node.name]}
+                return {"nodeSelectorTerms": [{"matchFields": [by_name]}]}
             terms = (placement.node_selector or {}).get("nodeSelectorTerms") or []
             if len(terms) > 1:
                 raise AllocationError(f"unsupported ResourceSlice.NodeSelector with {len(terms)} terms")
@@ -470,9 +473,9 @@ class NodeAllocator:
                             target.append(requirement)
         if not fields and not expressions:
             return None
-        term: dict[str, Any] = {}
+        merged: dict[str, Any] = {}
         if expressions:
-            term["matchExpressions"] = expressions
+            merged["matchExpressions"] = expressions
         if fields:
-            term["matchFields"] = fields
-        return {"nodeSelectorTerms": [term]}
+            merged["matchFields"] = fields
+        return {"nodeSelectorTerms": [merged]}

@@ -4,7 +4,7 @@ and whether it still fits, as the upstream allocator computes it."""
 from __future__ import annotations
 
 from driver.allocator.model import Capacity, RequestPolicy
-from driver.allocator.quantity import Amount
+from driver.common.quantity import Amount
 
 
 def _round_up(requested: Amount, capacity: Capacity) -> Amount:

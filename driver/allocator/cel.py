@@ -21,7 +21,7 @@ from cel_expr_python import cel
 from cel_expr_python.ext import ext_bindings, ext_math, ext_optional, ext_strings
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from driver.allocator.quantity import QuantityError, parse_quantity
+from driver.common.quantity import Amount, QuantityError, QuantityOutOfRange, parse_quantity
 
 MAX_EXPRESSION_LENGTH = 10 * 1024
 COST_LIMIT = 1_000_000
@@ -59,7 +59,7 @@ T = cel.Type
 # Quantities -------------------------------------------------------------------------------------
 
 
-def quantity_value(value: Fraction) -> Any:
+def quantity_value(value: Amount) -> Any:
     return ScalarMessage(kind="quantity", canonical=f"{value.numerator}/{value.denominator}")
 
 
@@ -72,6 +72,8 @@ def _q(message: Any) -> Fraction:
 def _quantity(text: str) -> Any:
     try:
         return quantity_value(parse_quantity(text))
+    except QuantityOutOfRange as error:
+        raise ValueError(str(error)) from error
     except QuantityError as error:
         raise ValueError(f"quantities must match the regular expression, got {text!r}") from error
 
@@ -379,7 +381,7 @@ def attribute_value(kind: str, value: Any) -> Any:
 def device_input(
     driver: str,
     attributes: dict[str, tuple[str, Any]],
-    capacity: dict[str, Fraction],
+    capacity: dict[str, Amount],
     allow_multiple_allocations: bool,
 ) -> dict[str, Any]:
     """The `device` variable: names without a domain belong to the driver's domain."""

@@ -9,6 +9,7 @@ import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any, Protocol
 
 from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
@@ -19,6 +20,7 @@ from driver.allocator.fragmentation import (
     NodeView,
     RequestKey,
     Unit,
+    devices_asked,
     request_key,
     units_of,
 )
@@ -26,8 +28,11 @@ from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placemen
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
+from driver.common.quantity import Amount
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
+# A node's share used (_measure): a Fraction where a counter is fractional, else a float.
+Usage = float | Fraction
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 
 
@@ -98,12 +103,12 @@ class Snapshot:
         slices = self._slices.get(pool)
         if not slices:
             self._slices.pop(pool, None)
-            return {before} - {None}
+            return {name for name in (before,) if name is not None}
         names = {s.placement.node_name for s in slices.values()}
         after = names.pop() if len(names) == 1 and not any(s.per_device_placement for s in slices.values()) else ""
         self._owner[pool] = after
         (self._local[after] if after else self._shared).add(pool)
-        return {before, after} - {None}
+        return {name for name in (before, after) if name is not None}
 
     def _gather(self, node: str) -> None:
         for pool in self.pools.pop(node, ()):
@@ -155,9 +160,9 @@ class ClusterAllocator:
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
         self._order = order_for(policy)
         self.nodes = snapshot.nodes  # shared: nodes the snapshot learns of are ours too
-        self._usage: dict[str, float] = {}
+        self._usage: dict[str, Usage] = {}
         self._used: set[str] = set()  # nodes whose usage is not 0 (most are 0 in a large cluster)
-        self._ranked: list[tuple[float, str]] = []  # the used nodes by (usage, fullest first under binpack), name
+        self._ranked: list[tuple[Usage, str]] = []  # the used nodes by (usage, fullest first under binpack), name
         self._sign = 1 if policy == "spread" else -1  # fragmentation breaks its ties in binpack's order
         self._names: list[str] | None = None  # the nodes by name, until nodes come or go
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
@@ -190,7 +195,8 @@ class ClusterAllocator:
         self._candidates.pop(node, None)
         self._no_fit.pop(node, None)
         self._views.pop(node, None)
-        used = total = 0
+        used: Amount = 0
+        total: Amount = 0
         partial = False
         for pool in self.snapshot.pools.get(node, ()):
             available = self.state.counters_left(pool)
@@ -208,7 +214,7 @@ class ClusterAllocator:
         self._rank(node, used / total if total else 0.0)
         self._partial[node] = partial
 
-    def _rank(self, node: str, usage: float) -> None:
+    def _rank(self, node: str, usage: Usage) -> None:
         """The node's usage now (0: none, or gone), kept sorted for node_order."""
         old = self._usage.get(node, 0.0)
         if old:
@@ -237,7 +243,7 @@ class ClusterAllocator:
                 opened.update((*device.id[:2], counter_set) for counter_set, _ in device.consumes)
         return len(opened), ruled_out, left
 
-    def usage(self, node: str) -> float:
+    def usage(self, node: str) -> Usage:
         """How full the node is (0..1): the share of its counters drawn and uncounted devices taken."""
         return self._usage.get(node, 0.0)
 
@@ -279,7 +285,8 @@ class ClusterAllocator:
         return result
 
     def _search_in_order(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
-        order, cache = self._order, self._candidates.setdefault(node, {})
+        order = self._order
+        cache: dict[Any, Any] | None = self._candidates.setdefault(node, {})
         units, positions = self._prefer.get(node, ((), ()))
         if positions:  # this claim's own order: not one to cache for the next
             order, cache = _preferring([units[i] for i in positions], order), None
@@ -432,7 +439,7 @@ class ClusterAllocator:
             found = self._hosting[key] = {
                 node
                 for node, units in self._units.items()
-                if selecting(functools.partial(self.node_allocator, node), units, claim, key) >= key[2]
+                if selecting(functools.partial(self.node_allocator, node), units, claim, key) >= devices_asked(key)
             }
         return found
 

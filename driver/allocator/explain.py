@@ -8,8 +8,8 @@ from driver.allocator.allocate import AllocationError, NodeAllocator, compiled_s
 from driver.allocator.capacity import consumption, fits
 from driver.allocator.model import Claim, Device, DeviceClass, Request
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import Amount, format_amount
 from driver.allocator.scoring import counters_fit
+from driver.common.quantity import Amount, format_amount
 
 
 class NodePools(Protocol):
@@ -20,7 +20,9 @@ class ClusterView(Protocol):
     """What explaining reads of the cluster allocator (cluster.py), which calls it on a failure."""
 
     classes: dict[str, DeviceClass]
-    snapshot: NodePools
+
+    @property
+    def snapshot(self) -> NodePools: ...  # read only: cluster.py's Snapshot is one
 
     def node_allocator(self, node: str) -> NodeAllocator: ...
 

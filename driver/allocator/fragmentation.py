@@ -50,8 +50,8 @@ from driver.allocator.allocate import NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
 from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import Amount
 from driver.allocator.state import AllocatedState
+from driver.common.quantity import Amount
 
 MIX_SHARE = 0.99  # the heaviest shapes up to this share of the weight (FGD takes 95%)
 MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
@@ -65,9 +65,12 @@ COPIES_LIMIT = 1024  # pods of one shape a node's room is asked to take at most
 # 120 cores, which only 128-core nodes run, beside the 64-core ones; BENCHMARKS.md, openb).
 SCARCE_SUPPLY = 0.5
 
-RequestKey = tuple[Hashable, ...]
+# request_key: () for a claim without requests, else (class, selectors, count, capacity asked, sorted).
+RequestKey = tuple[()] | tuple[str, tuple[str, ...], int, tuple[tuple[str, Amount], ...]]
 Needs = tuple[tuple[str, float], ...]  # what a claim's pods request together, sorted (PodRoom.needs)
-UnitState = tuple[Hashable, ...]
+# A unit's state (Unit.state): counters left (in Unit.counters' order), the shared devices' consumption
+# (device index -> sorted amounts), the devices taken whole (indices).
+UnitState = tuple[tuple[Amount, ...], tuple[tuple[int, tuple[tuple[str, Amount], ...]], ...], tuple[int, ...]]
 
 
 class ScoredRoom(Protocol):
@@ -92,6 +95,12 @@ def request_key(claim: Claim) -> RequestKey | None:
     if request.mode != "ExactCount" or request.admin_access:
         return None
     return request.class_name, request.selectors, request.count, tuple(sorted((request.capacity or {}).items()))
+
+
+def devices_asked(key: RequestKey) -> int:
+    """How many devices the key's request asks for (the key of a claim with a request, not ())."""
+    assert key, "a claim without requests asks for no devices"
+    return key[2]
 
 
 @dataclass
@@ -323,7 +332,8 @@ class Fragmentation:
         return [
             (kind.count * len(kind.units), kind.allocatable)
             for kind in kinds
-            if sum(1 for unit in kind.units if self.share(kind.allocator, unit, shape) is not None) >= shape.key[2]
+            if sum(1 for unit in kind.units if self.share(kind.allocator, unit, shape) is not None)
+            >= devices_asked(shape.key)
         ]
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
@@ -449,7 +459,7 @@ class Fragmentation:
         for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
             count = 0
             if room is None or room.admits(shape.claim, node):
-                enough = max(1, math.ceil(total / (share * shape.key[2]) - 1e-9)) if share else 1
+                enough = max(1, math.ceil(total / (share * devices_asked(shape.key)) - 1e-9)) if share else 1
                 count = min(enough, _how_many(view.left, shape.needs))
                 for name, value in shape.needs:
                     slack[name] = min(slack.get(name, 0.0), view.left.get(name, 0.0) - count * value)
@@ -492,13 +502,15 @@ class Fragmentation:
         total = sum(free)
         amount = 0.0
         for j, (shape, count, share) in enumerate(zip(self.mix, copies, shares, strict=True)):
-            stranded = max(0.0, total - count * shape.key[2] * share) if share else 0.0
+            stranded = max(0.0, total - count * devices_asked(shape.key) * share) if share else 0.0
             if not count:
                 amount += shape.weight * (total + stranded)
             elif shape.key:
                 usable = sum(1 for v in vectors if v[j])
                 wasted = (
-                    total if usable < shape.key[2] else sum(f for f, v in zip(free, vectors, strict=True) if not v[j])
+                    total
+                    if usable < devices_asked(shape.key)
+                    else sum(f for f, v in zip(free, vectors, strict=True) if not v[j])
                 )
                 amount += shape.weight * (wasted + stranded)
         self._amounts[memo] = amount
@@ -536,7 +548,7 @@ class Fragmentation:
         found = view.hosts.get(key)
         if found is None:
             usable = sum(1 for uid in view.ids if self._usable_device(allocator, uid, claim, key) is not None)
-            found = view.hosts[key] = usable >= key[2]
+            found = view.hosts[key] = usable >= devices_asked(key)
         return found
 
     def choose(
@@ -575,7 +587,7 @@ class Fragmentation:
                 options.append((self.amount(allocator, ids, copies_after) - before + cost, position, new, cost))
             free = [self._states[u][2] for u in view.ids]
             options.sort(key=lambda o: (o[0], free[o[1]] == 1.0, self._states[o[2]][2], o[1]))
-            count = key[2]
+            count = devices_asked(key)
             if len(options) >= count:
                 ids_after = list(view.ids)
                 for _, position, new, _ in options[:count]:

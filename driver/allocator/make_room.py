@@ -27,7 +27,7 @@ from typing import Any
 from driver.allocator.allocate import AllocationError
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement
 from driver.allocator.model import Claim
-from driver.allocator.quantity import QuantityError, format_amount, parse_quantity
+from driver.common.quantity import QuantityError, format_amount, parse_quantity
 
 PLANS = 4  # plans returned: the next is tried when an eviction is refused (a PodDisruptionBudget)
 SEEDS_PER_NODE = 8  # GPUs a node's greedy search starts from
@@ -300,6 +300,7 @@ def make_room(
     movable = [h for h in holders if h.movable]
     if not claims:
         return []
+    options: list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]
     if len(claims) == 1:
         options = [(victims, (placement,)) for victims, placement in _claim_options(allocator, claims[0], movable)]
     else:

@@ -7,12 +7,12 @@ import contextlib
 import functools
 import json
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from driver.allocator.cel import device_input
-from driver.allocator.quantity import Amount, QuantityError, parse_quantity
+from driver.common.quantity import Amount, QuantityError, parse_quantity
 
 DeviceId = tuple[str, str, str]  # driver, pool, device
 MAX_RESULTS_PER_CLAIM = 32
@@ -417,7 +417,7 @@ _CONSUMES: dict[str, tuple[tuple[str, dict[str, Amount]], ...]] = {}
 _CONSUMES_LIMIT = 65536
 
 
-def _device_consumes(raw: list[dict[str, Any]], where: str) -> tuple[tuple[str, dict[str, Amount]], ...]:
+def _device_consumes(raw: Sequence[dict[str, Any]], where: str) -> tuple[tuple[str, dict[str, Amount]], ...]:
     if not raw:
         return ()
     text = repr(raw)

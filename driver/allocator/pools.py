@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.model import Device, NodePlacement, Slice
-from driver.allocator.quantity import Amount
+from driver.common.quantity import Amount
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Literal
 
 from driver.allocator.allocate import NodeAllocator
 from driver.allocator.model import Device
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import Amount
+from driver.common.quantity import Amount
 
 Policy = Literal["binpack", "fragmentation", "spread", "first-fit"]
 POLICIES: tuple[Policy, ...] = ("binpack", "fragmentation", "spread", "first-fit")
@@ -28,7 +29,7 @@ def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra:
     """Whether the counters `device` draws are left in `available` (after `extra` drew its own)."""
     for counter_set, counters in device.consumes:
         for name, value in counters.items():
-            taken = 0
+            taken: Amount = 0
             if extra is not None:
                 taken = next((c.get(name, 0) for s, c in extra.consumes if s == counter_set), 0)
             if available.get(counter_set, {}).get(name, 0) - taken < value:
@@ -49,17 +50,18 @@ def _neighbours(pool: Pool, device: Device) -> list[Device]:
     return pool.neighbours.get(id(device), [])
 
 
-def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, float]:
+def device_score(allocator: NodeAllocator, device: Device) -> tuple[int, int, float | Fraction]:
     """(touched first: 0, size of the devices this one would rule out, share of its counters left after it).
     Lower is a tighter fit."""
     pool = allocator.pool_of(device)
     if device.allow_multiple_allocations and allocator.capacity_in_use(device):
         # A share on a GPU already shared draws nothing new; best fit: the least capacity left first.
         used = allocator.state.shared.get(device.id, {})
-        left = [1 - used.get(name, 0) / cap.value for name, cap in device.capacity.items() if cap.value]
-        return 0, 0, min(left, default=0)
+        shares_left = [1 - used.get(name, 0) / cap.value for name, cap in device.capacity.items() if cap.value]
+        return 0, 0, min(shares_left, default=0)
     available = allocator.available_counters(pool)
-    total = left = 0
+    total: Amount = 0
+    left: Amount = 0
     touched = False
     for counter_set, counters in device.consumes:  # the whole GPU (counter set), not just this device's part
         full = sum(pool.counter_sets.get(counter_set, {}).values(), 0)

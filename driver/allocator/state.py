@@ -10,7 +10,7 @@ from typing import Any
 
 from driver.allocator.model import Device, DeviceId
 from driver.allocator.pools import Pool
-from driver.allocator.quantity import Amount, QuantityError, parse_quantity
+from driver.common.quantity import Amount, QuantityError, parse_quantity
 
 
 @dataclass

@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from driver.claims.allocation import OpaqueConfig
 from driver.claims.refs import ClaimError
+from driver.common.quantity import QuantityError, parse_quantity
 
 API_VERSION = "gpu.fgpu.dev/v1alpha1"
 KINDS = ("GpuConfig", "ShareConfig", "MigDeviceConfig")
 INTERVALS = ("Default", "Short", "Medium", "Long")
+MIN_PINNED_MEMORY = 2**20  # MPS takes the limit in whole megabytes: less would be "0M", no limit
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def _fields(value: Any, allowed: set[str], where: str) -> dict[str, Any]:
     return value
 
 
-def parse_device_config(parameters: dict[str, Any]) -> DeviceConfig:
+def parse_device_config(parameters: Any) -> DeviceConfig:  # anything: what is not an object is an error
     top = _fields(parameters, {"apiVersion", "kind", "sharing"}, "config")
     if top.get("apiVersion") != API_VERSION:
         raise ClaimError(f"opaque config: apiVersion must be {API_VERSION}, got {top.get('apiVersion')!r}")
@@ -63,16 +63,19 @@ def parse_device_config(parameters: dict[str, Any]) -> DeviceConfig:
     if "mps" in sharing:
         mps = _fields(sharing["mps"], {"activeThreadPercentage", "pinnedMemoryLimit"}, "sharing.mps")
         percentage = mps.get("activeThreadPercentage")
-        if percentage is not None and (not isinstance(percentage, int) or not 1 <= percentage <= 100):
+        if percentage is not None and (type(percentage) is not int or not 1 <= percentage <= 100):  # bool is not
             raise ClaimError(f"opaque config: sharing.mps.activeThreadPercentage must be 1..100, got {percentage!r}")
         memory = None
         if "pinnedMemoryLimit" in mps:
+            limit = mps["pinnedMemoryLimit"]
+            if isinstance(limit, bool) or not isinstance(limit, str | int):
+                raise ClaimError(f"opaque config: sharing.mps.pinnedMemoryLimit must be a quantity, got {limit!r}")
             try:
-                memory = int(parse_quantity(str(mps["pinnedMemoryLimit"])))
-            except ValueError as err:
+                memory = int(parse_quantity(limit))
+            except QuantityError as err:
                 raise ClaimError(f"opaque config: sharing.mps.pinnedMemoryLimit: {err}") from err
-            if memory <= 0:
-                raise ClaimError("opaque config: sharing.mps.pinnedMemoryLimit must be positive")
+            if memory < MIN_PINNED_MEMORY:
+                raise ClaimError("opaque config: sharing.mps.pinnedMemoryLimit must be at least 1Mi")
         config = DeviceConfig(strategy, percentage, memory, None)
     if "timeSlicing" in sharing:
         interval = _fields(sharing["timeSlicing"], {"interval"}, "sharing.timeSlicing").get("interval", "Default")

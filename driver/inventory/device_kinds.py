@@ -1,6 +1,6 @@
 """What each kind of device is on its GPU, as traits, so that code asks what a kind does (is it in
 a MIG partition? an MPS share?) instead of testing its name. The kinds themselves, and which kinds
-a GPU offers: driver/inventory/sharing.py; what prepare makes for each: driver/node/prepare.py.
+a GPU offers: driver/inventory/sharing.py; what prepare makes for each: driver/node/partition_use.py.
 
 A new kind gets its name in sharing.DeviceKind and its row here; prepare, unprepare and the
 start-up sweeps follow its traits.

@@ -6,21 +6,13 @@ import hashlib
 import json
 from typing import Any
 
+from driver.common.quantity import format_quantity
 from driver.inventory.devices import CounterSet, Inventory, PublishedDevice
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_WITH_COUNTERS = 64  # a slice where any device consumes counters
 MAX_COUNTER_SETS_PER_SLICE = 8
 SPEC_HASH_ANNOTATION = "gpu.fgpu.dev/spec-hash"
-BINARY_SUFFIXES = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
-
-
-def format_quantity(value: int) -> str:
-    """The canonical Kubernetes form of a whole number: the largest binary suffix that divides it."""
-    for suffix, factor in BINARY_SUFFIXES:
-        if value and value % factor == 0:
-            return f"{value // factor}{suffix}"
-    return str(value)
 
 
 def device_json(device: PublishedDevice) -> dict[str, Any]:

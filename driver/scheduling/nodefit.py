@@ -30,7 +30,7 @@ from typing import Any
 from driver.allocator.cluster import Placement
 from driver.allocator.model import Claim
 from driver.allocator.pools import Node, decimal_integer, selector_matches
-from driver.allocator.quantity import parse_quantity
+from driver.common.quantity import Amount, parse_quantity
 
 JsonObject = dict[str, Any]
 CPU, MEMORY, PODS = "cpu", "memory", "pods"
@@ -46,7 +46,7 @@ TOO_MANY_PODS = "Too many pods"
 # (driver/controller/refusals.py).
 REFUSED = "node(s) refused by kube-scheduler for the pod"
 
-Resources = dict[str, Fraction]
+Resources = dict[str, Amount]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class NodeFacts:
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[JsonObject, ...] = ()
     unschedulable: bool = False
-    allocatable: Mapping[str, Fraction] = field(default_factory=dict)
+    allocatable: Mapping[str, Amount] = field(default_factory=dict)
 
     @classmethod
     def from_object(cls, node: JsonObject) -> NodeFacts:
@@ -76,7 +76,7 @@ class PodNeeds:
     """What the fit checks read of a pod."""
 
     name: str
-    requests: Mapping[str, Fraction] = field(default_factory=dict)
+    requests: Mapping[str, Amount] = field(default_factory=dict)
     tolerations: tuple[JsonObject, ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     required_terms: tuple[JsonObject, ...] | None = None  # None: no required node affinity
@@ -101,12 +101,12 @@ def _resources(raw: Mapping[str, Any] | None) -> Resources:
     return {name: parse_quantity(str(value)) for name, value in (raw or {}).items()}
 
 
-def _add(total: Resources, more: Mapping[str, Fraction]) -> None:
+def _add(total: Resources, more: Mapping[str, Amount]) -> None:
     for name, value in more.items():
         total[name] = total.get(name, Fraction(0)) + value
 
 
-def _max(total: Resources, other: Mapping[str, Fraction]) -> None:
+def _max(total: Resources, other: Mapping[str, Amount]) -> None:
     for name, value in other.items():
         if value > total.get(name, Fraction(0)):
             total[name] = value
@@ -174,7 +174,7 @@ def affinity_matches(pod: PodNeeds, node: NodeFacts) -> bool:
     return selector_matches({"nodeSelectorTerms": list(pod.required_terms)}, Node(node.name, dict(node.labels)))
 
 
-def insufficient(pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fraction], pods_on_node: int) -> list[str]:
+def insufficient(pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Amount], pods_on_node: int) -> list[str]:
     """kube-scheduler's `Insufficient <resource>` / `Too many pods` reasons for the pod on a node
     whose pods request `requested` (pods_on_node of them)."""
     reasons = []
@@ -190,7 +190,7 @@ def insufficient(pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fractio
 
 
 def unfit_reasons(
-    pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Fraction] | None = None, pods_on_node: int = 0
+    pod: PodNeeds, node: NodeFacts, requested: Mapping[str, Amount] | None = None, pods_on_node: int = 0
 ) -> list[str]:
     """Why kube-scheduler would not run the pod on the node (empty: it fits), in its words. The
     filters run in its order and stop at the first that fails, as its framework does."""

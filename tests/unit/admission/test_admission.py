@@ -54,6 +54,22 @@ def test_a_bad_config_is_denied_with_its_field_named() -> None:
         ({**GOOD, "extra": 1}, "unknown field config.extra"),
         ({**GOOD, "sharing": {"strategy": "Shared"}}, "sharing.strategy must be MPS or TimeSlicing, got 'Shared'"),
         ({**GOOD, "sharing": {"strategy": "MPS", "mps": {"pinnedMemoryLimit": "lots"}}}, "pinnedMemoryLimit"),
+        (
+            {**GOOD, "sharing": {"strategy": "MPS", "mps": {"pinnedMemoryLimit": "1e999999999"}}},
+            "sharing.mps.pinnedMemoryLimit: invalid quantity '1e999999999': exponent out of range",
+        ),
+        (
+            {**GOOD, "sharing": {"strategy": "MPS", "mps": {"pinnedMemoryLimit": "512Ki"}}},
+            "sharing.mps.pinnedMemoryLimit must be at least 1Mi",
+        ),
+        (
+            {**GOOD, "sharing": {"strategy": "MPS", "mps": {"pinnedMemoryLimit": True}}},
+            "sharing.mps.pinnedMemoryLimit must be a quantity, got True",
+        ),
+        (
+            {**GOOD, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": True}}},
+            "sharing.mps.activeThreadPercentage must be 1..100, got True",
+        ),
         ({**GOOD, "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Eternal"}}}, "interval"),
         ({**GOOD, "kind": "MigDeviceConfig"}, "field sharing is not valid for MigDeviceConfig"),
         ("a string", "config must be an object"),

@@ -4,11 +4,12 @@ import sys
 
 import pytest
 
+from driver.common.quantity import format_quantity
 from driver.inventory.devices import Attribute, Inventory, PublishedDevice
 from driver.inventory.discovery import cuda_version, discover_gpus, pci_bus_id, semver
 from driver.inventory.offers import node_inventory
 from driver.inventory.sharing import SharingConfig
-from driver.inventory.slices import MAX_DEVICES_PER_SLICE, build_slices, format_quantity, node_owner
+from driver.inventory.slices import MAX_DEVICES_PER_SLICE, build_slices, node_owner
 from driver.nvml.machine import bundled_machines
 from driver.nvml.session import NvmlSession, NvmlUnavailableError
 
