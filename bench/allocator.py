@@ -8,10 +8,14 @@ packing: a trace of MIG and MPS requests arriving and leaving; GPUs still touche
 under our binpack scoring vs first fit (our search in upstream's order: pool, slice, device, and
 nodes by name), against the lower bound (total demand / GPU size, rounded up).
 
+hostile: how long one claim of n time-slice requests and one that cannot be met holds the
+allocator on one DGX H100 node (issue 38): 8^n orders to try, cut by the search budget.
+
   python -m bench.allocator throughput --nodes 1000 --claims 400
   python -m bench.allocator throughput --nodes 5000 --claims 400 --no-reference
   python -m bench.allocator throughput --nodes 500 --claims 400 --mig-shares 3g.40gb
   python -m bench.allocator packing --nodes 16 --events 3000
+  python -m bench.allocator hostile
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from driver.allocator.allocate import SEARCH_STEPS, SearchBudget
 from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
@@ -321,9 +326,32 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     return {"nodes": args.nodes, "events": args.events, "departures": args.departures, **results}
 
 
+def hostile(args: argparse.Namespace) -> dict[str, Any]:
+    """Per n, the seconds and steps one hostile claim takes: n time-slice requests then a request
+    no order of them leaves room for (8 whole GPUs), and the same with one no device matches."""
+    allocator, _ = build_allocator(node_slices_json(1), classes())
+    impossible = {
+        "eight whole GPUs": {"deviceClassName": "gpu.fgpu.dev", "count": 8},
+        "no device matches": mig("9g.900gb"),
+    }
+    results: dict[str, Any] = {"search_steps": SEARCH_STEPS}
+    for label, last in impossible.items():
+        for n in range(3, 9):
+            requests = [{"name": f"ts{i}", "exactly": {"deviceClassName": "timeslice.gpu.fgpu.dev"}} for i in range(n)]
+            obj = claim(f"hostile-{n}", {})
+            obj["spec"]["devices"]["requests"] = [*requests, {"name": "last", "exactly": last}]
+            budget = SearchBudget(SEARCH_STEPS)
+            started = time.perf_counter()
+            outcome = allocator.allocate(claim_from_object(obj), budget=budget)
+            seconds = round(time.perf_counter() - started, 3)
+            assert isinstance(outcome, Failure)
+            results[f"{label}, n={n}"] = {"seconds": seconds, "steps": budget.spent, "cut": budget.exhausted}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["throughput", "packing"])
+    parser.add_argument("mode", choices=["throughput", "packing", "hostile"])
     parser.add_argument("--nodes", type=int, default=500)
     parser.add_argument("--claims", type=int, default=400)
     parser.add_argument("--events", type=int, default=3000)
@@ -334,7 +362,8 @@ def main() -> None:
         "--mig-shares", nargs="*", default=[], metavar="PROFILE", help="also MPS shares inside these MIG profiles"
     )
     args = parser.parse_args()
-    print(json.dumps(throughput(args) if args.mode == "throughput" else packing(args), indent=2))
+    modes = {"throughput": throughput, "packing": packing, "hostile": hostile}
+    print(json.dumps(modes[args.mode](args), indent=2))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ class InMemoryControllerApi:
         self.write_delay_s = 0.0
         self.ledger_writes = 0
         self.evicted: list[str] = []  # pod names, in order
-        self.deleted: list[str] = []
         self.budgeted: set[str] = set()  # pods a PodDisruptionBudget protects: their eviction is refused
         self._lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0
@@ -134,10 +133,6 @@ class InMemoryControllerApi:
         self.store["pods"].pop(f"{namespace}/{name}")
         self.evicted.append(name)
         return None
-
-    def delete_pod(self, namespace: str, name: str) -> None:
-        self.store["pods"].pop(f"{namespace}/{name}")
-        self.deleted.append(name)
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
         if self.lease_outage:

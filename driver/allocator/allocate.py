@@ -1,7 +1,12 @@
 """Allocation on one node: the upstream allocator's depth-first search over claims, requests,
 subrequests and devices, with the same checks in the same order, so it finds a solution exactly
 when upstream does. What differs is the order devices are tried in: a `DeviceOrder` (scoring.py)
-puts the best placements first, where upstream takes pool and slice order (first fit)."""
+puts the best placements first, where upstream takes pool and slice order (first fit).
+
+Two things bound the search where upstream has its DRA filter's timeout: a request with fewer
+candidates than it asks for ends it before it starts (when upstream could meet no error on the
+way), and a `SearchBudget` of steps (devices tried) ends it with SearchBudgetExceeded. Steps, not
+seconds: the cut falls at the same place on every run and machine (tests, the differential test)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,13 @@ from driver.allocator.state import AllocatedState
 from driver.common.quantity import Amount, format_amount
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
+# Devices one claim's search (a gang's: all its members) may try, over every node it is tried on.
+# Ordinary claims try tens to a few thousand (a claim no node of a full 50-node cluster takes: 2,800;
+# the differential test's scenarios: at most 1,050). A claim of n shared requests and one that cannot
+# be met tries 8^n on a DGX H100. A step costs 1-20 us (dearest: whole GPUs drawing shared counters),
+# so this cuts such a claim in seconds: 2.0-3.7 s on a shared 2-core machine (`bench.allocator hostile`).
+SEARCH_STEPS = 100_000
+_UNBOUNDED = 1 << 62
 
 
 SelectorResults = dict[Hashable, "bool | str"]  # selector_key -> matches, or the runtime error
@@ -43,6 +55,27 @@ class SearchOrderError(AllocationError):
     """An error upstream's search meets only on reaching a certain device: a selector failing at
     runtime on a device an exact count tries, a constraint refusing a device an `All` request must
     take. Whether a claim ends with it depends on the order devices are tried in (docs/allocator.md)."""
+
+
+class SearchBudgetExceeded(AllocationError):
+    """The search tried more devices than its budget allows. It is incomplete: it says nothing of
+    whether the claim fits (never remembered as not fitting)."""
+
+
+@dataclass
+class SearchBudget:
+    """Steps (devices tried) a search may take, spent across every node it is tried on."""
+
+    steps: int
+    spent: int = 0
+    exhausted: bool = False  # a search ran out: the claim's outcome is not known
+
+    def reason(self, claims: Sequence[Claim]) -> str:
+        keys = ", ".join(claim.key for claim in claims)
+        return (
+            f"claim {keys}: no answer within the search budget ({self.steps} devices tried): its requests "
+            "together allow too many combinations; use fewer requests, or narrower selectors"
+        )
 
 
 @dataclass
@@ -77,6 +110,11 @@ def compiled_selectors(
             except SelectorError as error:
                 raise AllocationError(f"{owner}: selector #{index}: CEL compile error: {error}") from None
     return compiled
+
+
+def _least(request: Request) -> int:
+    """The fewest candidates a request can be met with: its count, or one device for `All`."""
+    return request.count if request.mode == "ExactCount" else 1
 
 
 def _selected(device: Device, outcomes: list[tuple[str, bool | str]]) -> bool:
@@ -243,20 +281,47 @@ class NodeAllocator:
 
     # --- the search (upstream: allocateOne / allocateDevice) --------------------------------------
 
-    def allocate(self, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
+    def allocate(self, claims: Sequence[Claim], budget: SearchBudget | None = None) -> list[dict[str, Any]] | None:
         """Allocation results for all `claims` on this node, or None when they do not fit.
-        Raises AllocationError where upstream returns an error."""
+        Raises AllocationError where upstream returns an error, SearchBudgetExceeded when the
+        search spends the rest of `budget` (None: unbounded)."""
         self._claims = list(claims)
         self._requests: list[list[list[_Candidates]]] = [
             [[self._candidates(r, claim) for r in alternatives] for alternatives in claim.requests]
             for claim in self._claims
         ]
+        if self._hopeless():
+            return None
         self._chosen: list[list[Chosen]] = [[] for _ in self._claims]
         self._constraint_state = [[None for _ in claim.constraints] for claim in self._claims]
         self._selected: dict[tuple[int, int], int] = {}
-        if not self._claim(0):
-            return None
+        # A plain int on the allocator, not the budget's field: it is decremented in the innermost loop.
+        self._budget, self._steps_left = budget, _UNBOUNDED if budget is None else budget.steps - budget.spent
+        try:
+            if not self._claim(0):
+                return None
+        finally:
+            if budget is not None:
+                budget.spent = min(budget.steps, budget.steps - self._steps_left)
         return [self._result(i) for i in range(len(self._claims))]
+
+    def _hopeless(self) -> bool:
+        """Whether a request has fewer candidates than it asks for, in each of its alternatives:
+        nothing fits, and searching the requests before it (n shared requests: 8^n steps on a DGX
+        H100) cannot change that. Only where upstream's search would meet no error before it
+        knows (a selector failing on a device, an `All` request's constraint), which it reports."""
+        for claim, alternatives_of in zip(self._claims, self._requests, strict=True):
+            for alternatives in alternatives_of:
+                if any(c.errors or (c.request.mode == "All" and claim.constraints) for c in alternatives):
+                    return False
+                if all(len(c.devices) < _least(c.request) for c in alternatives):
+                    return True
+        return False
+
+    def _out_of_steps(self) -> None:
+        assert self._budget is not None  # unbounded without one
+        self._budget.exhausted = True
+        raise SearchBudgetExceeded(self._budget.reason(self._claims))
 
     def _claim(self, claim_index: int) -> bool:
         if claim_index >= len(self._claims):
@@ -285,6 +350,9 @@ class NodeAllocator:
         if needed - placed > MAX_RESULTS_PER_CLAIM - len(self._chosen[claim_index]):
             return False
         if request.mode == "All":
+            self._steps_left -= 1
+            if self._steps_left < 0:
+                self._out_of_steps()
             device = candidates.devices[placed]
             undo = self._take(claim_index, request, device)
             if undo is None:
@@ -294,6 +362,9 @@ class NodeAllocator:
             undo()
             return False
         for position in range(start, len(candidates.devices)):
+            self._steps_left -= 1
+            if self._steps_left < 0:
+                self._out_of_steps()
             device = candidates.devices[position]
             if not request.admin_access and self._in_use(device):
                 continue

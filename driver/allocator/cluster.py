@@ -12,7 +12,16 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
-from driver.allocator.allocate import AllocationError, DeviceOrder, NodeAllocator, SearchOrderError, SelectorResults
+from driver.allocator.allocate import (
+    SEARCH_STEPS,
+    AllocationError,
+    DeviceOrder,
+    NodeAllocator,
+    SearchBudget,
+    SearchBudgetExceeded,
+    SearchOrderError,
+    SelectorResults,
+)
 from driver.allocator.explain import explain
 from driver.allocator.fragmentation import (
     Fragmentation,
@@ -265,37 +274,44 @@ class ClusterAllocator:
         pools, results = self.snapshot.pools[node], self.snapshot.selector_results
         return NodeAllocator(self.nodes[node], pools, self.state, self.classes, order, cache, results)
 
-    def allocate_on(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
+    def allocate_on(
+        self, node: str, claims: Sequence[Claim], budget: SearchBudget | None = None
+    ) -> list[dict[str, Any]] | None:
         """The claims' allocation on the node in the policy's order. Where that order meets an
         error upstream's order might not (SearchOrderError), the node is searched again in
         upstream's order, which ends exactly as upstream does: a claim kube-scheduler would
-        allocate is never refused because our order tried another device first."""
-        return self._search(node, claims, tuple(claim.search_key for claim in claims))
+        allocate is never refused because our order tried another device first. Within `budget`
+        (default: SEARCH_STEPS), else SearchBudgetExceeded."""
+        key = tuple(claim.search_key for claim in claims)
+        return self._search(node, claims, key, budget or SearchBudget(SEARCH_STEPS))
 
-    def _search(self, node: str, claims: Sequence[Claim], key: Hashable) -> list[dict[str, Any]] | None:
+    def _search(
+        self, node: str, claims: Sequence[Claim], key: Hashable, budget: SearchBudget
+    ) -> list[dict[str, Any]] | None:
         """allocate_on, remembering a search that found nothing until the node's allocations
         change: the search is complete, so nothing is found in any order, and a cluster that is
-        full is asked for the same shapes on the same nodes again and again."""
+        full is asked for the same shapes on the same nodes again and again. A search the budget
+        cut raises before it is remembered: it is not complete."""
         no_fit = self._no_fit.setdefault(node, set())
         if key in no_fit:
             return None
-        result = self._search_in_order(node, claims)
+        result = self._search_in_order(node, claims, budget)
         if result is None:
             no_fit.add(key)
         return result
 
-    def _search_in_order(self, node: str, claims: Sequence[Claim]) -> list[dict[str, Any]] | None:
+    def _search_in_order(self, node: str, claims: Sequence[Claim], budget: SearchBudget) -> list[dict[str, Any]] | None:
         order = self._order
         cache: dict[Any, Any] | None = self._candidates.setdefault(node, {})
         units, positions = self._prefer.get(node, ((), ()))
         if positions:  # this claim's own order: not one to cache for the next
             order, cache = _preferring([units[i] for i in positions], order), None
         try:
-            return self.node_allocator(node, order, cache).allocate(claims)
+            return self.node_allocator(node, order, cache).allocate(claims, budget)
         except SearchOrderError:
             if self._order is None:
                 raise
-            return self.node_allocator(node).allocate(claims)
+            return self.node_allocator(node).allocate(claims, budget)
 
     def update_slices(self, added: Iterable[Slice], removed: Iterable[Slice]) -> None:
         """Slices added, changed or deleted: the nodes that see their pools are measured again
@@ -312,17 +328,24 @@ class ClusterAllocator:
                     cached.pop(node, None)
 
     def allocate(
-        self, claim: Claim, nodes: Sequence[str] | None = None, room: PodRoom | None = None, why: bool = True
+        self,
+        claim: Claim,
+        nodes: Sequence[str] | None = None,
+        room: PodRoom | None = None,
+        why: bool = True,
+        budget: SearchBudget | None = None,
     ) -> Placement | Failure:
         """The best node's allocation for one claim (not yet committed), or why none fits (an empty
         reason without `why`: for callers that only count failures); with a room, only on nodes
-        where the claim's pods can run.
+        where the claim's pods can run. The search on every node spends one `budget` (default:
+        SEARCH_STEPS); when it runs out the claim fails at once, saying so (budget.exhausted).
 
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
         SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one. Under
         fragmentation, nodes in the order of the rise in fragmentation (fragmentation.py)."""
         # Whether the claim's pods fit a node, asked once a node: the room stays as it is meanwhile.
         pods_fit = functools.cache(functools.partial(room.fits, claim)) if room is not None else None
+        budget = budget or SearchBudget(SEARCH_STEPS)
         if self._fragmentation is not None:
             nodes = self._by_fragmentation(claim, nodes, room)
         errors: list[str] = []
@@ -340,7 +363,9 @@ class ClusterAllocator:
                 unfit.append(node)
                 continue
             try:
-                result = self._search(node, [claim], key)
+                result = self._search(node, [claim], key, budget)
+            except SearchBudgetExceeded as error:
+                return Failure(claim, str(error))
             except AllocationError as error:
                 errors.append(str(error))
                 continue
@@ -483,13 +508,17 @@ class ClusterAllocator:
         for name in nodes & self._usage.keys():
             self._measure(name)
 
-    def allocate_gang(self, claims: Sequence[Claim], room: PodRoom | None = None) -> list[Placement] | Failure:
+    def allocate_gang(
+        self, claims: Sequence[Claim], room: PodRoom | None = None, budget: SearchBudget | None = None
+    ) -> list[Placement] | Failure:
         """Every claim placed, or none: each claim in turn (largest first) on its best node, with
         the ones before it counted (their devices, and their pods in the room); the first that
-        fails undoes the rest."""
+        fails undoes the rest. One `budget` (default: SEARCH_STEPS) for all the members: a gang
+        of many hard claims is no more search than one."""
         placed: list[Placement] = []
+        budget = budget or SearchBudget(SEARCH_STEPS)
         for claim in sorted(claims, key=_size, reverse=True):
-            outcome = self.allocate(claim, room=room)
+            outcome = self.allocate(claim, room=room, budget=budget)
             if isinstance(outcome, Failure):
                 for placement in reversed(placed):
                     self.release(placement.node, placement.allocation)

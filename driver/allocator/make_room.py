@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from driver.allocator.allocate import AllocationError
+from driver.allocator.allocate import SEARCH_STEPS, AllocationError, SearchBudget, SearchBudgetExceeded
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement
 from driver.allocator.model import Claim
 from driver.common.quantity import QuantityError, format_amount, parse_quantity
@@ -155,21 +155,24 @@ def _size(claim: Claim) -> int:
     return sum(alternatives[0].count or 1 for alternatives in claim.requests)
 
 
-def _fits_on(allocator: ClusterAllocator, node: str, claim: Claim) -> dict[str, Any] | None:
+def _fits_on(allocator: ClusterAllocator, node: str, claim: Claim, budget: SearchBudget) -> dict[str, Any] | None:
+    """The claim's allocation on the node, if it fits; the budget running out ends the planning."""
     try:
-        result = allocator.allocate_on(node, [claim])
+        result = allocator.allocate_on(node, [claim], budget)
+    except SearchBudgetExceeded:
+        raise
     except AllocationError:
         return None
     return result[0] if result else None
 
 
 def _node_options(
-    allocator: ClusterAllocator, node: str, claim: Claim, movable: Sequence[Holder]
+    allocator: ClusterAllocator, node: str, claim: Claim, movable: Sequence[Holder], budget: SearchBudget
 ) -> list[tuple[tuple[Holder, ...], Placement]]:
     """Victim sets on one node after which the claim fits there, each with no victim to spare."""
     with _scratch(allocator) as scratch:
         scratch.release_all(movable)
-        if _fits_on(allocator, node, claim) is None:
+        if _fits_on(allocator, node, claim, budget) is None:
             return []  # not even with every movable allocation gone
     by_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
     for holder in movable:
@@ -184,28 +187,28 @@ def _node_options(
                 group = [h for h in by_gpu[gpu] if h not in released]
                 scratch.release_all(group)
                 released.extend(group)
-                if _fits_on(allocator, node, claim) is not None:
+                if _fits_on(allocator, node, claim, budget) is not None:
                     break
             else:
                 continue
             for holder in sorted(released, key=lambda h: _cost(allocator, [h]), reverse=True):
                 mark = scratch.mark()
                 scratch.add(holder.node, holder.allocation)
-                if _fits_on(allocator, node, claim) is None:
+                if _fits_on(allocator, node, claim, budget) is None:
                     scratch.undo(mark)  # needed: it goes
                 else:
                     released.remove(holder)
-            allocation = _fits_on(allocator, node, claim)
+            allocation = _fits_on(allocator, node, claim, budget)
             if allocation is not None:
                 options.setdefault(frozenset(map(id, released)), (tuple(released), Placement(claim, node, allocation)))
     return list(options.values())
 
 
 def _claim_options(
-    allocator: ClusterAllocator, claim: Claim, movable: Sequence[Holder]
+    allocator: ClusterAllocator, claim: Claim, movable: Sequence[Holder], budget: SearchBudget
 ) -> list[tuple[tuple[Holder, ...], Placement]]:
     """Every node's victim sets for one claim, cheapest first; no victims when it fits already."""
-    outcome = allocator.allocate(claim)
+    outcome = allocator.allocate(claim, budget=budget)
     if isinstance(outcome, Placement):
         return [((), outcome)]
     by_node: dict[str, list[Holder]] = defaultdict(list)
@@ -214,7 +217,7 @@ def _claim_options(
     options = []
     searched = 0
     for node in (name for name in allocator.node_order() if name in by_node):
-        found = _node_options(allocator, node, claim, by_node[node])
+        found = _node_options(allocator, node, claim, by_node[node], budget)
         options.extend(found)
         searched += bool(found)
         if searched >= NODES_SEARCHED:
@@ -223,19 +226,19 @@ def _claim_options(
 
 
 def _gang_options(
-    allocator: ClusterAllocator, claims: Sequence[Claim], movable: Sequence[Holder], limit: int
+    allocator: ClusterAllocator, claims: Sequence[Claim], movable: Sequence[Holder], limit: int, budget: SearchBudget
 ) -> list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]:
     """Victims and placements for every member, largest first, from each of the first member's
     `limit` cheapest options; each later member takes its cheapest option on what is left."""
     first, *rest = sorted(claims, key=_size, reverse=True)
     found: dict[frozenset[int], tuple[tuple[Holder, ...], tuple[Placement, ...]]] = {}
-    for victims, placement in _claim_options(allocator, first, movable)[:limit]:
+    for victims, placement in _claim_options(allocator, first, movable, budget)[:limit]:
         with _scratch(allocator) as scratch:
             scratch.release_all(victims)
             scratch.add(placement.node, placement.allocation)
             chosen, placed = list(victims), [placement]
             for claim in rest:
-                options = _claim_options(allocator, claim, [h for h in movable if h not in chosen])
+                options = _claim_options(allocator, claim, [h for h in movable if h not in chosen], budget)
                 if not options:
                     break
                 more, where = options[0]
@@ -265,7 +268,7 @@ def _rest_of_shared(allocator: ClusterAllocator, holder: Holder) -> dict[str, An
 
 
 def _moves(
-    allocator: ClusterAllocator, victims: Sequence[Holder], placements: Sequence[Placement]
+    allocator: ClusterAllocator, victims: Sequence[Holder], placements: Sequence[Placement], budget: SearchBudget
 ) -> tuple[Placement, ...] | None:
     """Where the victims fit again, largest first, with the pending placements on top of the
     state as it is (victims still in their old places): never into the room they made."""
@@ -276,7 +279,7 @@ def _moves(
             scratch.add(victim.node, _rest_of_shared(allocator, victim))
         moves = []
         for victim in sorted(victims, key=lambda v: given_back(allocator, v), reverse=True):
-            outcome = allocator.allocate(victim.claim)
+            outcome = allocator.allocate(victim.claim, budget=budget)
             if isinstance(outcome, Failure):
                 return None
             scratch.add(outcome.node, outcome.allocation)
@@ -290,24 +293,34 @@ def make_room(
     holders: Sequence[Holder],
     move: bool = True,
     limit: int = PLANS,
+    budget: SearchBudget | None = None,
 ) -> list[Plan]:
     """Up to `limit` plans, cheapest first, after each of which the pending claim (or every
     member of a gang) fits; with `move`, only plans whose victims fit again elsewhere. None when
     nothing movable would make room; one with no victims when it fits already. A caller whose
     eviction of a victim is refused takes the next plan that does not name it, or plans again with
-    that victim not movable."""
+    that victim not movable. Every search of the planning spends one `budget` (default:
+    SEARCH_STEPS); none when it runs out (budget.exhausted): a plan of an unfinished search may
+    evict more than the claim needs."""
     claims = [pending] if isinstance(pending, Claim) else list(pending)
     movable = [h for h in holders if h.movable]
     if not claims:
         return []
+    budget = budget or SearchBudget(SEARCH_STEPS)
     options: list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]
-    if len(claims) == 1:
-        options = [(victims, (placement,)) for victims, placement in _claim_options(allocator, claims[0], movable)]
-    else:
-        options = _gang_options(allocator, claims, movable, limit)
+    try:
+        if len(claims) == 1:
+            found = _claim_options(allocator, claims[0], movable, budget)
+            options = [(victims, (placement,)) for victims, placement in found]
+        else:
+            options = _gang_options(allocator, claims, movable, limit, budget)
+    except SearchBudgetExceeded:
+        return []
     plans = []
     for victims, placements in sorted(options, key=lambda option: _cost(allocator, option[0])):
-        moves = _moves(allocator, victims, placements) if move and victims else ()
+        moves = _moves(allocator, victims, placements, budget) if move and victims else ()
+        if budget.exhausted:
+            return []
         if moves is None:
             continue
         plans.append(Plan(victims, placements, moves, _cost(allocator, victims)))
@@ -316,10 +329,17 @@ def make_room(
     return plans
 
 
-def compaction(allocator: ClusterAllocator, holders: Sequence[Holder], limit: int = COMPACTION_MOVES) -> list[Move]:
+def compaction(
+    allocator: ClusterAllocator,
+    holders: Sequence[Holder],
+    limit: int = COMPACTION_MOVES,
+    budget: SearchBudget | None = None,
+) -> list[Move]:
     """Moves, at most `limit`, that empty lightly used GPUs (fewest allocations, then least used,
     first) into holes on GPUs already in use: never onto a GPU nothing used, never onto one being
-    emptied. A GPU is emptied whole or not at all; one holding anything not movable stays."""
+    emptied. A GPU is emptied whole or not at all; one holding anything not movable stays. Every
+    search spends one `budget` (default: SEARCH_STEPS); once it runs out, the moves found so far."""
+    budget = budget or SearchBudget(SEARCH_STEPS)
     on_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
     for holder in holders:
         for gpu in gpus_of(allocator, holder.node, holder.allocation):
@@ -331,12 +351,14 @@ def compaction(allocator: ClusterAllocator, holders: Sequence[Holder], limit: in
     filled: set[GpuId] = set()  # GPUs moves went to: not emptied afterwards
     with _scratch(allocator) as scratch:
         for gpu in movable:
+            if budget.exhausted:
+                break
             group = on_gpu[gpu]
             if gpu in filled or len(moves) + len(group) > limit or any(h in (m.holder for m in moves) for h in group):
                 continue
             mark, planned = scratch.mark(), []
             for holder in sorted(group, key=lambda h: given_back(allocator, h), reverse=True):
-                outcome = allocator.allocate(holder.claim)
+                outcome = allocator.allocate(holder.claim, budget=budget)
                 targets = (
                     set() if isinstance(outcome, Failure) else gpus_of(allocator, outcome.node, outcome.allocation)
                 )

@@ -40,8 +40,6 @@ class ControllerApi(Protocol):
 
     def evict_pod(self, namespace: str, name: str) -> str | None: ...
 
-    def delete_pod(self, namespace: str, name: str) -> None: ...
-
     def get_lease(self, namespace: str, name: str) -> JsonObject: ...
 
     def create_lease(self, namespace: str, lease: JsonObject) -> JsonObject: ...
@@ -138,11 +136,6 @@ class ClientControllerApi(ClientKubeApi):
         except TooManyRequestsError as error:
             return error.reason
         return None
-
-    def delete_pod(self, namespace: str, name: str) -> None:
-        """Delete the pod with its own grace period (priority preemption past a budget, as
-        kube-scheduler does)."""
-        self._call(self._core.delete_namespaced_pod, name, namespace)
 
     def get_lease(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._coordination.read_namespaced_lease, name, namespace)

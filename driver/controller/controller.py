@@ -9,7 +9,11 @@ it places claims at once when it wins the lease. A write that fails ends the pas
 ledgers are read afresh from the API server before anything else is allocated.
 
 The replica is made of collaborators, each owning its state and given what it uses (replica.py):
-what a pass needs of the last is in its context (pass_context.py), made afresh by each pass."""
+what a pass needs of the last is in its context (pass_context.py), made afresh by each pass.
+
+No tenant's claim stalls a pass: each unit's search has a budget, each namespace a share of the
+pass (search_shares.py); and a loop that stalls all the same fails the liveness probe and gives up
+the Lease (progress.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from driver.allocator.allocate import SEARCH_STEPS
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.model import ObjectError, Slice, slice_from_object
 from driver.allocator.scoring import DEFAULT_POLICY, Policy
@@ -33,9 +38,11 @@ from driver.controller.ledger import LEDGER_LABEL, Ledgers
 from driver.controller.making_room import RoomMaker
 from driver.controller.pass_context import Pass
 from driver.controller.placing import Placer
+from driver.controller.progress import STALL_S, Progress
 from driver.controller.refusals import RefusalTracker
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
+from driver.controller.search_shares import SearchShares
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import ClaimWriter
 from driver.kube.client import KubeError
@@ -58,11 +65,20 @@ class Controller:
         evictions_per_minute: int = 0,
         compact: bool = False,
         hooks: TestHooks = NO_TEST_HOOKS,
+        preempt_across_namespaces: bool = False,
+        search_steps: int | None = None,
+        stall_s: float = STALL_S,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
         minute; 0 turns it off. `compact`: with it, also move pods while nothing waits. `hooks`:
-        where tests shift the wall clock and stop before writes (driver/common/testhooks.py)."""
+        where tests shift the wall clock and stop before writes (driver/common/testhooks.py).
+        `preempt_across_namespaces`: making room may preempt lower-priority pods of any namespace,
+        not only the pending claim's. `search_steps`: one unit's search budget (None: the
+        allocator's SEARCH_STEPS). `stall_s`: seconds without progress after which this replica
+        is stalled (progress.py)."""
         wall_clock = WallClock(hooks.clock_offset_s)
+        self.progress = Progress(stall_s)
+        self.search_steps = search_steps or SEARCH_STEPS
         self.api, self.policy, self.identity = api, policy, identity
         self.changed = threading.Event()
         self.informers = {kind: Informer(api, kind, self.changed) for kind in ("classes", "claims", "pods", "nodes")}
@@ -80,6 +96,7 @@ class Controller:
             timings or LeaseTimings(),
             on_change=lambda leading: self.changed.set(),  # a new leader starts at once
             wall_clock=wall_clock,
+            stalled=self.progress.stalled,
         )
         self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on
         self.ledgers = Ledgers(api, lease_namespace, self.informers["ledgers"].update, self.stale.set)
@@ -90,7 +107,9 @@ class Controller:
         self.stop_event = threading.Event()
         # The collaborators, each given what it uses: callables where one tells another (written
         # units lift their pods' gates, and are watched for kube-scheduler's refusals).
-        self.replica = replica = Replica(api, self.informers, self.ledgers, self.stale, self.writers, self.acting)
+        self.replica = replica = Replica(
+            api, self.informers, self.ledgers, self.stale, self.writers, self.acting, self.progress
+        )
         gated = GatedPods(self.informers["pods"])
         reporter = Reporter(api, self.informers["pods"], gated, wall_clock)
         self.allocators = AllocatorCache(self.informers, self.ledgers, policy)
@@ -98,7 +117,7 @@ class Controller:
         self.gates = GateLifter(replica, gated)
         self.writer = ClaimWriter(replica, self.gates.lift_pods, self.refusals.placed, wall_clock, hooks)
         self.placer = Placer(replica, self.allocators, self.writer, reporter, self._room)
-        self.room_maker = RoomMaker(replica, self.budget, reporter, self._room)
+        self.room_maker = RoomMaker(replica, self.budget, reporter, self._room, preempt_across_namespaces)
 
     # --- running ------------------------------------------------------------------------------
 
@@ -108,6 +127,7 @@ class Controller:
         elector = threading.Thread(target=self.leader.run, args=(self.stop_event,), name="leader", daemon=True)
         elector.start()
         while not self.stop_event.is_set():
+            self.progress.beat()
             self.changed.wait(timeout=5.0)
             self.stop_event.wait(0.05)  # let a burst of watch events land: one pass for all of them
             self.changed.clear()
@@ -132,7 +152,9 @@ class Controller:
         when it wins the lease its first pass places claims at once, instead of first gathering the
         pools and counting every claim's allocation. Returns that allocator."""
         self.ledgers.begin(self.informers["ledgers"].items())
-        return self.allocators.allocator()
+        allocator = self.allocators.allocator()
+        self.progress.beat()  # a first gathering of every pool and claim is a long step
+        return allocator
 
     def _synced(self) -> bool:
         """Whether every cache has been listed; the first time, says how long that took."""
@@ -164,7 +186,10 @@ class Controller:
         self.writer.resolve_undecided()
         reserved = self.room_maker.reservations()
         self.refusals.notice()
-        current = Pass(self.allocators.allocator(), reserved)  # also when nothing waits: ready for the next burst
+        current = Pass(
+            self.allocators.allocator(), reserved, SearchShares(self.search_steps)
+        )  # also when nothing waits
+        self.progress.beat()
         waiting = self.replica.waiting()
         metrics.PENDING.set(len(waiting))
         if waiting and not self.stale.is_set():

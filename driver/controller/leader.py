@@ -7,7 +7,11 @@ of its last successful renewal, also on its monotonic clock (which keeps countin
 is stopped), and stops at once when it sees another holder. renew deadline < lease duration, so
 the holder has stopped before a standby can take over, given clocks that run at about the same
 rate. That narrows the window for two acting replicas; it cannot close it (a replica may be stopped
-between its check and its write), so the writes are fenced as well (see ledger.py)."""
+between its check and its write), so the writes are fenced as well (see ledger.py).
+
+A replica whose loop is stalled (progress.py) neither takes nor renews the Lease, and stops acting
+at once: its elector thread runs on while the stuck one holds the process, and would otherwise
+keep the Lease from the standby for as long as the stall lasts."""
 
 from __future__ import annotations
 
@@ -50,11 +54,13 @@ class LeaderElector:
         on_change: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = monotonic,
         wall_clock: WallClock = WALL_CLOCK,
+        stalled: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`stalled`: whether this replica's loop has stopped making progress (progress.py)."""
         self.api, self.namespace, self.name, self.identity = api, namespace, name, identity
         self.timings = timings or LeaseTimings()
         self._on_change = on_change or (lambda leading: None)
-        self._clock, self._wall_clock = clock, wall_clock
+        self._clock, self._wall_clock, self._stalled = clock, wall_clock, stalled
         self._observed: tuple[str, dict[str, Any]] | None = None  # (resourceVersion, spec) last seen
         self._observed_at = -math.inf
         self._valid_until = -math.inf  # when this replica must stop acting, unless it renews
@@ -63,6 +69,9 @@ class LeaderElector:
         return self._clock() < self._valid_until
 
     def try_acquire_or_renew(self) -> bool:
+        if self._stalled():
+            self._stop_leading("the controller's loop is stalled: the lease is left to expire")
+            return False
         started = self._clock()
         try:
             lease = self.api.get_lease(self.namespace, self.name)
@@ -111,7 +120,7 @@ class LeaderElector:
             "leaseTransitions": (spec.get("leaseTransitions") or 0) + (holder not in (None, "", self.identity)),
         }
         if lease is None:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
+            body: dict[str, Any] = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
             body["metadata"] = {"name": self.name, "namespace": self.namespace}
             return self.api.create_lease(self.namespace, {**body, "spec": new_spec})
         return self.api.replace_lease(self.namespace, {**lease, "spec": new_spec})  # resourceVersion: a race loses

@@ -9,8 +9,13 @@ than the budget has left this minute, is not carried out. Carrying one out: firs
 devices are reserved for the pending claim in the pools' ledgers (the fence: a replica whose view
 is stale fails that write, and no eviction follows), then each victim's pods are evicted through
 the Eviction API. A PodDisruptionBudget that refuses an eviction fails the plan: its reservation
-is dropped, the claim is spared for a while and the next plan is tried. Priority preemption past
-the budgets (every plan refused) deletes the cheapest plan's pods, as kube-scheduler does.
+is dropped, the claim is spared for a while and the next plan is tried; when every plan is refused,
+nothing is evicted. Unlike kube-scheduler, preemption never goes past a budget (tenants are
+adversaries: a PriorityClass one may use is no licence to disrupt another's pods beyond what its
+budget allows), and it takes pods of the pending claim's own namespace only, unless
+`preempt_across_namespaces` (--preempt-across-namespaces). Movable pods consented to be moved:
+they are taken from any namespace. The planning spends the unit's search budget, from its
+namespace's share of the pass (search_shares.py).
 
 A reservation is counted by every pass as held (so nothing else is placed on the devices while
 the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is
@@ -24,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from driver.allocator.allocate import SearchBudget
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import COMPACTION_MOVES, Plan, compaction, make_room
 from driver.allocator.model import ObjectError, claim_from_object
@@ -54,9 +60,11 @@ class RoomMaker:
         budget: EvictionBudget | None,
         reporter: Reporter,
         room: Callable[[], NodeRoom],
+        preempt_across_namespaces: bool = False,
     ) -> None:
         """`budget`: None turns making room off."""
         self._replica, self._budget, self._reporter, self._room = replica, budget, reporter, room
+        self._across = preempt_across_namespaces
         self._api, self._informers, self._ledgers = replica.api, replica.informers, replica.ledgers
         self._spared: dict[str, float] = {}  # claim uid -> until (time.monotonic()): an eviction was refused
 
@@ -86,7 +94,11 @@ class RoomMaker:
                 return
             if any(o["metadata"].get("uid") in current.reserved for o in objects):
                 continue  # room is being made: its victims are on their way out
-            self._make_room_for(current.allocator, objects, pods_of, room)
+            search = current.shares.budget(objects[0]["metadata"]["namespace"])
+            if search is None:
+                continue  # its namespace searched as long as a pass allows: the next pass plans
+            self._replica.progress.beat()
+            self._make_room_for(current.allocator, objects, pods_of, room, search)
 
     def _make_room_for(
         self,
@@ -94,6 +106,7 @@ class RoomMaker:
         objects: list[dict[str, Any]],
         pods_of: dict[str, list[dict[str, Any]]],
         room: NodeRoom,
+        search: SearchBudget,
     ) -> None:
         try:
             claims = [claim_from_object(o) for o in objects]
@@ -104,26 +117,29 @@ class RoomMaker:
             return  # nothing would run on the room made
         rank = max(priority(p) for p in pending_pods)
         claim_objects = self._informers["claims"].items()
+        within = None if self._across else objects[0]["metadata"]["namespace"]
         for preempt in (False, True):
             if preempt and not may_preempt(pending_pods):
                 return
-            found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared))
+            found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared), within=within)
             by_holder = {id(c.holder): c for c in found}
+            holders = [c.holder for c in found]
             plans = [
                 plan
-                for plan in make_room(allocator, claims, [c.holder for c in found], move=not preempt)
+                for plan in make_room(allocator, claims, holders, move=not preempt, budget=search)
                 if plan.victims and all(room.fits(p.claim, p.node) for p in plan.placements)
             ]
+            if search.exhausted:
+                self._tell(objects, f"no room made: {search.reason(claims)}", warning=True)
+                return
             if plans:
-                self._carry_out(plans, objects, by_holder, preempt)
+                self._carry_out(plans, objects, by_holder)
                 return
 
-    def _carry_out(
-        self, plans: list[Plan], objects: list[dict[str, Any]], by_holder: dict[int, Candidate], preempt: bool
-    ) -> None:
-        """The first plan whose evictions all go; a refused one is undone as far as it can be."""
+    def _carry_out(self, plans: list[Plan], objects: list[dict[str, Any]], by_holder: dict[int, Candidate]) -> None:
+        """The first plan whose evictions all go; a refused one is undone as far as it can be.
+        Never past a disruption budget: when every plan is refused, nothing more is evicted."""
         assert self._budget is not None
-        refused_all = True
         for plan in plans:
             victims = [by_holder[id(v)] for v in plan.victims]
             if any(v.holder.claim.uid in self._spared for v in victims):
@@ -134,15 +150,11 @@ class RoomMaker:
                 return
             if not self._reserve(plan, objects):
                 return
-            refusal = self._evict(victims, plan, objects, preempt)
-            if refusal is None:
+            if self._evict(victims, plan, objects) is None:
                 return
-            refused_all = refused_all and refusal != ""
             self._unreserve(self._reserved_by(plan, objects))
             if self._replica.stale.is_set():
                 return
-        if preempt and refused_all and plans:
-            self._preempt_past_budgets(plans[0], objects, by_holder)
 
     def _reserve(self, plan: Plan, objects: list[dict[str, Any]]) -> bool:
         """Hold the plan's devices for its claims in the ledgers; all or none."""
@@ -172,20 +184,20 @@ class RoomMaker:
             for pool in entries_for(by_key[p.claim.key], p.allocation)
         ]
 
-    def _evict(self, victims: list[Candidate], plan: Plan, objects: list[dict[str, Any]], preempt: bool) -> str | None:
+    def _evict(self, victims: list[Candidate], plan: Plan, objects: list[dict[str, Any]]) -> str | None:
         """Evict every victim's pods: None when all went; the refusal otherwise ("" when the
         API server failed rather than a budget refusing)."""
         names = ", ".join(object_key(p) for v in victims for p in v.pods)
         target = ", ".join(sorted({p.node for p in plan.placements}))
-        reason = "Preempted" if preempt else "EvictedToMakeRoom"
         for victim in victims:
+            reason = "Preempted" if victim.preempted else "EvictedToMakeRoom"
             for pod in victim.pods:
                 refused = self._evict_pod(victim, pod)
                 if refused:
                     self._tell(objects, f"eviction of pod {object_key(pod)} refused: {refused}", warning=True)
                 if refused is not None:
                     return refused
-                metrics.EVICTIONS.labels("preemption" if preempt else "movable").inc()
+                metrics.EVICTIONS.labels("preemption" if victim.preempted else "movable").inc()
                 why = "has a lower priority" if victim.preempted else "is movable"
                 message = f"evicted by fgpu to make room for claim(s) {_keys(objects)} on {target} (the pod {why})"
                 self._reporter.event("v1", "Pod", pod, reason, message, True)
@@ -209,29 +221,6 @@ class RoomMaker:
             return refused or "refused by a disruption budget"
         self._budget.spend(time.monotonic())
         return None
-
-    def _preempt_past_budgets(self, plan: Plan, objects: list[dict[str, Any]], by_holder: dict[int, Candidate]) -> None:
-        """Every plan was refused by a PodDisruptionBudget: kube-scheduler's preemption then goes
-        ahead with the cheapest (budgets are honoured as far as victims allow, no further)."""
-        assert self._budget is not None
-        if not self._reserve(plan, objects):
-            return
-        target = ", ".join(sorted({p.node for p in plan.placements}))
-        for victim in (by_holder[id(v)] for v in plan.victims):
-            for pod in victim.pods:
-                meta = pod["metadata"]
-                try:
-                    self._api.delete_pod(meta["namespace"], meta["name"])
-                except KubeError as error:
-                    log.warning("cannot delete pod %s: %s", object_key(pod), error)
-                    continue
-                self._budget.spend(time.monotonic())
-                metrics.EVICTIONS.labels("preemption").inc()
-                message = (
-                    f"deleted by fgpu to make room for claim(s) {_keys(objects)} on {target}: the pod has a lower "
-                    "priority and every choice of victims was refused by a PodDisruptionBudget"
-                )
-                self._reporter.event("v1", "Pod", pod, "Preempted", message, True)
 
     def compact(self, allocator: ClusterAllocator) -> None:
         """Nothing waits: move movable pods off lightly used GPUs into holes on GPUs in use, so that

@@ -5,7 +5,10 @@ writes overlap with the search and with each other (at most MAX_IN_FLIGHT units,
 Lone claims go first, in creation order, then gangs, all or none once every member exists: our
 labelled gangs (driver/scheduling/opt_in.py), then PodGroups with a gang policy (groups.py), in the
 order driver/scheduling/units.py gives. A claim that cannot be placed gets an Event (reporter.py)
-and waits for the next pass; the units that fit nowhere are left in the pass for making_room.py."""
+and waits for the next pass; the units that fit nowhere are left in the pass for making_room.py.
+Each unit searches within a budget from its namespace's share of the pass (search_shares.py): a
+unit whose search ran out fails (no room is made for it: its search did not finish), and the
+units of a namespace whose share is spent wait for the next pass."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from driver.allocator.allocate import SearchBudget
 from driver.allocator.cluster import Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
@@ -26,6 +30,7 @@ from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim, released
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
+from driver.controller.search_shares import share_spent
 from driver.controller.writes import ClaimWriter, Unit
 from driver.scheduling.nodefit import NodeRoom
 from driver.scheduling.opt_in import GANG_LABEL, gang_label, pending
@@ -103,6 +108,7 @@ class Placer:
         as soon as a write has failed or this replica no longer leads."""
         groups = self._replica.groups()
         for unit in units(self._readable(waiting), _claim_of, lambda item: groups.of_claim(item[0])):
+            self._replica.progress.beat()
             if isinstance(unit, Lone):
                 obj, claim = unit.member
                 if (placement := self._place_one(current, claim, obj, room)) is not None:
@@ -128,17 +134,30 @@ class Placer:
             except ObjectError as error:
                 self._reporter.report(obj, f"cannot read the claim: {error}")
 
+    def _budget(self, current: Pass, objects: list[dict[str, Any]]) -> SearchBudget | None:
+        """A unit's search budget, or None (said on its claims) when its namespace has spent its
+        share of the pass."""
+        namespace = objects[0]["metadata"]["namespace"]
+        budget = current.shares.budget(namespace)
+        if budget is None:
+            for obj in objects:
+                self._reporter.report(obj, share_spent(namespace), warning=False, why="SearchShareSpent")
+        return budget
+
     def _place_one(self, current: Pass, claim: Claim, obj: dict[str, Any], room: NodeRoom) -> Placement | None:
+        if (budget := self._budget(current, [obj])) is None:
+            return None
         started = time.perf_counter()
         allocator = current.allocator
         aside = self._allocators.set_aside(allocator, [obj], current.reserved)
-        outcome = allocator.allocate(claim, room=room)
+        outcome = allocator.allocate(claim, room=room, budget=budget)
         metrics.ALLOCATION_SECONDS.observe(time.perf_counter() - started)
         if isinstance(outcome, Failure):
             aside.put_back()
-            metrics.ALLOCATIONS.labels("unschedulable").inc()
+            metrics.ALLOCATIONS.labels(_failed(budget)).inc()
             self._reporter.report(obj, outcome.reason)
-            current.unplaced.append([obj])
+            if not budget.exhausted:
+                current.unplaced.append([obj])
             return None
         allocator.commit(outcome)
         room.take(outcome)
@@ -160,14 +179,16 @@ class Placer:
             for obj in objects.values():
                 self._reporter.report(obj, incomplete, warning=False)
             return None
+        if (budget := self._budget(current, list(present.values()))) is None:
+            return None
         aside = self._allocators.set_aside(current.allocator, list(present.values()), current.reserved)
-        outcome = current.allocator.allocate_gang(members, room)
+        outcome = current.allocator.allocate_gang(members, room, budget)
         if isinstance(outcome, Failure):
             aside.put_back()
-            metrics.GANGS.labels("unschedulable").inc()
+            metrics.GANGS.labels(_failed(budget)).inc()
             for obj in present.values():
                 self._reporter.report(obj, outcome.reason)
-            if not allocated:
+            if not allocated and not budget.exhausted:
                 current.unplaced.append(list(present.values()))
             if allocated and len(allocated) < gang.size and not self._any_released(allocated):
                 # Members left allocated by an interrupted pass: all or none, so give them back.
@@ -195,15 +216,17 @@ class Placer:
         present = {c.key: obj for c in placing if (obj := objects[c.key]) is not None}
         if not placing or len(present) < len(state.pending):
             return None  # a claim was deleted since, or cannot be read (reported): none then
+        if (budget := self._budget(current, list(present.values()))) is None:
+            return None
         aside = self._allocators.set_aside(current.allocator, list(present.values()), current.reserved)
-        outcome = current.allocator.allocate_gang(placing, room)
+        outcome = current.allocator.allocate_gang(placing, room, budget)
         if isinstance(outcome, Failure):
             aside.put_back()
-            metrics.GANGS.labels("unschedulable").inc()
+            metrics.GANGS.labels(_failed(budget)).inc()
             self._reporter.report_group(
                 podgroup, present.values(), group_unplaced(group.name, state.size, outcome.reason)
             )
-            if not state.allocated:
+            if not state.allocated and not budget.exhausted:
                 current.unplaced.append(list(present.values()))
             if state.allocated and not state.whole and not state.released:
                 # Members left allocated by an interrupted pass, none let go: all or none.
@@ -229,3 +252,8 @@ class Placer:
 
 def _claim_of(item: Waiting) -> Claim:
     return item[1]
+
+
+def _failed(budget: SearchBudget) -> str:
+    """A failed unit's metrics label: its search ran out, or it fits nowhere."""
+    return "search-budget" if budget.exhausted else "unschedulable"

@@ -16,6 +16,7 @@ from driver.controller.fit import node_room
 from driver.controller.groups import Groups
 from driver.controller.informer import Informer
 from driver.controller.ledger import Ledgers
+from driver.controller.progress import Progress
 from driver.scheduling.nodefit import NodeRoom
 from driver.scheduling.opt_in import gated, pending
 
@@ -28,6 +29,7 @@ class Replica:
     stale: threading.Event  # a write failed: end the pass, read afresh, then go on
     writers: ThreadPoolExecutor
     acting: Callable[[], bool]  # checked before every write: this replica leads and is not stopping
+    progress: Progress  # beaten by the loop and after each unit a pass handles (the liveness probe)
 
     def stopped(self) -> bool:
         """Whether a pass stops here: a write failed, or this replica no longer acts."""

@@ -10,7 +10,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
-from driver.allocator.scoring import DEFAULT_POLICY, POLICIES, Policy
+from driver.allocator.policies import DEFAULT_POLICY, POLICIES, Policy
 from driver.common.flags import SettingsError, Subcommands, env_default, port, positive, seconds
 from driver.controller.leader import LeaseTimings
 
@@ -32,6 +32,9 @@ class ControllerSettings:
     evictions_per_minute: int  # making room's budget; 0: it is off
     compact: bool  # also move pods while nothing waits
     metrics_port: int  # Prometheus metrics; 0 or -1: off
+    health_port: int  # GET /healthz, the liveness probe; 0 or -1: off
+    stall_s: float  # no progress this long: stalled (the probe fails, the Lease is left to expire)
+    preempt_across_namespaces: bool  # making room may preempt lower-priority pods of any namespace
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +45,15 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-namespace", default="kube-system", help="where the leader election Lease lives")
     parser.add_argument("--identity", default="", help="this replica's name in the Lease (default: host-pid)")
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus metrics here (0 or -1: off)")
+    parser.add_argument(
+        "--health-port", type=port, default=0, help="serve GET /healthz (the liveness probe) here (0 or -1: off)"
+    )
+    parser.add_argument(
+        "--stalled-after",
+        type=seconds,
+        default=120.0,
+        help="seconds without progress after which /healthz fails and the leader gives up its Lease",
+    )
     for flag, env, default, what in LEADER_ELECTION_FLAGS:
         parser.add_argument(flag, type=seconds, default=env_default(default, env), help=f"{what} [{env}]")
     parser.add_argument(
@@ -57,6 +69,11 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --make-room: while nothing waits, move movable pods so that lightly used GPUs empty",
     )
+    parser.add_argument(
+        "--preempt-across-namespaces",
+        action="store_true",
+        help="with --make-room: preempt lower-priority pods of any namespace, not only the pending claim's",
+    )
 
 
 def controller_settings(args: argparse.Namespace) -> ControllerSettings:
@@ -67,6 +84,8 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         raise SettingsError(f"--leader-elect-*: {err}") from err
     if args.compact_when_idle and not args.make_room:
         raise SettingsError("--compact-when-idle moves pods as making room does: give --make-room too")
+    if args.preempt_across_namespaces and not args.make_room:
+        raise SettingsError("--preempt-across-namespaces widens making room: give --make-room too")
     return ControllerSettings(
         kubeconfig=args.kubeconfig,
         identity=args.identity or f"{socket.gethostname()}-{os.getpid()}",
@@ -76,6 +95,9 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         evictions_per_minute=args.evictions_per_minute if args.make_room else 0,
         compact=args.compact_when_idle,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        stall_s=args.stalled_after,
+        preempt_across_namespaces=args.preempt_across_namespaces,
     )
 
 
@@ -92,7 +114,12 @@ def run_controller(settings: ControllerSettings) -> None:
     if settings.metrics_port > 0:
         start_http_server(settings.metrics_port)
     controller = Controller(api, settings.identity, settings.policy, settings.lease_namespace, settings.timings,
-                            settings.evictions_per_minute, settings.compact, from_environment())  # fmt: skip
+                            settings.evictions_per_minute, settings.compact, from_environment(),
+                            settings.preempt_across_namespaces, stall_s=settings.stall_s)  # fmt: skip
+    if settings.health_port > 0:
+        from driver.controller.progress import serve_health
+
+        serve_health(settings.health_port, controller.progress)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: controller.stop())
     controller.run()

@@ -4,8 +4,9 @@ A claim's allocation may be taken from it only by evicting every pod that uses i
 *movable* when each of those pods carries `gpu.fgpu.dev/movable: "true"` and is owned by a
 controller that recreates it (a ReplicaSet, StatefulSet, Job...); nothing else is ever moved. It
 is *preemptible* for a pending pod of higher priority whose `preemptionPolicy` is not `Never`,
-whatever its annotation, as kube-scheduler preempts. Movable pods of a higher priority than the
-pending pod are not moved for it."""
+whatever its annotation, as kube-scheduler preempts, but only in the pending claim's namespace
+unless the controller is told to preempt across namespaces (making_room.py says why). Movable pods
+of a higher priority than the pending pod are not moved for it."""
 
 from __future__ import annotations
 
@@ -67,22 +68,24 @@ def candidates(
     preempt: bool,
     spared: AbstractSet[str] = frozenset(),
     held_too: bool = False,
+    within: str | None = None,
 ) -> list[Candidate]:
     """The allocated claims the planner may take from: those whose pods are all movable and not
-    of a higher priority than the pending pod, or, with `preempt`, of a lower priority. Claims
-    in `spared` (uids: an eviction of theirs was refused lately), claims no pod uses and claims
-    that cannot be read are left alone; with `held_too` the others are listed as well, not
-    movable (compaction must see what holds a GPU)."""
+    of a higher priority than the pending pod, or, with `preempt`, of a lower priority (with
+    `within`, only in that namespace). Claims in `spared` (uids: an eviction of theirs was refused
+    lately), claims no pod uses and claims that cannot be read are left alone; with `held_too` the
+    others are listed as well, not movable (compaction must see what holds a GPU)."""
     found = []
     for claim in claims:
-        allocation = (claim.get("status") or {}).get("allocation")
+        allocation = (claim.get("status") or {}).get("allocation") or {}
         node = allocated_node(claim) if allocation else ""
         pods = tuple(pods_of.get(object_key(claim), ()))
         if not node or claim["metadata"].get("deletionTimestamp"):
             continue
         top = max((priority(p) for p in pods), default=0)
         is_movable = bool(pods) and all(movable(p) for p in pods) and top <= pending_priority
-        preempted = preempt and bool(pods) and top < pending_priority and not is_movable
+        in_reach = within is None or claim["metadata"].get("namespace") == within
+        preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
         if not (takeable or held_too):
             continue

@@ -294,9 +294,9 @@ def test_a_search_that_found_nothing_is_not_run_again_until_the_node_changes(
     searches: list[str] = []
     search = NodeAllocator.allocate
 
-    def counted(self: NodeAllocator, claims: Any) -> Any:
+    def counted(self: NodeAllocator, claims: Any, budget: Any = None) -> Any:
         searches.append(self.node.name)
-        return search(self, claims)
+        return search(self, claims, budget)
 
     monkeypatch.setattr(NodeAllocator, "allocate", counted)
     cluster = allocator(h100_slices("n1", "n2"), policy=policy)

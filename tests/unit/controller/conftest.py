@@ -29,6 +29,7 @@ def replicas() -> Iterator[Any]:
         evictions_per_minute: int = 0,
         compact: bool = False,
         hooks: TestHooks = NO_TEST_HOOKS,
+        **options: Any,
     ) -> Controller:
         controller = Controller(
             api,
@@ -37,6 +38,7 @@ def replicas() -> Iterator[Any]:
             evictions_per_minute=evictions_per_minute,
             compact=compact,
             hooks=hooks,
+            **options,
         )
         controller.leader.leading = lambda: True  # type: ignore[method-assign]
         sync(controller)

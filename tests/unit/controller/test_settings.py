@@ -28,6 +28,9 @@ def test_the_defaults_are_client_gos_and_making_room_is_off(monkeypatch):
         evictions_per_minute=0,
         compact=False,
         metrics_port=0,
+        health_port=0,
+        stall_s=120.0,
+        preempt_across_namespaces=False,
     )
 
 
@@ -43,6 +46,8 @@ def test_flags_and_environment_reach_the_settings(monkeypatch):
         9000,
     )
     assert got.timings == LeaseTimings(30.0, 20.0, 2.0)
+    got = settings("--make-room", "--preempt-across-namespaces", "--health-port=8081", "--stalled-after=60")
+    assert (got.preempt_across_namespaces, got.health_port, got.stall_s) == (True, 8081, 60.0)
 
 
 def test_settings_that_do_not_go_together_name_their_flags():
@@ -50,3 +55,5 @@ def test_settings_that_do_not_go_together_name_their_flags():
         settings("--leader-elect-retry-period=20")
     with pytest.raises(SettingsError, match=r"^--compact-when-idle moves pods as making room does"):
         settings("--compact-when-idle")
+    with pytest.raises(SettingsError, match=r"^--preempt-across-namespaces widens making room"):
+        settings("--preempt-across-namespaces")
