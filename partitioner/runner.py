@@ -1,4 +1,4 @@
-"""The one place system tools (nvidia-smi, nvidia-cuda-mps-control, mount, unshare) are run.
+"""The one place system tools (nvidia-smi, nvidia-cuda-mps-control, mount, unshare) are run or started.
 
 The driver's tools come from the driver root: the host's driver, or the mock driver root with the
 fakes (driver/nvml/mock_driver_root.py). Everything else comes from PATH: in the plugin's
@@ -50,10 +50,8 @@ class ToolRunner:
         *args: str,
         stdin: str | None = None,
         env: dict[str, str] | None = None,
-        new_session: bool = False,
     ) -> str:
-        """Run the tool and return its stdout. `new_session`: in a session of its own, so that what
-        it leaves running is not signalled with the plugin's process group."""
+        """Run the tool and return its stdout."""
         command = [self.locate(tool), *args]
         try:
             done = subprocess.run(
@@ -63,7 +61,6 @@ class ToolRunner:
                 text=True,
                 timeout=TOOL_TIMEOUT_S,
                 env={**self.env_defaults, **os.environ, **(env or {})},
-                start_new_session=new_session,
             )
         except subprocess.TimeoutExpired as err:
             raise ToolError(f"{' '.join(command)} timed out after {TOOL_TIMEOUT_S}s") from err
@@ -72,3 +69,21 @@ class ToolRunner:
             raise ToolError(f"{' '.join(command)} failed with exit code {done.returncode}: {output}", output)
         log.debug("%s -> %s", " ".join(command), done.stdout.strip())
         return done.stdout
+
+    def spawn(self, tool: str, *args: str, env: dict[str, str], output: Path) -> subprocess.Popen[bytes]:
+        """Start the tool and leave it running (a service in the foreground: its pid is this
+        process's child, the one way to know it that nothing else can forge), in a session of its
+        own (the plugin's process group is not signalled to it), stdout and stderr appended to
+        `output`."""
+        command = [self.locate(tool), *args]
+        with open(output, "ab") as sink:  # the child keeps its own descriptor
+            child = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=sink,
+                env={**self.env_defaults, **os.environ, **env},
+                start_new_session=True,
+            )
+        log.debug("%s started, pid %d", " ".join(command), child.pid)
+        return child

@@ -31,7 +31,9 @@ LIBRARY_PATTERNS = (
     "libnvidia-allocator.so.*",
     "libnvidia-cfg.so.*",
 )
-TOOLS = ("usr/bin/nvidia-smi", "usr/bin/nvidia-debugdump", "usr/bin/nvidia-cuda-mps-control")
+# Not nvidia-cuda-mps-control: MPS clients need only the pipe directory's sockets, and the tool
+# sends a daemon commands (quit, limits) that are the plugin's alone (docs/security.md).
+TOOLS = ("usr/bin/nvidia-smi", "usr/bin/nvidia-debugdump")
 MOCK_DEVICE_NODE = "/dev/null"  # what mock GPUs' device nodes are on the host (see CdiWriter)
 
 
@@ -42,7 +44,7 @@ class CdiDevice:
     name: str
     device_nodes: tuple[str, ...]
     env: tuple[str, ...] = ()
-    mounts: tuple[tuple[str, str], ...] = ()  # (host path, container path)
+    mounts: tuple[tuple[str, str, str], ...] = ()  # (host path, container path, "ro" or "rw")
 
 
 @dataclass(frozen=True)
@@ -137,5 +139,8 @@ class CdiWriter:
         if device.env:
             edits["env"] = list(device.env)
         if device.mounts:
-            edits["mounts"] = [{"hostPath": h, "containerPath": c, "options": ["rw", "bind"]} for h, c in device.mounts]
+            edits["mounts"] = [
+                {"hostPath": h, "containerPath": c, "options": [access, "nosuid", "nodev", "bind"]}
+                for h, c, access in device.mounts
+            ]
         return edits

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from driver.claims.allocation import AllocatedDevice, ClaimAllocation
-from driver.claims.config import config_for_request
+from driver.claims.config import DEFAULT_TENANCY, config_for_request
 from driver.claims.refs import ClaimError
 from driver.common.quantity import QuantityError, parse_quantity
 from driver.inventory.device_kinds import KIND_TRAITS
@@ -68,6 +68,8 @@ def _configure(
             mig_start=target.placement.start,
             mig_size=target.placement.size,
         )
+    if kind.shared:  # whose shares may meet this one's on the device (tenancy.py)
+        device = replace(device, tenancy=config.tenancy or DEFAULT_TENANCY)
     if kind.mps:
         if config.strategy not in (None, "MPS"):
             raise ClaimError(f"device {device.device} is an MPS share; its config asks for {config.strategy}")

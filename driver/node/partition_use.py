@@ -21,6 +21,7 @@ from driver.claims.refs import ClaimError, ClaimRef, ErrorReason
 from driver.common.testhooks import Step, TestHooks
 from driver.inventory.devices import DeviceTarget
 from driver.node.claim_locks import KeyedLocks
+from driver.node.conflicts import overlaps
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.nvml.session import GpuInstanceRecord
 from partitioner.mig import MigError, MigPartitioner, mig_device_nodes
@@ -216,6 +217,10 @@ class PartitionUse:
         if device.traits.in_partition and device.traits.shared:
             return self._release_partition_share(device, others)
         if device.traits.in_partition:
+            if any(d.holds and overlaps(device, d) for c in others for d in c.devices):
+                # Prepare refuses such a claim (conflicts.py); a record from before that still must
+                # not take the instance from under the other claim's containers.
+                return f"MIG {self._profile_name(device)} kept: another claim holds it"
             return self._destroy_partition(device, self._find_partition(device))
         still_used = any(
             d.holds and d.kind == device.kind and d.gpu_index == device.gpu_index for c in others for d in c.devices

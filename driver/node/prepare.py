@@ -10,6 +10,10 @@ claim operations at a time, during a rolling update), the claim's own lock (one 
 claim at a time: kubelet retries while a call runs), then the locks of the claim's GPUs in index
 order (partition_use.py: one GPU's changes at a time; claims on different GPUs run in parallel).
 
+Before anything is journaled, a claim that needs what another claim holds (a whole GPU or MIG
+device allocated twice by racing schedulers, a GPU time-sliced at another interval) is refused
+(conflicts.py), under its GPUs' locks.
+
 Each step is journaled before its side effect (state.py): the claim's record (PrepareStarted, the
 plan of claim_plan.py) before any MIG instance, MPS daemon or timeslice change (partition_use.py);
 PrepareCompleted after the CDI spec is written; UnprepareStarted before anything is undone. A
@@ -39,10 +43,11 @@ from driver.node.claim_locks import KeyedLocks, NodeClaimLock
 from driver.node.claim_plan import ClaimPlanner
 from driver.node.claim_result import ClaimResult
 from driver.node.claim_status import ClaimStatusWriter, claim_generation
+from driver.node.conflicts import HeldDevices
 from driver.node.instance_lock import InstanceLock
 from driver.node.partition_use import Partitioners, PartitionUse
 from driver.node.prepare_again import PrepareAgain
-from driver.node.state import PreparedClaim, PreparedClaims
+from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,7 @@ class ClaimPreparer:
         self.partition_use = PartitionUse(
             targets=self.targets, partitioners=partitioners, claims=claims, test_hooks=test_hooks, proc_root=proc_root
         )
+        self.held = HeldDevices(claims)  # prepare-time exclusivity (conflicts.py)
         self.prepare_again = PrepareAgain(
             api=api, claims=claims, cdi=cdi, status=self.status, partition_use=self.partition_use, undo=self._undo
         )
@@ -120,9 +126,23 @@ class ClaimPreparer:
         except NotFoundError as err:
             raise ClaimError("the claim does not exist in the API server", reason="not_found") from err
         planned = self._planner.plan(allocation_for_node(claim, ref, self.driver_name, self.pool))
-        if _needs_journal(planned):
-            self.claims.commit(prepared=[planned])
-        self._hooks.reached(Step.PREPARE_JOURNALED)
+        with self.partition_use.gpu_locks(planned.devices):
+            self.held.reserve(planned)  # refused: nothing of it journaled or made, nothing to undo
+        try:
+            if _needs_journal(planned):
+                self.claims.commit(prepared=[planned])
+            self._hooks.reached(Step.PREPARE_JOURNALED)
+            made = self._make(ref, planned)
+        finally:
+            self.held.done(ref.uid)  # its record says what it holds now, if anything
+        devices = tuple(device for device, _ in made)
+        self._hooks.reached(Step.PREPARE_COMPLETED)
+        self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
+        return ClaimResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
+
+    def _make(self, ref: ClaimRef, planned: PreparedClaim) -> list[tuple[PreparedDevice, str]]:
+        """Make the planned claim's devices, write its CDI spec and record it prepared; what a failure
+        left is rolled back. Each device as made, with what was done."""
         try:
             with self.partition_use.gpu_locks(planned.devices):
                 made = [self.partition_use.make(ref, device) for device in planned.devices]
@@ -136,9 +156,7 @@ class ClaimPreparer:
             except Exception:  # the claim's error stays the original one; recovery retries the undo
                 log.exception("rolling back claim %s after %r failed", ref, err)
             raise
-        self._hooks.reached(Step.PREPARE_COMPLETED)
-        self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
-        return ClaimResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
+        return made
 
     def check_prepared(self, gpu_index: int | None = None) -> dict[str, ClaimResult]:
         """What every prepared claim recorded (or each with a device on one GPU) checked, and made

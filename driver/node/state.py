@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from driver.claims.config import DEFAULT_TENANCY, Tenancy
 from driver.inventory.device_kinds import KIND_TRAITS, KindTraits
 from driver.inventory.sharing import DeviceKind
 from driver.node.cdi import CdiDevice
@@ -46,10 +47,13 @@ class PreparedDevice:
     # file went missing).
     device_nodes: tuple[str, ...] = ()
     env: tuple[str, ...] = ()
-    mounts: tuple[tuple[str, str], ...] = ()
+    mounts: tuple[tuple[str, str, str], ...] = ()  # (host path, container path, "ro" or "rw")
     # Admin access (KEP-5018, a monitoring claim): access to the GPU without making, changing or
     # holding anything, so it keeps no MIG instance, MPS daemon or timeslice setting alive.
     admin_access: bool = False
+    # Whose shares may meet this one's on its device (tenancy.py; from the device class's config).
+    # Records written before it existed were in one namespace's hands as far as anyone can tell.
+    tenancy: Tenancy = DEFAULT_TENANCY
 
     @property
     def traits(self) -> KindTraits:
@@ -91,14 +95,15 @@ class PreparedClaim:
 
 
 def _tuples(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
-    """JSON lists back to the tuples the dataclass holds (mounts are pairs)."""
+    """JSON lists back to the tuples the dataclass holds (mounts are triples)."""
     known = {f.name for f in dataclasses.fields(kind)}
     out = {k: v for k, v in raw.items() if k in known}
     for key in ("request_names", "cdi_ids", "device_nodes", "env"):
         if key in out:
             out[key] = tuple(out[key])
     if "mounts" in out:
-        out["mounts"] = tuple(tuple(m) for m in out["mounts"])
+        # Records written before mounts had an access were pairs, all read-write.
+        out["mounts"] = tuple((*m, "rw") if len(m) == 2 else tuple(m) for m in out["mounts"])
     return out
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
@@ -31,6 +32,7 @@ RECONCILE_S = 60  # the plugin's --reconcile-interval default
 
 IN_GPU3 = 'device.attributes["gpu.fgpu.dev"].index == 3 && device.attributes["gpu.fgpu.dev"].profile == "3g.40gb"'
 GPU = 'device.attributes["gpu.fgpu.dev"].index == {}'
+TS_LONG_CLASS = "timeslice-long.test.fgpu.dev"  # the interval is the GPU's: only a DeviceClass sets it
 # Each kind on a GPU of its own: the pods are created together and kube-scheduler allocates their
 # claims in any order (a share placed first on GPU 0 left the whole-GPU claim nowhere to go).
 KINDS = {  # pod -> (device class, claim template arguments)
@@ -40,13 +42,25 @@ KINDS = {  # pod -> (device class, claim template arguments)
         {"selector": GPU.format(1) + ' && device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'},
     ),
     "mps": ("mps.gpu.fgpu.dev", {"selector": GPU.format(2), "capacity": {"memory": "2Gi", "compute": "10"}}),
-    "ts": (
-        "timeslice.gpu.fgpu.dev",
-        {"selector": GPU.format(4), "capacity": {"memory": "2Gi"}, "config": [timeslice_interval("Long")]},
-    ),
+    "ts": (TS_LONG_CLASS, {"selector": GPU.format(4), "capacity": {"memory": "2Gi"}}),
     "part-a": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "4Gi", "compute": "20"}}),
     "part-b": ("mig-mps.gpu.fgpu.dev", {"selector": IN_GPU3, "capacity": {"memory": "8Gi", "compute": "30"}}),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def long_timeslice_class(cluster) -> Iterator[None]:
+    """The devices of timeslice.gpu.fgpu.dev, time-sliced at Long (a claim's own config cannot set it)."""
+    resource = kubernetes.client.ResourceV1Api(cluster.api_client())
+    base = resource.read_device_class("timeslice.gpu.fgpu.dev")
+    selectors = [{"cel": {"expression": s.cel.expression}} for s in base.spec.selectors]
+    spec = {"selectors": selectors, "config": [timeslice_interval("Long")]}
+    metadata = {"name": TS_LONG_CLASS}
+    resource.create_device_class(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": metadata, "spec": spec}
+    )
+    yield
+    resource.delete_device_class(TS_LONG_CLASS)
 
 
 def start_pods(cluster, core_api, workloads, node_name: str) -> dict[str, str]:

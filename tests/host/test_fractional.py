@@ -87,8 +87,8 @@ def test_mps_shares_share_one_daemon_with_their_own_limits(node):
     for claim_uid in (first.uid, second.uid):
         mounts = spec(env, claim_uid)["devices"][0]["containerEdits"]["mounts"]
         assert [(m["hostPath"], m["containerPath"], m["options"]) for m in mounts] == [
-            (str(env.mps.pipe_dir(uuid)), "/tmp/nvidia-mps", ["rw", "bind"]),
-            (str(env.mps.shm_dir(uuid)), "/dev/shm", ["rw", "bind"]),
+            (str(env.mps.pipe_dir(uuid)), "/tmp/nvidia-mps", ["ro", "nosuid", "nodev", "bind"]),
+            (str(env.mps.shm_dir(uuid)), "/dev/shm", ["rw", "nosuid", "nodev", "bind"]),
         ]
     # The container's /dev/shm is the tmpfs the daemon has as its /dev/shm: the daemon's file is there.
     assert (Path(mounts[1]["hostPath"]) / f"cuda.shm.fgpu-mps-{uuid}").exists()
@@ -210,3 +210,28 @@ def test_restart_keeps_a_partitions_daemon_and_sweeps_an_orphaned_one(node):
     assert restarted.mps.running(kept_uuid) and not restarted.mps.running(gone_uuid)
     assert env.session.gpu_instances(6) == [] and len(env.session.gpu_instances(5)) == 1
     assert restarted.preparer.unprepare([kept]) == {kept.uid: ""} and env.session.gpu_instances(5) == []
+
+
+@pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories
+def test_another_namespace_never_meets_a_tenants_mps_daemon_or_its_dev_shm(node):
+    """Findings 1, 3 and 4: one daemon (its control socket, /dev/shm and server uid) served every
+    namespace on a GPU. Now a namespace's claim waits for the GPU's shares of another namespace to
+    go, then gets a daemon and a /dev/shm of its own: nothing of the first tenant's is left."""
+    api, env = node
+    uuid = env.gpus[1].uuid
+    api.claims[("team-a", "a")] = allocated_claim("team-a", "a", "uid-a", [share("gpu-1-mps", memory="4Gi")])
+    api.claims[("team-b", "b")] = allocated_claim("team-b", "b", "uid-b", [share("gpu-1-mps", memory="4Gi")])
+    first, second = ClaimRef("team-a", "a", "uid-a"), ClaimRef("team-b", "b", "uid-b")
+    assert env.preparer.prepare([first])[first.uid].error == ""
+    daemon = env.mps.daemon_pid(uuid)
+    (env.mps.shm_dir(uuid) / "team-a-secret").write_text("weights")  # what team-a's clients leave in /dev/shm
+
+    error = env.preparer.prepare([second])[second.uid].error
+    assert "shared by another tenant's claims" in error and "team-a" not in error
+    assert env.mps.daemon_pid(uuid) == daemon
+
+    assert env.preparer.unprepare([first]) == {first.uid: ""}
+    assert env.preparer.prepare([second])[second.uid].error == ""
+    assert env.mps.daemon_pid(uuid) not in (None, daemon)  # a daemon of its own
+    assert [p.name for p in env.mps.shm_dir(uuid).iterdir()] == [f"cuda.shm.fgpu-mps-{uuid}"]
+    assert env.preparer.unprepare([second]) == {second.uid: ""}

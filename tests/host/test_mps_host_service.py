@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 from driver.claims.refs import ClaimRef
 from driver.node.recovery import recover
 from partitioner import tmpfs
-from partitioner.mps import DEFAULT_SHM_BYTES, MpsPartitioner
+from partitioner.mps import DEFAULT_SHM_BYTES, PIPE_BYTES, MpsPartitioner
 from partitioner.runner import ToolError, ToolRunner
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv, process_alive
@@ -83,7 +84,7 @@ def test_the_daemon_outlives_a_killed_starter_and_a_new_instance_adopts_it(node)
     assert pid is not None and process_alive(pid)  # SIGKILL of the process that started it left it running
     assert env.mps.start(0, uuid) is False  # adopted, not started again
     assert env.mps.daemon_pid(uuid) == pid
-    assert [e["argv"] for e in tools_log(env) if e["tool"] == "nvidia-cuda-mps-control"] == [["-d"]]
+    assert [e["argv"] for e in tools_log(env) if e["tool"] == "nvidia-cuda-mps-control"] == [["-f"]]
 
 
 def test_stop_quits_the_daemon_unmounts_its_tmpfs_and_removes_its_directories(node):
@@ -118,9 +119,10 @@ def test_a_refused_mount_is_one_clear_line_and_starts_nothing(node, tmp_path: Pa
         mps.start(2, uuid)
     message = str(refused.value)
     assert "\n" not in message
-    assert f"cannot mount a tmpfs at {mps.shm_dir(uuid)} (mount: " in message
+    assert f"cannot mount a tmpfs at {mps.pipe_dir(uuid)} (mount: " in message  # the first of its two
     assert "permission denied" in message and "CAP_SYS_ADMIN" in message
-    assert not tmpfs.is_mounted(mps.shm_dir(uuid)) and not mps.running(uuid)
+    assert not tmpfs.is_mounted(mps.pipe_dir(uuid)) and not tmpfs.is_mounted(mps.shm_dir(uuid))
+    assert not mps.running(uuid)
 
 
 def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
@@ -140,6 +142,10 @@ def test_start_up_sweep_stops_daemons_and_unmounts_tmpfs_no_share_uses(node):
         assert not env.mps.running(uuid)
         assert not tmpfs.is_mounted(env.mps.shm_dir(uuid))
         assert not env.mps.shm_dir(uuid).parent.exists()
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def cgroups_of(pid: int) -> dict[str, str]:
@@ -185,3 +191,57 @@ def test_the_daemon_joins_the_cgroups_of_the_given_process(node, in_a_child_pids
     finally:
         outside.kill()
         outside.wait()
+
+
+def test_the_pipe_directory_is_a_small_tmpfs_and_goes_with_the_daemon(node):
+    """Finding 3: the pipe directory was on the host's disk, outside any pod's ephemeral-storage
+    accounting; now a tmpfs of PIPE_BYTES, unmounted with the last share."""
+    _, env = node
+    uuid = env.gpus[2].uuid
+    env.mps.start(2, uuid)
+    pipe = env.mps.pipe_dir(uuid)
+    assert tmpfs.is_mounted(pipe)
+    stats = os.statvfs(pipe)
+    assert stats.f_blocks * stats.f_frsize == PIPE_BYTES
+    assert stat.S_ISSOCK((pipe / "control").lstat().st_mode)  # the daemon listens there, as the real one does
+    env.mps.stop(2, uuid)
+    assert not tmpfs.is_mounted(pipe) and not pipe.parent.exists()
+
+
+def test_the_daemon_is_known_by_what_the_plugin_started_not_by_its_pid_file(node):
+    """Finding 2: a tenant's FIFO (or garbage) for the daemon's pid file blocked the plugin's read,
+    start-up recovery included, or orphaned the daemon. The plugin now knows the daemon it spawned
+    (its child, recorded beside the pipe directory), also after a restart."""
+    api, env = node
+    api.claims[("default", "kept")] = allocated_claim(
+        "default", "kept", "uid-kept", [{**result("gpu-3-mps"), "consumedCapacity": {"memory": "1Gi"}}]
+    )
+    assert env.preparer.prepare([ClaimRef("default", "kept", "uid-kept")])["uid-kept"].error == ""
+    uuid = env.gpus[3].uuid
+    pid = env.mps.daemon_pid(uuid)
+    assert pid is not None and parent_of(pid) == os.getpid()  # the preparer's own child
+    pid_file = env.mps.pipe_dir(uuid) / "nvidia-cuda-mps-control.pid"
+    pid_file.unlink()
+    os.mkfifo(pid_file)  # what a tenant with a writable pipe directory could do
+    restarted = env.restart(api)
+    recover(restarted.preparer)  # returns: nothing read the FIFO
+    assert restarted.mps.daemon_pid(uuid) == pid
+    pid_file.unlink()
+    pid_file.write_text("garbage")
+    assert restarted.preparer.unprepare([ClaimRef("default", "kept", "uid-kept")]) == {"uid-kept": ""}
+    assert not process_alive(pid)  # stopped, not orphaned
+    assert not env.mps.pipe_dir(uuid).parent.exists()
+
+
+def test_a_daemon_started_but_not_recorded_is_adopted_not_started_twice(node):
+    """A plugin killed between the daemon's start and its record (or an older version's daemon,
+    which has no record) leaves a daemon only its environment names: found and recorded."""
+    _, env = node
+    uuid = env.gpus[4].uuid
+    env.mps.start(4, uuid)
+    pid = env.mps.daemon_pid(uuid)
+    (env.mps.pipe_dir(uuid).parent / "daemon").unlink()
+    restarted = env.restart(InMemoryKubeApi())
+    assert restarted.mps.start(4, uuid) is False and restarted.mps.daemon_pid(uuid) == pid
+    assert (env.mps.pipe_dir(uuid).parent / "daemon").exists()
+    assert restarted.mps.stop(4, uuid) is True and not process_alive(pid)

@@ -16,7 +16,7 @@ from testbed.node_env import NodeEnv
 from testbed.reboot import clear_volatile_state
 from tests.support.configs import timeslice_interval
 
-LONG = {"source": "FromClaim", "requests": [], **timeslice_interval("Long")}  # as the allocation carries it
+LONG = {"source": "FromClass", "requests": [], **timeslice_interval("Long")}  # the class's: only a class sets it
 
 
 def claim(api: InMemoryKubeApi, name: str, device: str, config=None, memory: str | None = None) -> ClaimRef:

@@ -12,8 +12,8 @@ from driver.claims.refs import ClaimRef
 from testbed.fakes import allocated_claim, result
 
 CONFIG = "gpu.fgpu.dev/v1alpha1"
-TIMESLICE_LONG = {
-    "source": "FromClaim",
+TIMESLICE_LONG = {  # the class's: only a class sets the interval
+    "source": "FromClass",
     "requests": ["ts"],
     "opaque": {
         "driver": "gpu.fgpu.dev",

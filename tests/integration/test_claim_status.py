@@ -249,12 +249,12 @@ KINDS = {
         _mps(15, "2Gi"),
         {"kind": "mps", "mps": {"activeThreadPercentage": 15, "pinnedMemoryLimitBytes": 2 * 2**30}},
     ),
-    "timeslice": Kind(
+    "timeslice": Kind(  # a claim's config may repeat its class's interval (Default), never change it
         "timeslice.gpu.fgpu.dev",
         {},
-        _timeslicing("Long"),
-        {"kind": "timeslice", "timeSlice": {"interval": "Long"}},
-        "Long",
+        _timeslicing("Default"),
+        {"kind": "timeslice", "timeSlice": {"interval": "Default"}},
+        "Default",
     ),
     "mig-mps": Kind(
         "mig-mps.gpu.fgpu.dev",

@@ -68,7 +68,7 @@ def daemon_pid_file(instance: PluginUnderTest) -> Path:
 
 def daemon_starts(instance: PluginUnderTest) -> int:
     tools_log = instance.plugin_dir / "mock-tools" / "tools.log"
-    return sum(1 for e in map(json.loads, tools_log.read_text().splitlines()) if e["argv"] == ["-d"])
+    return sum(1 for e in map(json.loads, tools_log.read_text().splitlines()) if e["argv"] == ["-f"])
 
 
 def test_both_register_with_their_own_sockets(pair):

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.cluster
 
 NODE = "status-node"  # a pool of its own: other tests' claims in node-a's pool stay out of the way
 TAINT = {"key": "gpu.fgpu.dev/xid", "value": "79", "effect": "NoExecute"}
-TIME_SLICING = {
-    "source": "FromClaim",
+TIME_SLICING = {  # the class's, as kube-scheduler copies it: only a class sets the interval
+    "source": "FromClass",
     "requests": ["ts"],
     "opaque": {
         "driver": DRIVER,

@@ -55,9 +55,9 @@ def claim(name: str, *results: dict[str, Any], pods: tuple[str, ...] = (), confi
     }
 
 
-def share_config(**sharing: Any) -> dict[str, Any]:
+def share_config(source: str = "FromClaim", **sharing: Any) -> dict[str, Any]:
     parameters = {"apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig", "sharing": sharing}
-    return {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}
+    return {"source": source, "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}
 
 
 def gpus(status: ClusterStatus, node: str = "n1") -> dict[int, GpuStatus]:
@@ -148,17 +148,24 @@ def test_time_sliced_shares_show_the_interval_their_config_sets():
     short = claim(
         "short",
         result("gpu-4-ts", memory="1Gi"),
-        config=(share_config(strategy="TimeSlicing", timeSlicing={"interval": "Short"}),),
+        config=(share_config("FromClass", strategy="TimeSlicing", timeSlicing={"interval": "Short"}),),
     )
     plain = claim("plain", result("gpu-4-ts", memory="3Gi"))
-    bad = claim("bad", result("gpu-4-ts", memory="1Gi"), config=(share_config(strategy="Both"),))
+    # The interval is the whole GPU's: a claim's own config cannot change its class's (Default).
+    bad = claim(
+        "bad",
+        result("gpu-4-ts", memory="1Gi"),
+        config=(share_config(strategy="TimeSlicing", timeSlicing={"interval": "Short"}),),
+    )
     gpu = gpus(cluster_status(h100_slices("n1"), [short, plain, bad], DRIVER))[4]
     assert [(h.claim, h.kind, h.interval) for h in gpu.claims] == [
         ("team/short", "timeslice", "Short"),
         ("team/plain", "timeslice", None),
         ("team/bad", "timeslice", None),
     ]
-    assert "sharing.strategy must be MPS or TimeSlicing" in (gpu.claims[2].config_error or "")
+    assert "sharing.timeSlicing.interval Short differs from the device class's Default" in (
+        gpu.claims[2].config_error or ""
+    )
     assert gpu.shares[1].free == {"memory": "76288Mi"}  # 79.5Gi less 5Gi
     assert "timeslice memory 1Gi, interval Short" in render_table(cluster_status(h100_slices("n1"), [short], DRIVER))
 

@@ -77,7 +77,8 @@ def test_time_slicing_interval_follows_the_shares(node, tmp_path: Path):
                 "apiVersion": CONFIG,
                 "kind": "ShareConfig",
                 "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-            }
+            },
+            source="FromClass",
         )
     ]
     ref = claim(api, "ts", [share("gpu-3-ts", memory="4Gi")], config=config)
@@ -180,7 +181,8 @@ def test_time_sliced_shares_inside_a_mig_partition(node):
             "apiVersion": CONFIG,
             "kind": "ShareConfig",
             "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-        }
+        },
+        source="FromClass",  # a class of mig-timeslice devices that sets one
     )
     ref = claim(api, "long", [share(device, memory="4Gi")], config=[interval])
     error = env.preparer.prepare([ref])[ref.uid].error
