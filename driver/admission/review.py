@@ -54,6 +54,8 @@ def admission_request(document: Any) -> dict[str, Any]:
     request = document.get("request") if isinstance(document, dict) else None
     if not isinstance(request, dict) or not request.get("uid"):
         raise ReviewError("not an AdmissionReview with a request uid")
+    if not isinstance(request.get("kind") or {}, dict):
+        raise ReviewError("request.kind must be an object (group, version, kind)")
     if document.get("apiVersion") != REVIEW_API_VERSION:
         raise ReviewError(
             f"AdmissionReview apiVersion must be {REVIEW_API_VERSION}, got {document.get('apiVersion')!r}"

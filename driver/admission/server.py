@@ -6,6 +6,12 @@ GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The 
 driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
 while serving: new connections get the new one, without a restart. Its flags and settings are in
 driver/admission/settings.py.
+
+Anyone on the pod network can connect (docs/admission.md, "Who may call it"): connections are
+bounded and closed when idle (driver/common/http_server.py), a label of the metrics is never taken
+from a request as it came, and with --client-ca-file only a client certificate of that CA (kube-
+apiserver's) gets an answer from /validate and /mutate, whose answers depend on objects the caller
+may not be allowed to see.
 """
 
 from __future__ import annotations
@@ -17,21 +23,28 @@ import signal
 import ssl
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from driver.admission.mutate import ClaimReader, mutate
-from driver.admission.review import review
+from driver.admission.review import CONFIG_PATHS, review
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
 from driver.admission.settings import WebhookSettings
+from driver.common.http_server import BoundedHTTPServer, ConnectionLimits
 
 LOG = logging.getLogger("fgpu.webhook")
 # etcd's request limit is 1.5 MiB: no object kube-apiserver sends is larger than this.
 MAX_BODY_BYTES = 3 * 2**20
 HANDSHAKE_TIMEOUT_S = 10.0
+# kube-apiserver keeps a few connections per replica alive (its idle timeout is 90 s: it reconnects
+# when we close first); 128 leaves room for several API servers under load, and bounds the threads
+# a client that opens connections and sends nothing can hold.
+LIMITS = ConnectionLimits(max_connections=128, idle_timeout_s=30.0)
 REVIEWS = Counter("fgpu_webhook_reviews_total", "Admission reviews answered", ["kind", "result"])
+# The `kind` label's values: the kinds this webhook is sent; anything else a caller writes is "other".
+REVIEWED_KINDS = frozenset((*CONFIG_PATHS, "Pod"))
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -40,11 +53,29 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
+def metric_kind(document: dict[str, Any]) -> str:
+    """The reviewed object's kind as the metrics' `kind` label: one of REVIEWED_KINDS, or "other"."""
+    kind = (document["request"].get("kind") or {}).get("kind")  # a dict: admission_request checked it
+    return kind if kind in REVIEWED_KINDS else "other"
+
+
+def content_length(header: str | None) -> int:
+    """The header's byte count; -1 where it is not a plain decimal of at most 9 digits."""
+    if header is None or not (header.isascii() and header.isdigit() and len(header) <= 9):
+        return -1
+    return int(header)
+
+
+def tls_context(cert: bytes, key: bytes, client_ca: bytes = b"") -> ssl.SSLContext:
     """A server context for a PEM certificate (chain) and key held in memory: read through memfds,
-    so that nothing is written to the (read-only) file system."""
+    so that nothing is written to the (read-only) file system. With `client_ca` (PEM), a client
+    certificate is asked for and, when one is sent, must be of that CA; kubelet's probes send none,
+    so it is optional here and required by the handler for reviews."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if client_ca:
+        context.verify_mode = ssl.CERT_OPTIONAL
+        context.load_verify_locations(cadata=client_ca.decode())
     cert_fd, key_fd = _memfd("tls.crt", cert), _memfd("tls.key", key)
     try:
         context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
@@ -76,12 +107,19 @@ class _Handler(BaseHTTPRequestHandler):
         if path != "/validate" and (path != "/mutate" or claims is None):
             self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        length = content_length(self.headers.get("Content-Length"))
         if not 0 < length <= MAX_BODY_BYTES:
-            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"body missing or too large\n", "text/plain")
+            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"Content-Length missing, malformed or too large\n",
+                        "text/plain", close=True)  # fmt: skip
+            return
+        body = self.rfile.read(length)  # read even to refuse: the connection may carry the next request
+        if self.server.client_ca and not self.connection.getpeercert():
+            # Before anything is parsed or read: an answer of /mutate tells whether a claim of any
+            # namespace the caller names exists and opts in, and only kube-apiserver may ask.
+            self._reply(HTTPStatus.FORBIDDEN, b"a client certificate of --client-ca-file is required\n", "text/plain")
             return
         try:
-            document = json.loads(self.rfile.read(length))
+            document = json.loads(body)
             if path == "/mutate" and claims is not None:  # (else /validate: the only other path served)
                 answer = mutate(document, claims)
             else:
@@ -91,18 +129,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")
             return
         response = answer["response"]
-        kind = document["request"].get("kind", {}).get("kind", "")
         result = "gated" if "patch" in response else "allowed" if response["allowed"] else "denied"
-        REVIEWS.labels(kind=kind, result=result).inc()
+        REVIEWS.labels(kind=metric_kind(document), result=result).inc()
         if not response["allowed"]:
             LOG.info("denied: %s", response["status"]["message"])
         self._reply(HTTPStatus.OK, json.dumps(answer).encode(), "application/json")
 
-    def _reply(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+    def _reply(self, status: HTTPStatus, body: bytes, content_type: str, close: bool = False) -> None:
+        """`close`: the request's body was not read, so the connection cannot carry another."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        if self.certificate != self.server.certificate:
+        if close or self.certificate != self.server.certificate:
             # Made with a certificate since replaced: the client's next request opens a connection
             # with the new one, so a renewal reaches kube-apiserver's kept-alive connections too.
             self.send_header("Connection", "close")
@@ -114,15 +152,21 @@ class _Handler(BaseHTTPRequestHandler):
         LOG.debug("%s " + format, self.client_address[0], *args)
 
 
-class WebhookServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, settings: WebhookSettings, tls: ssl.SSLContext, claims: ClaimReader | None = None) -> None:
+class WebhookServer(BoundedHTTPServer):
+    def __init__(
+        self,
+        settings: WebhookSettings,
+        tls: ssl.SSLContext,
+        claims: ClaimReader | None = None,
+        client_ca: bytes = b"",
+        limits: ConnectionLimits = LIMITS,
+    ) -> None:
         self.driver_name = settings.driver_name
         self.claims = claims  # /mutate answers only with a reader (--gate-pods)
+        self.client_ca = client_ca  # reviews only for a client certificate of this CA, when given
         self._tls = (0, tls)  # (the certificate's number, its context): swapped as one
         self._connection = threading.local()  # each connection has a thread of its own
-        super().__init__((settings.bind_address, settings.port), _Handler)
+        super().__init__((settings.bind_address, settings.port), _Handler, limits)
 
     @property
     def certificate(self) -> int:
@@ -136,15 +180,14 @@ class WebhookServer(ThreadingHTTPServer):
     def set_certificate(self, cert: bytes, key: bytes) -> None:
         """Serve this certificate from the next handshake on; connections made with the old one
         close after their next answer."""
-        self._tls = (self._tls[0] + 1, tls_context(cert, key))
+        self._tls = (self._tls[0] + 1, tls_context(cert, key, self.client_ca))
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # The TLS handshake in the connection's own thread: a slow client cannot hold up accept().
         request.settimeout(HANDSHAKE_TIMEOUT_S)
         self._connection.certificate, tls = self._tls
         with tls.wrap_socket(request, server_side=True) as connection:
-            connection.settimeout(None)
-            super().finish_request(connection, client_address)
+            super().finish_request(connection, client_address)  # and from here the idle timeout
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         LOG.debug("connection from %s failed", client_address[0], exc_info=True)  # e.g. a TLS handshake
@@ -162,15 +205,29 @@ def certificate_source(settings: WebhookSettings) -> SelfManaged | MountedFiles:
     return MountedFiles(settings.cert_file, settings.key_file, settings.ca_file, publisher)
 
 
+def client_ca_bundle(settings: WebhookSettings) -> bytes:
+    """The CAs of --client-ca-file (PEM; read once, at start), or b"" without the flag."""
+    if settings.client_ca_file is None:
+        return b""
+    try:
+        bundle = settings.client_ca_file.read_bytes()
+        # Loaded once here so that a bad file is refused at start, not at the first handshake.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cadata=bundle.decode())
+    except (OSError, ValueError) as err:  # ssl.SSLError is an OSError; UnicodeDecodeError a ValueError
+        raise ValueError(f"--client-ca-file: cannot load {settings.client_ca_file}: {err}") from err
+    return bundle
+
+
 def run_webhook(settings: WebhookSettings) -> None:
     """Serve until SIGTERM or SIGINT."""
     settings.check()
     tls: list[ssl.SSLContext] = []
     server: WebhookServer | None = None
+    client_ca = client_ca_bundle(settings)
 
     def serve(cert: bytes, key: bytes) -> None:
         if server is None:
-            tls[:] = [tls_context(cert, key)]
+            tls[:] = [tls_context(cert, key, client_ca)]
         else:
             server.set_certificate(cert, key)
 
@@ -195,7 +252,7 @@ def run_webhook(settings: WebhookSettings) -> None:
             flags = "--tls-cert-file/--tls-private-key-file"
             raise ValueError(f"{flags}: cannot load {settings.cert_file}: {err}") from err
     claims = ClientCertApi(settings.kubeconfig) if settings.gate_pods else None
-    server = WebhookServer(settings, tls[0], claims)
+    server = WebhookServer(settings, tls[0], claims, client_ca)
     if rotator.stopped.is_set():
         return
     rotator.start()

@@ -29,6 +29,7 @@ class WebhookSettings:
     mutating_configuration: str = ""  # the MutatingWebhookConfiguration whose caBundle it writes too
     kubeconfig: str | None = None
     check_interval_s: float = 10.0
+    client_ca_file: Path | None = None  # reviews answered only for a client certificate of these CAs
 
     def check(self) -> None:
         """Raises ValueError naming the flags that do not go together."""
@@ -91,6 +92,12 @@ def add_webhook_flags(parser: argparse.ArgumentParser) -> None:
         default="",
         help="the MutatingWebhookConfiguration whose caBundle this webhook writes too (with --webhook-configuration)",
     )
+    parser.add_argument(
+        "--client-ca-file",
+        type=Path,
+        help="answer /validate and /mutate only for a client certificate of these CAs (PEM): kube-apiserver's "
+        "admission client certificate (its AdmissionConfiguration's kubeConfigFile)",
+    )
     parser.add_argument("--cert-validity", type=duration, default="8760h", help="serving certificate's lifetime")
     parser.add_argument("--cert-renew-before", type=duration, default="720h", help="renew it this long before expiry")
     parser.add_argument("--ca-validity", type=duration, default="87600h", help="the self-managed CA's lifetime")
@@ -124,6 +131,7 @@ def webhook_settings(args: argparse.Namespace) -> WebhookSettings:
         gate_pods=args.gate_pods,
         mutating_configuration=args.mutating_webhook_configuration,
         kubeconfig=args.kubeconfig,
+        client_ca_file=args.client_ca_file,
         # Often enough to renew in time with a margin of seconds (tests); a GET of the Secret and
         # of the configuration every 10 s at most otherwise.
         check_interval_s=max(0.5, min(10.0, lifetimes.renew_before_s / 4)),

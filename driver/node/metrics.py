@@ -8,6 +8,11 @@ of a rolling update share, so either one reports the node's truth, and from NVML
 used over time (GPU-seconds by namespace and kind, each claim's time since last used;
 driver/node/usage.py) is sampled every SAMPLE_S and at each scrape, and counts since this
 instance started.
+
+Tenants' names stay out unless asked for (`--metrics-tenant-labels`): /metrics is on the pod
+network, and any pod could otherwise list every namespace, pod and claim using this node's GPUs.
+Without them a holder is its claim's UID (`claim`), and GPU-seconds are by kind only (docs/metrics.md).
+The server takes a bounded number of connections, each closed when idle (driver/common/http_server.py).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import pynvml
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from driver.claims.refs import ErrorReason
+from driver.common.http_server import BoundedHTTPServer, ConnectionLimits
 from driver.common.quantity import ceil_int, parse_quantity
 from driver.inventory.discovery import GpuInfo
 from driver.inventory.sharing import MIG_KINDS, DeviceKind
@@ -56,6 +63,9 @@ TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 # API server reach seconds.
 # How often held devices are sampled for GPU-seconds and idle time, besides at each scrape.
 SAMPLE_S = 5.0
+# A scrape is one request per connection (HTTP/1.0): a few Prometheus replicas and a person with
+# curl at once; a connection that sends no request within Prometheus's default scrape timeout is closed.
+METRICS_LIMITS = ConnectionLimits(max_connections=8, idle_timeout_s=10.0)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 REGISTRY = CollectorRegistry()
@@ -283,8 +293,10 @@ class NodeCollector(Collector):
         holders: ClaimHolders,
         clock: Callable[[], float] = time.time,
         proc_root: Path = Path("/proc"),
+        tenant_labels: bool = False,
     ) -> None:
         self._node = node
+        self._tenant_labels = tenant_labels  # claims' namespaces, names and pods as labels
         self._claims = claims
         self._nvml = nvml
         self._gpus = gpus
@@ -365,7 +377,10 @@ class NodeCollector(Collector):
             "its memory slices / 8, a share its memory / the GPU's)",
             labels=["node", "claim_namespace", "kind"],
         )
-        for (namespace, kind), value in sorted(seconds.items()):
+        by_label: dict[tuple[str, DeviceKind], float] = collections.defaultdict(float)
+        for (namespace, kind), value in seconds.items():  # without tenant labels: by kind alone
+            by_label[namespace if self._tenant_labels else "", kind] += value
+        for (namespace, kind), value in sorted(by_label.items()):
             gpu_seconds.add_metric([self._node, namespace, kind], value)
         labels = ["node", *HOLDER_LABELS, "kind", "device"]
         idle_s = GaugeMetricFamily(
@@ -378,8 +393,8 @@ class NodeCollector(Collector):
         )
         for entry in idle:
             held = entry.held
-            for pod in held.pods or ("",):
-                values = [self._node, held.namespace, pod, held.claim, held.kind, held.device]
+            for holder in self._claim_holders(held.namespace, held.claim, held.claim_uid, held.pods):
+                values = [self._node, holder.namespace, holder.pod, holder.claim, held.kind, held.device]
                 idle_s.add_metric(values, entry.idle_s)
                 last_used.add_metric(values, entry.last_used)
         yield from (gpu_seconds, idle_s, last_used)
@@ -408,9 +423,16 @@ class NodeCollector(Collector):
                 key = _device_key(device)
                 if key:
                     holders.setdefault(key, []).extend(
-                        _Holder(claim.namespace, pod, claim.name) for pod in pods[claim.uid] or ("",)
+                        self._claim_holders(claim.namespace, claim.name, claim.uid, pods[claim.uid])
                     )
         return holders
+
+    def _claim_holders(self, namespace: str, claim: str, uid: str, pods: tuple[str, ...]) -> list[_Holder]:
+        """The holder labels of a claim: one per pod holding it, or (without tenant labels) one
+        naming nothing but the claim's UID, which tells claims apart without saying whose they are."""
+        if not self._tenant_labels:
+            return [_Holder("", "", uid)]
+        return [_Holder(namespace, pod, claim) for pod in pods or ("",)]
 
     def _usage(self, holders: dict[str, list[_Holder]]) -> Iterator[Metric]:
         labels, mig_labels = [*GPU_LABELS, *HOLDER_LABELS], [*MIG_LABELS, *HOLDER_LABELS]
@@ -486,9 +508,11 @@ class MetricsServer(BackgroundWorker):
         retry_s: float = 2.0,
         sample: Callable[[], object] | None = None,
         sample_s: float = SAMPLE_S,
+        limits: ConnectionLimits = METRICS_LIMITS,
     ) -> None:
         super().__init__()
         self._port = port
+        self._limits = limits
         self._registry = registry
         self._retry_s = retry_s
         self._sample = sample
@@ -498,13 +522,17 @@ class MetricsServer(BackgroundWorker):
         waiting = False
         while not self._stop.is_set():
             try:
-                server, thread = start_http_server(self._port, registry=self._registry)
+                server = BoundedHTTPServer(
+                    ("0.0.0.0", self._port), MetricsHandler.factory(self._registry), self._limits
+                )
             except OSError as err:
                 if not waiting:
                     log.warning("metrics port %d: %s; trying again every %.0fs", self._port, err, self._retry_s)
                     waiting = True
                 self._stop.wait(self._retry_s)
                 continue
+            thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+            thread.start()
             log.info("Prometheus metrics on port %d", self._port)
             while not self._stop.wait(self._sample_s):
                 self._take_sample()

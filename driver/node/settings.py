@@ -56,6 +56,7 @@ class PluginSettings:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     health_monitor: bool = True
     metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
+    metrics_tenant_labels: bool = False  # claims' namespaces, names and pods in them (any pod can scrape)
     retry_waiting_pods: bool = True
     test_hooks: TestHooks = NO_TEST_HOOKS  # the FGPU_* test variables' hooks, set by tests only
 
@@ -189,6 +190,13 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         type=port,
         default=env_default("-1", "METRICS_PORT"),
         help="TCP port for Prometheus metrics (/metrics); -1 or 0 disables [METRICS_PORT]",
+    )
+    parser.add_argument(
+        "--metrics-tenant-labels",
+        action=argparse.BooleanOptionalAction,
+        default=env_default("false", "METRICS_TENANT_LABELS"),
+        help="label the metrics with the namespaces, claims and pods holding the GPUs; off, a claim is its UID "
+        "(the port is on the pod network: any pod can read it) [METRICS_TENANT_LABELS=true|false]",
     )
     parser.add_argument(
         "--rolling-update-uid",
@@ -344,6 +352,7 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         health=health_policy(args),
         health_monitor=args.health_monitor,
         metrics_port=args.metrics_port,
+        metrics_tenant_labels=args.metrics_tenant_labels,
         retry_waiting_pods=args.retry_waiting_pods,
         test_hooks=from_environment(),
     )

@@ -70,7 +70,7 @@ class Samples:
 @pytest.fixture
 def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
     api, env = node
-    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
+    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api), tenant_labels=True)
     return api, env, DraV1Service(env.preparer, lambda uids, answered: None), Samples(node_registry(collector))
 
 
@@ -131,7 +131,9 @@ def test_another_instance_sharing_the_state_reports_the_same_devices(plugin):
     assert prepare(service, [add_claim(api, "one", [mps_share("gpu-6-mps")], pods=("p",))]) == {"uid-one": ""}
     other = env.restart(api)
     samples = Samples(
-        node_registry(NodeCollector("node-a", other.claims, other.session, other.gpus, ClaimHolders(api)))
+        node_registry(
+            NodeCollector("node-a", other.claims, other.session, other.gpus, ClaimHolders(api), tenant_labels=True)
+        )
     )
     assert samples.value("fgpu_prepared_devices", node="node-a", kind="mps") == 1
     assert samples.value("fgpu_mps_clients", gpu=env.gpus[6].uuid, gpu_index="6") == 1

@@ -40,6 +40,7 @@ NS = "default"
 SHARE = {"apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig", "sharing": {"strategy": "MPS"}}
 BAD_SHARE = {**SHARE, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 150}}}
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
 BAD_FIELD = "spec.devices.config[0].opaque.parameters: opaque config: sharing.mps.activeThreadPercentage must be 1..100"
 
 
@@ -503,3 +504,49 @@ def test_pods_of_an_opt_in_template_are_gated_at_create_others_are_not_and_pods_
         for name in (opt_in, plain):
             with contextlib.suppress(ApiException):
                 resource_api.delete_namespaced_resource_claim_template(name, NS)
+
+
+# --- the webhook's own RBAC: the caBundle of its configurations and nothing else --------------------
+
+
+def test_the_webhooks_service_account_may_patch_the_caBundle_of_its_configuration_and_nothing_else(cluster) -> None:
+    """RBAC grants a patch of the configuration by name, which could as well repoint it or switch its
+    failurePolicy; the chart's admission policy keeps the webhook's patches to caBundle."""
+    objects = render(namespace=NS)
+    kinds = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    rbac = [o for o in objects if o["kind"] in kinds and o["metadata"]["name"].startswith("fgpu-webhook")]
+    assert {o["kind"] for o in rbac} == set(kinds)
+    configuration = chart_configuration(cluster, free_port(), "fgpu-webhook")  # the name RBAC grants
+    admin = DynamicClient(cluster.api_client(), cache_file=cluster.discovery_cache)
+    created = []
+    as_webhook = cluster.api_client()
+    as_webhook.set_default_header("Impersonate-User", f"system:serviceaccount:{NS}:fgpu-webhook")
+    webhook_api = AdmissionregistrationV1Api(as_webhook)
+    try:
+        for obj in [*rbac, configuration]:
+            created.append(admin.resources.get(api_version=obj["apiVersion"], kind=obj["kind"]).create(body=obj))
+        encoded = base64.b64encode(b"not a CA, but the webhook's to write\n").decode()
+        ca_bundle = {"webhooks": [{"name": w["name"], "clientConfig": {"caBundle": encoded}}
+                                  for w in configuration["webhooks"]]}  # fmt: skip
+        widened = {"webhooks": [{"name": w["name"], "failurePolicy": "Ignore"} for w in configuration["webhooks"]]}
+        deadline = time.monotonic() + 30
+        while True:  # the apiserver takes up the policy from its informer
+            try:
+                webhook_api.patch_validating_webhook_configuration("fgpu-webhook", widened, _content_type=STRATEGIC)
+            except ApiException as err:
+                assert err.status in (403, 422), err.body
+                assert "may only write the caBundle" in err.body
+                break
+            assert time.monotonic() < deadline, "the admission policy never took effect"
+            time.sleep(0.3)
+        webhook_api.patch_validating_webhook_configuration("fgpu-webhook", ca_bundle, _content_type=STRATEGIC)
+        configurations = admin.resources.get(api_version=configuration["apiVersion"], kind=configuration["kind"])
+        written = configurations.get(name="fgpu-webhook").to_dict()
+        assert {w["clientConfig"]["caBundle"] for w in written["webhooks"]} == {encoded}
+        assert {w["failurePolicy"] for w in written["webhooks"]} == {configuration["webhooks"][0]["failurePolicy"]}
+        with pytest.raises(ApiException) as refused:
+            webhook_api.delete_validating_webhook_configuration("fgpu-webhook")
+        assert refused.value.status == 403  # RBAC: no delete
+    finally:
+        for obj in reversed(created):
+            admin.resources.get(api_version=obj.apiVersion, kind=obj.kind).delete(name=obj.metadata.name)

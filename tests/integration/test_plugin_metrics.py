@@ -70,7 +70,7 @@ def controller_port(cluster) -> Iterator[int]:
 
 def test_scraped_metrics_and_the_dashboard_queries(start_plugin, resource_api, core_api, controller_port):
     port = free_port()
-    plugin = start_plugin(extra_args=[f"--metrics-port={port}"])
+    plugin = start_plugin(extra_args=[f"--metrics-port={port}", "--metrics-tenant-labels"])
     plugin.register()
     whole = create_claim(resource_api, devices=[("gpu", "gpu-1")])
     mig = create_allocated_claim(resource_api, [{"request": "gpu", "device": "gpu-4-mig-1g10gb-0"}])

@@ -30,7 +30,8 @@ def fgpu(*args: str, env: dict[str, str]) -> dict[str, Any]:
 def test_usage_metrics_follow_the_mock_and_fgpu_status_reports_them(start_plugin, resource_api, tmp_path):
     state = tmp_path / "gpus.json"
     port = free_port()
-    plugin = start_plugin(extra_args=[f"--metrics-port={port}"], extra_env={MOCK_STATE_ENV: str(state)})
+    plugin = start_plugin(extra_args=[f"--metrics-port={port}", "--metrics-tenant-labels"],
+                          extra_env={MOCK_STATE_ENV: str(state)})  # fmt: skip
     plugin.register()
     trainer = create_claim(resource_api, devices=[("gpu", "gpu-1")])
     notebook = create_allocated_claim(resource_api, [{"request": "gpu", "device": "gpu-4-mig-3g40gb-0"}])

@@ -142,7 +142,14 @@ def team_node(node: tuple[InMemoryKubeApi, NodeEnv], tmp_path: Path):
         (proc / str(pid) / "cgroup").write_text(f"0::/kubepods/besteffort/pod{pod}/c0ffee\n")
     now = [10_000.0]
     collector = NodeCollector(
-        "node-a", env.claims, env.session, env.gpus, ClaimHolders(api), clock=lambda: now[0], proc_root=proc
+        "node-a",
+        env.claims,
+        env.session,
+        env.gpus,
+        ClaimHolders(api),
+        clock=lambda: now[0],
+        proc_root=proc,
+        tenant_labels=True,
     )
     return env, collector, now
 

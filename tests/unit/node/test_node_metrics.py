@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from driver.claims.refs import ClaimRef
+from driver.common.http_server import ConnectionLimits
 from driver.node import metrics
 from driver.node.kubelet.api import dra_v1_pb2
 from driver.node.kubelet.dra_service import DraV1Service
@@ -70,7 +71,7 @@ class Samples:
 @pytest.fixture
 def plugin(node: tuple[InMemoryKubeApi, NodeEnv]) -> tuple[InMemoryKubeApi, NodeEnv, DraV1Service, Samples]:
     api, env = node
-    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
+    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api), tenant_labels=True)
     return api, env, DraV1Service(env.preparer, lambda uids, answered: None), Samples(node_registry(collector))
 
 
@@ -208,6 +209,54 @@ def test_metrics_port_in_use_is_tried_again_until_free():
             except OSError:
                 assert time.monotonic() < deadline, "the metrics server never bound the freed port"
                 time.sleep(0.05)
+        assert "fgpu_requests_total" in body
+    finally:
+        server.stop()
+
+
+def connect_when_up(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            assert time.monotonic() < deadline, "the metrics server never listened"
+            time.sleep(0.05)
+
+
+def test_tenant_names_are_left_out_unless_asked_for(node):
+    """Any pod can scrape the plugin's port: without --metrics-tenant-labels no series names a
+    namespace, claim or pod; the claim's UID tells claims apart."""
+    api, env = node
+    ref = add_claim(api, "secret-project", [result("gpu-0")], pods=("trainer",))
+    collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api))
+    assert prepare(DraV1Service(env.preparer, lambda uids, answered: None), [ref]) == {ref.uid: ""}
+    collector.sample_usage()
+    samples = Samples(node_registry(collector))
+    values = {v for name in ("fgpu_gpu_memory_used_bytes", "fgpu_gpu_seconds_total", "fgpu_claim_idle_seconds")
+              for labels in samples.series(name) for v in labels.values()}  # fmt: skip
+    assert not values & {"team", "secret-project", "trainer"}
+    (held,) = [s for s in samples.series("fgpu_gpu_memory_used_bytes") if s["claim"] == ref.uid]
+    assert (held["claim_namespace"], held["claim_pod"]) == ("", "")
+    assert [s["claim"] for s in samples.series("fgpu_claim_idle_seconds")] == [ref.uid]
+    assert {s["claim_namespace"] for s in samples.series("fgpu_gpu_seconds_total")} == {""}
+
+
+def test_the_metrics_port_takes_a_bounded_number_of_connections_each_closed_when_idle():
+    """A thread per connection without end was a way to exhaust the plugin from any pod."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = MetricsServer(port, node_registry(metrics.REGISTRY), limits=ConnectionLimits(2, idle_timeout_s=0.3))
+    server.start()
+    try:
+        held = [connect_when_up(port), socket.create_connection(("127.0.0.1", port), timeout=5)]
+        third = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert third.recv(1) == b""  # closed at once: two are open
+        started = time.monotonic()
+        assert held[0].recv(1) == b"" and held[1].recv(1) == b""  # closed: they sent nothing
+        assert time.monotonic() - started < 3
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "fgpu_requests_total" in body
     finally:
         server.stop()
