@@ -76,7 +76,7 @@ def device_result(kind: str, caller: int) -> dict:
 def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monitor: bool) -> None:
     """Child process: the real plugin services over real sockets, with an in-memory API."""
     from driver.inventory.sharing import ALL_KINDS, SharingConfig
-    from driver.node.server import PluginProcess
+    from driver.node.server import run_plugin
     from driver.node.settings import PluginSettings, default_driver_root
     from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object
 
@@ -95,7 +95,7 @@ def serve_in_memory(root: str, claims_json: str, metrics_port: int, health_monit
         metrics_port=metrics_port,
         health_monitor=health_monitor,
     )  # fmt: skip
-    PluginProcess(settings, api=api).serve_until_signal()
+    run_plugin(settings, api)
 
 
 def caller(socket_root: str, claims: list[dict[str, str]], seconds: float, out: multiprocessing.Queue) -> None:

@@ -12,17 +12,16 @@ GPUs and large MIG placements stay free. spread: the opposite, for isolation."""
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Literal
 
 from driver.allocator.allocate import NodeAllocator
 from driver.allocator.model import Device
+from driver.allocator.policies import DEFAULT_POLICY, POLICIES, Policy
 from driver.allocator.pools import Pool
 from driver.common.quantity import Amount
 
-Policy = Literal["binpack", "fragmentation", "spread", "first-fit"]
-POLICIES: tuple[Policy, ...] = ("binpack", "fragmentation", "spread", "first-fit")
-# It leaves the fewest GPUs unused on the public Alibaba trace (BENCHMARKS.md, openb).
-DEFAULT_POLICY: Policy = "fragmentation"
+# The policies' names live in policies.py (flags list them without importing the allocator); the
+# allocator's own modules keep taking them from here.
+__all__ = ["DEFAULT_POLICY", "POLICIES", "Policy", "counters_fit", "device_score", "order_for"]
 
 
 def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:

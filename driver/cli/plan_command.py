@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from driver.allocator.model import ObjectError
-from driver.allocator.scoring import DEFAULT_POLICY, POLICIES
-from driver.cli.plan import PlanInput, plan
+from driver.allocator.policies import DEFAULT_POLICY, POLICIES
 from driver.common.flags import SettingsError, Subcommands
 from driver.kube.client import KubeError
 
@@ -31,6 +29,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     paths = (*args.manifests, *args.slices, *args.classes, *args.claims)
     if not paths and not args.kubeconfig:
         raise SettingsError("plan: give manifests (files, folders, - for stdin) or --kubeconfig")
+    # Here, not at the top: the allocator and CEL would weigh on every `fgpu` command (the plugin's).
+    from driver.allocator.model import ObjectError
+    from driver.cli.plan import PlanInput, plan
+
     request = PlanInput(tuple(paths), args.kubeconfig, args.policy)
     try:
         return plan(request, sys.stdin, sys.stdout, args.output == "json")

@@ -8,17 +8,11 @@ import argparse
 import sys
 
 from driver.admission.lifetimes import duration
-from driver.cli.status import RENDERERS, cluster_status
-from driver.cli.usage_report import (
-    MetricsReadError,
-    idle_claims,
-    read_metrics,
-    render_by_namespace,
-    render_idle,
-    usage_by_namespace,
-)
 from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, Subcommands, env_default
-from driver.kube.client import ClientKubeApi, KubeError
+
+# status.py's RENDERERS, named here: status.py imports the allocator and CEL, which every `fgpu`
+# command (the node plugin's) would hold if this module, which the parser imports, did.
+OUTPUTS = ("table", "json", "yaml")
 
 
 def add_status_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +20,7 @@ def add_status_flags(parser: argparse.ArgumentParser) -> None:
         "--kubeconfig", default=env_default(None, "KUBECONFIG"), help="client configuration [KUBECONFIG]"
     )
     parser.add_argument("--node", action="append", help="only these nodes (repeatable, or a comma list)")
-    parser.add_argument("-o", "--output", choices=list(RENDERERS), default="table")
+    parser.add_argument("-o", "--output", choices=OUTPUTS, default="table")
     parser.add_argument(
         "--idle", type=duration, metavar="DURATION", help="claims held but unused this long or longer (e.g. 30m)"
     )
@@ -41,6 +35,9 @@ def add_status_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.idle is not None or args.by:
         return _usage_status(args)
+    from driver.cli.status import RENDERERS, cluster_status
+    from driver.kube.client import ClientKubeApi, KubeError
+
     nodes = {name.strip() for value in args.node or () for name in value.split(",") if name.strip()}
     api = ClientKubeApi(args.kubeconfig)
     try:
@@ -56,6 +53,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _usage_status(args: argparse.Namespace) -> int:
     """`fgpu status --idle` / `--by namespace`: from the node plugins' metrics."""
+    from driver.cli.usage_report import (
+        MetricsReadError,
+        idle_claims,
+        read_metrics,
+        render_by_namespace,
+        render_idle,
+        usage_by_namespace,
+    )
+
     urls = [url.strip() for value in args.metrics or () for url in value.split(",") if url.strip()]
     if not urls:
         raise SettingsError(

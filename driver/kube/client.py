@@ -11,7 +11,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,6 +137,11 @@ def slice_field_selector(driver: str, node: str) -> str:
     return f"spec.driver={driver},spec.nodeName={node}"
 
 
+RESOURCE_V1 = "/apis/resource.k8s.io/v1"
+CORE_V1 = "/api/v1"
+JSON = "application/json"
+
+
 class ClientKubeApi:
     """KubeApi over the official `kubernetes` client, returning the server's JSON untouched."""
 
@@ -159,8 +164,9 @@ class ClientKubeApi:
         self._timeout = timeout_s
         self._watches: set[urllib3.BaseHTTPResponse] = set()
 
-    # Made at their first call: importing the client's API classes takes most of a second, which a
-    # plugin starting up would spend before kubelet can register it.
+    # Made at their first call, for subclasses (the controller's): importing the client's API classes
+    # takes most of a second and 25 MiB (CoreV1Api alone 20), which the node plugin spends on none of
+    # them: its requests below name their paths (_json), as kubectl's do.
     @functools.cached_property
     def _resource(self) -> kubernetes.client.ResourceV1Api:
         return kubernetes.client.ResourceV1Api(self._client)
@@ -175,6 +181,50 @@ class ClientKubeApi:
         data = response.data
         return json.loads(data) if data else None
 
+    def _send(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: Any = None,
+        query: Sequence[tuple[str, Any]] = (),
+        timeout_s: float | None = None,
+        **path_params: str,
+    ) -> urllib3.BaseHTTPResponse:
+        """One request through the client's configuration (server, credentials, TLS), as its
+        generated methods send it (`path_params` quoted into the {placeholders} of `path`): the
+        response unread (a watch streams), ApiException for a status outside 2xx. The caller
+        translates errors."""
+        request = self._client.param_serialize(
+            method=method,
+            resource_path=path,
+            path_params=path_params or None,
+            query_params=list(query),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._client.call_api(*request, _request_timeout=timeout_s)
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise ApiException(http_resp=response)
+        return response.response
+
+    def _json(
+        self,
+        method: str,
+        path: str,
+        body: JsonObject | None = None,
+        query: Sequence[tuple[str, Any]] = (),
+        content_type: str = JSON,
+        **path_params: str,
+    ) -> Any:
+        """A JSON request and its decoded answer (None for an empty one)."""
+        headers = {"Accept": JSON, **({"Content-Type": content_type} if body is not None else {})}
+        with translated_errors():
+            data = self._send(method, path, headers, body, query, self._timeout, **path_params).data
+        return json.loads(data) if data else None
+
     def close(self) -> None:
         """Close the connections; a watch blocked on one returns at once."""
         for response in list(self._watches):
@@ -182,7 +232,8 @@ class ClientKubeApi:
         self._client.close()
 
     def get_claim(self, namespace: str, name: str) -> JsonObject:
-        return self._call(self._resource.read_namespaced_resource_claim, name, namespace)
+        path = RESOURCE_V1 + "/namespaces/{namespace}/resourceclaims/{name}"
+        return self._json("GET", path, namespace=namespace, name=name)
 
     def write_claim_device_status(
         self,
@@ -215,79 +266,85 @@ class ClientKubeApi:
         """A request in the API server's protobuf encoding. The client's generated methods would
         turn a body into JSON; a bytes body with a non-JSON content type goes out as it is. Errors
         come back as JSON, whose message says what was refused."""
-        headers = {"Accept": claim_protobuf.CONTENT_TYPE if method == "GET" else "application/json"}
+        headers = {"Accept": claim_protobuf.CONTENT_TYPE if method == "GET" else JSON}
         if body is not None:
             headers["Content-Type"] = claim_protobuf.CONTENT_TYPE
         with translated_errors():
-            request = self._client.param_serialize(
-                method=method,
-                resource_path=path,
-                query_params=list(query.items()),
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-            )
-            response = self._client.call_api(*request, _request_timeout=self._timeout)
-            data = response.read()
-            if not 200 <= response.status <= 299:
-                raise ApiException(http_resp=response)
-        return data
+            return self._send(method, path, headers, body, list(query.items()), self._timeout).data
 
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
-        return self._call(self._core.create_namespaced_event, namespace, event)
+        return self._json("POST", CORE_V1 + "/namespaces/{namespace}/events", event, namespace=namespace)
 
     def get_node(self, name: str) -> JsonObject:
-        return self._call(self._core.read_node, name)
+        return self._json("GET", CORE_V1 + "/nodes/{name}", name=name)
 
     def annotate_pod(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None:
         """Set these annotations on the pod of this UID (a JSON merge patch: nothing else changes;
         the UID in it is a precondition, so a pod re-created under the name is left alone:
         ConflictError)."""
         body = {"metadata": {"uid": uid, "annotations": annotations}}
-        self._call(self._core.patch_namespaced_pod, name, namespace, body, _content_type="application/merge-patch+json")
+        path = CORE_V1 + "/namespaces/{namespace}/pods/{name}"
+        self._json("PATCH", path, body, content_type="application/merge-patch+json", namespace=namespace, name=name)
 
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
-        result = self._call(self._resource.list_resource_slice, field_selector=slice_field_selector(driver, node))
+        query = [("fieldSelector", slice_field_selector(driver, node))]
+        result = self._json("GET", RESOURCE_V1 + "/resourceslices", query=query)
         return result.get("items") or [], result["metadata"].get("resourceVersion", "")
 
     def list_driver_slices(self, driver: str) -> list[JsonObject]:
         """Every node's slices of `driver`."""
-        return self._call(self._resource.list_resource_slice, field_selector=f"spec.driver={driver}").get("items") or []
+        query = [("fieldSelector", f"spec.driver={driver}")]
+        return self._json("GET", RESOURCE_V1 + "/resourceslices", query=query).get("items") or []
 
     def list_all_claims(self, from_cache: bool = False) -> list[JsonObject]:
         """Every claim; `from_cache`: as the API server's watch cache has them (resourceVersion 0:
         possibly a moment old, but no read of etcd), for a list every node makes at once."""
-        version = {"resource_version": "0"} if from_cache else {}
-        return self._call(self._resource.list_resource_claim_for_all_namespaces, **version).get("items") or []
+        query = [("resourceVersion", "0")] if from_cache else []
+        return self._json("GET", RESOURCE_V1 + "/resourceclaims", query=query).get("items") or []
 
     def create_slice(self, body: JsonObject) -> JsonObject:
-        return self._call(self._resource.create_resource_slice, body)
+        return self._json("POST", RESOURCE_V1 + "/resourceslices", body)
 
     def replace_slice(self, name: str, body: JsonObject) -> JsonObject:
-        return self._call(self._resource.replace_resource_slice, name, body)
+        return self._json("PUT", RESOURCE_V1 + "/resourceslices/{name}", body, name=name)
 
     def delete_slice(self, name: str) -> None:
         with contextlib.suppress(NotFoundError):
-            self._call(self._resource.delete_resource_slice, name)
+            self._json("DELETE", RESOURCE_V1 + "/resourceslices/{name}", name=name)
 
     def watch_slices(
         self, driver: str, node: str, resource_version: str, timeout_s: int
     ) -> Iterator[tuple[str, JsonObject]]:
-        selector = slice_field_selector(driver, node)
-        return self._watch(self._resource.list_resource_slice, resource_version, timeout_s, field_selector=selector)
+        query = [
+            ("fieldSelector", slice_field_selector(driver, node)),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", timeout_s),
+            ("watch", True),
+        ]
+        # No read timeout, as the client's watches have none: the server ends it after timeout_s.
+        return self._events(
+            functools.partial(self._send, "GET", RESOURCE_V1 + "/resourceslices", {"Accept": JSON}, None, query)
+        )
 
     def _watch(
         self, lister: Any, resource_version: str, timeout_s: int, **selectors: Any
     ) -> Iterator[tuple[str, JsonObject]]:
         """(type, object) events of a watch through `lister`; close() ends it at once."""
+        opened = functools.partial(
+            lister,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            watch=True,
+            _preload_content=False,
+            **selectors,
+        )
+        return self._events(opened)
+
+    def _events(self, opened: Callable[[], Any]) -> Iterator[tuple[str, JsonObject]]:
+        """(type, object) events of the watch response `opened` returns (opened at the first
+        next()); close() ends it at once."""
         with translated_errors():
-            response = lister(
-                resource_version=resource_version,
-                timeout_seconds=timeout_s,
-                watch=True,
-                _preload_content=False,
-                **selectors,
-            )
+            response = opened()
         self._watches.add(response)
         try:
             with translated_errors():

@@ -239,7 +239,8 @@ class PluginProcess:
         if settings.healthcheck_port >= 0:
             self._health_server = serve_health_port(self.health, settings.healthcheck_port)
         if settings.metrics_port > 0:
-            collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api))
+            collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api),
+                                      tenant_labels=settings.metrics_tenant_labels)  # fmt: skip
             registry = node_registry(collector)
             self._metrics_server = MetricsServer(settings.metrics_port, registry, sample=collector.sample_usage)
             self._metrics_server.start()
@@ -297,12 +298,14 @@ class PluginProcess:
                 bound.remove()  # ours only: another instance's socket at this path stays
 
 
-def run_plugin(settings: PluginSettings) -> None:
-    """Serve until SIGTERM or SIGINT; before the NVIDIA driver is there, wait for it (driver_wait.py)."""
+def run_plugin(settings: PluginSettings, api: KubeApi | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; before the NVIDIA driver is there, wait for it (driver_wait.py).
+    `api`: the API server's client (by default from the settings' kubeconfig; benchmarks give an
+    in-memory one)."""
     done = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())
-    api = ClientKubeApi(settings.kubeconfig)  # a bad client configuration fails now, not after the wait
+    api = api or ClientKubeApi(settings.kubeconfig)  # a bad client configuration fails now, not after the wait
     nvml = wait_for_driver(settings.nvml, done, settings.healthcheck_port)
     if nvml is None:
         return

@@ -80,6 +80,24 @@ def test_daemonset_for_rolling_updates_and_kubelet() -> None:
     assert volumes["driver-root"] == "/"
 
 
+def test_every_workload_requests_what_it_was_measured_to_use() -> None:
+    """The plugin, which every GPU pod on its node needs, is scheduled and kept before other pods;
+    each workload requests memory and CPU near its measured footprint (values.yaml says which); the
+    plugin's and the webhook's memory is capped, the controller's grows with the cluster; no CPU is
+    throttled."""
+    objects = render()
+    plugin = find(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert plugin["priorityClassName"] == "system-node-critical"
+    limits = {"plugin": {"memory"}, "controller": set(), "webhook": {"memory"}}
+    workloads = [plugin] + [
+        find(objects, "Deployment", name)["spec"]["template"]["spec"] for name in limits if name != "plugin"
+    ]
+    for name, workload in zip(limits, workloads, strict=True):
+        resources = workload["containers"][0]["resources"]
+        assert set(resources["requests"]) == {"cpu", "memory"}, name
+        assert set(resources.get("limits", {})) == limits[name], name
+
+
 def test_default_affinity_takes_gfd_or_nfd_labelled_nodes() -> None:
     terms = find(render(), "DaemonSet")["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     keys = [
@@ -169,7 +187,7 @@ def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
     assert ("pods/eviction", "create") not in granted and ("pods", "delete") not in granted
     args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.evictionsPerMinute": 3})
     assert "--make-room" in args and "--evictions-per-minute=3" in args and "--compact-when-idle" not in args
-    assert ("pods/eviction", "create") in granted and ("pods", "delete") in granted
+    assert ("pods/eviction", "create") in granted and ("pods", "delete") not in granted
     args, _ = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.compactWhenIdle": True})
     assert "--compact-when-idle" in args
 
@@ -269,6 +287,17 @@ def test_plugin_metrics_port_reaches_the_flag_and_a_container_port(monkeypatch: 
     # On the node's network a declared port is a host port: the surge pod of an update would not fit.
     host = find(render({"kubeletPlugin.hostNetwork": True}), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
     assert "ports" not in host and {"name": "METRICS_PORT", "value": "9410"} in host["env"]
+
+
+def test_plugin_metrics_name_no_tenant_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for values, tenant_labels in (({}, False), ({"kubeletPlugin.metricsTenantLabels": True}, True)):
+        plugin = find(render(values), "DaemonSet")
+        with monkeypatch.context() as env:
+            for name, value in container_env(plugin).items():
+                if isinstance(value, str):
+                    env.setenv(name, value)
+            args = plugin["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert build_parser().parse_args([*args, "--node-name=n"]).metrics_tenant_labels is tenant_labels
 
 
 def test_grafana_dashboard_is_an_opt_in_labelled_config_map() -> None:
@@ -385,6 +414,37 @@ def test_self_managed_webhook_keeps_its_own_certificate_with_least_privilege() -
         b["subjects"] == [{"kind": "ServiceAccount", "name": "fgpu-webhook", "namespace": "gpus"}] for b in bindings
     )
     assert not [o for o in render({"webhook.enabled": False}) if "webhook" in o["metadata"]["name"]]
+
+
+def test_the_webhook_may_patch_nothing_of_its_configurations_but_the_caBundle() -> None:
+    objects = render(namespace="gpus")
+    policy = find(objects, "ValidatingAdmissionPolicy", "webhook-ca-bundle-only")["spec"]
+    assert policy["failurePolicy"] == "Fail"
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert set(rule["resources"]) == {"validatingwebhookconfigurations", "mutatingwebhookconfigurations"}
+    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
+    (who,) = policy["matchConditions"]
+    assert who["expression"] == 'request.userInfo.username == "system:serviceaccount:gpus:fgpu-webhook"'
+    compared = policy["validations"][1]["expression"]
+    for field in ("service", "url", "rules", "failurePolicy", "namespaceSelector", "objectSelector", "matchConditions"):
+        assert f"o.clientConfig.?{field} == w" in compared or f"o.?{field} == w.?{field}" in compared, field
+    assert "caBundle" not in compared
+    binding = find(objects, "ValidatingAdmissionPolicyBinding", "webhook-ca-bundle-only")["spec"]
+    assert binding == {"policyName": "fgpu-webhook-ca-bundle-only", "validationActions": ["Deny"]}
+    for mode in ("cert-manager", "existing Secret and CA"):  # the webhook writes no caBundle there
+        assert not [o for o in render(WEBHOOK_MODES[mode]) if o["metadata"]["name"] == "fgpu-webhook-ca-bundle-only"]
+
+
+def test_only_kube_apiservers_client_certificate_gets_reviews_once_its_ca_is_given() -> None:
+    assert webhook_args(render()).client_ca_file is None
+    objects = render({"webhook.clientAuth.caBundle": "Q0EK"})
+    assert str(webhook_args(objects).client_ca_file) == "/client-ca/ca.crt"
+    assert find(objects, "ConfigMap", "webhook-client-ca")["binaryData"] == {"ca.crt": "Q0EK"}
+    spec = find(objects, "Deployment", "webhook")["spec"]["template"]
+    assert {"name": "client-ca", "configMap": {"name": "fgpu-webhook-client-ca"}} in spec["spec"]["volumes"]
+    mounts = spec["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "client-ca", "mountPath": "/client-ca", "readOnly": True} in mounts
+    assert "gpu.fgpu.dev/client-ca-sha256" in spec["metadata"]["annotations"]  # a new CA rolls the pods
 
 
 def test_webhook_on_the_nodes_network_reaches_an_explicit_api_server() -> None:

@@ -5,7 +5,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -301,13 +303,16 @@ CASES = [
 
 
 @pytest.fixture
-def inputs(tmp_path: Path) -> Path:
-    directory = tmp_path / "in"
-    directory.mkdir()
-    for name, text in INPUTS.items():
-        (directory / name).write_text(text)
-    (tmp_path / "out").mkdir()
-    return directory
+def inputs() -> Iterator[Path]:
+    # A short path of its own, not pytest's: the plugin's socket paths must stay within gRPC's 105
+    # bytes wherever pytest puts its temporary directories (a worker's is longer).
+    with tempfile.TemporaryDirectory(prefix="fgpu-bad-") as scratch:
+        directory = Path(scratch) / "in"
+        directory.mkdir()
+        for name, text in INPUTS.items():
+            (directory / name).write_text(text)
+        (Path(scratch) / "out").mkdir()
+        yield directory
 
 
 def fgpu(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -338,6 +343,12 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(
     assert snapshot(inputs) == before and sorted(p.name for p in inputs.parent.iterdir()) == ["in", "out"]
 
 
+@pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="this host has NVIDIA GPUs")
+def test_real_nvml_without_a_gpu_is_one_line(inputs: Path):
+    run = fgpu([*DISCOVER, "--nvml=real"], {})
+    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: NVML init failed: NVML Shared Library Not Found")
+
+
 def test_a_bad_environment_variable_does_not_break_help():
     env = {"UNPREPARE_GRACE": "abc", "HEALTH_MONITOR": "yes", "LEASE_DURATION": "x", "HEALTHCHECK_PORT": "-9",
            "WEBHOOK_PORT": "x"}  # fmt: skip
@@ -346,34 +357,6 @@ def test_a_bad_environment_variable_does_not_break_help():
         assert (run.returncode, run.stderr) == (0, ""), run.stderr
     run = fgpu(["discover", "--node-name=n1", "--nvml=mock:l4x4", "-o", "json"], env)  # not its flags: unaffected
     assert run.returncode == 0, run.stderr
-
-
-def test_an_unwritable_state_dir_is_refused(inputs: Path):
-    locked = inputs.parent / "out"
-    # Root writes in a directory without write permission, not on a read-only file system.
-    as_root = os.geteuid() == 0
-    if as_root:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "fgpu-test-ro", str(locked)], check=True)
-    else:
-        locked.chmod(0o500)
-    try:
-        run = fgpu([a.format(**{"in": inputs, "out": locked}) for a in PLUGIN], {})
-    finally:
-        if as_root:
-            subprocess.run(["umount", str(locked)], check=True)
-        else:
-            locked.chmod(0o700)
-    assert run.returncode == 2
-    assert (
-        run.stderr.strip()
-        == f"fgpu: --registrar-dir {locked}/registrar: {locked} is not writable; give a directory this user can write"
-    )
-
-
-@pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="this host has NVIDIA GPUs")
-def test_real_nvml_without_a_gpu_is_one_line(inputs: Path):
-    run = fgpu([*DISCOVER, "--nvml=real"], {})
-    assert (run.returncode, run.stderr.strip()) == (2, "fgpu: NVML init failed: NVML Shared Library Not Found")
 
 
 def test_make_run_with_an_unknown_machine_stops_before_the_control_plane():
