@@ -24,13 +24,14 @@ cluster:
 run: setup cluster
 	$(PYTHON) -m examples.local_node --nvml $(NVML)
 
-test: setup cluster
+# CI (.ci/run) runs this target, so a lint failure fails CI.
+test: setup cluster lint
 	$(PYTHON) -m pytest -q tests
 
 # The quick tier: tests/unit, the pure tests (no root, no Go, no network); the folder is the tier
 # (docs/testing.md).
 unit: setup
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests/unit
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n auto tests/unit
 
 # The differential test on new random scenarios for FUZZ_MINUTES; a failure is written, shrunk,
 # to tests/allocator/cases/ (CI runs a fixed set and those cases).
@@ -50,8 +51,14 @@ bench: setup cluster
 	$(PYTHON) -m bench.allocator throughput --nodes 500 --claims 300
 	$(PYTHON) -m bench.allocator packing --nodes 16 --events 1500
 
+# ruff (lint and format), mypy on driver/ ([tool.mypy] in pyproject.toml) and the layering check:
+# `$(VENV)/bin/lint-imports` checks the import contracts in pyproject.toml's [tool.importlinter]
+# (driver's packages in layers, partitioner's imports, no package cycle).
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # daemonset/*.yaml from the Helm chart, for users without Helm (a test checks they match).
 render: setup cluster

@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from driver.kube.client import KubeError, NotFoundError
-from driver.node.kubelet.sockets import accepts_connections
+from driver.node.sockets import accepts_connections
 from testbed.cluster.harness import free_port
 from testbed.fakes import InMemoryKubeApi, node_object
 from testbed.plugin_process import DRIVER, PluginUnderTest

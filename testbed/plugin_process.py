@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
 from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.node.kubelet.sockets import (
+from driver.node.sockets import (
     accepts_connections,
     rolling_update_dra_socket_file,
     rolling_update_registrar_socket_file,

@@ -1,5 +1,5 @@
-"""`fgpu webhook`: its flags and environment variables -> one typed WebhookSettings (docs/admission.md),
-and the webhook run from them (driver/admission/server.py). What every command shares (flag parsing,
+"""`fgpu webhook`: its flags and environment variables -> one typed WebhookSettings (docs/admission.md);
+the command that runs the webhook from them is commands.py. What every command shares (flag parsing,
 environment defaults, value types) is in driver/common/flags.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from driver.admission.lifetimes import DEFAULT_LIFETIMES, Lifetimes, duration
-from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, Subcommands, env_default, port
+from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, port
 
 
 @dataclass(frozen=True)
@@ -136,22 +136,3 @@ def webhook_settings(args: argparse.Namespace) -> WebhookSettings:
         # of the configuration every 10 s at most otherwise.
         check_interval_s=max(0.5, min(10.0, lifetimes.renew_before_s / 4)),
     )
-
-
-def cmd_webhook(args: argparse.Namespace) -> int:
-    from driver.admission.server import run_webhook  # the server's code only to run it
-
-    settings = webhook_settings(args)
-    try:
-        run_webhook(settings)
-    except ValueError as err:
-        raise SettingsError(str(err)) from err
-    except OSError as err:  # the address is taken or cannot be bound
-        raise SettingsError(f"--bind-address/--port {args.bind_address}:{args.port}: {err.strerror or err}") from err
-    return 0
-
-
-def register(commands: Subcommands) -> None:
-    parser = commands.add_parser("webhook", help="refuse bad gpu.fgpu.dev opaque configs at admission (HTTPS)")
-    add_webhook_flags(parser)
-    parser.set_defaults(func=cmd_webhook)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from driver.admission import settings as webhook
+from driver.admission import commands as webhook
 from driver.cli import plan_command, status_command
 from driver.cli.logs import LOG_FORMATS, configure_logging
 from driver.common.flags import FlagParser, SettingsError
-from driver.controller import settings as controller
+from driver.controller import commands as controller
 from driver.kube.client import KubeConfigError
 from driver.node import commands as node
 from driver.nvml import commands as mock

@@ -1,17 +1,16 @@
-"""`fgpu controller`: its flags and environment variables -> one typed, checked ControllerSettings,
-and the controller built and run from them. What every command shares (flag parsing, environment
-defaults, value types) is in driver/common/flags.py."""
+"""`fgpu controller`: its flags and environment variables -> one typed, checked ControllerSettings;
+the command that builds and runs the controller from them is commands.py. What every command
+shares (flag parsing, environment defaults, value types) is in driver/common/flags.py."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 from dataclasses import dataclass
 
 from driver.allocator.policies import DEFAULT_POLICY, POLICIES, Policy
-from driver.common.flags import SettingsError, Subcommands, env_default, port, positive, seconds
+from driver.common.flags import SettingsError, env_default, port, positive, seconds
 from driver.controller.leader import LeaseTimings
 
 # client-go's defaults and kube-controller-manager's flag names, in seconds.
@@ -99,38 +98,3 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         stall_s=args.stalled_after,
         preempt_across_namespaces=args.preempt_across_namespaces,
     )
-
-
-def run_controller(settings: ControllerSettings) -> None:
-    """Allocate until SIGTERM or SIGINT."""
-    # The controller's code is loaded only to run it: every `fgpu` command imports this module for its flags.
-    from prometheus_client import start_http_server
-
-    from driver.common.testhooks import from_environment
-    from driver.controller.api import ClientControllerApi
-    from driver.controller.controller import Controller
-
-    api = ClientControllerApi(settings.kubeconfig)  # a bad client configuration stops it before it serves anything
-    if settings.metrics_port > 0:
-        start_http_server(settings.metrics_port)
-    controller = Controller(api, settings.identity, settings.policy, settings.lease_namespace, settings.timings,
-                            settings.evictions_per_minute, settings.compact, from_environment(),
-                            settings.preempt_across_namespaces, stall_s=settings.stall_s)  # fmt: skip
-    if settings.health_port > 0:
-        from driver.controller.progress import serve_health
-
-        serve_health(settings.health_port, controller.progress)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: controller.stop())
-    controller.run()
-
-
-def cmd_controller(args: argparse.Namespace) -> int:
-    run_controller(controller_settings(args))
-    return 0
-
-
-def register(commands: Subcommands) -> None:
-    parser = commands.add_parser("controller", help="allocate the claims labelled gpu.fgpu.dev/allocator=fgpu")
-    add_controller_flags(parser)
-    parser.set_defaults(func=cmd_controller)

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from driver.common.files import atomic_write
-from driver.node.kubelet.sockets import BoundSocket, accepts_connections
+from driver.node.sockets import BoundSocket, accepts_connections
 
 log = logging.getLogger(__name__)
 

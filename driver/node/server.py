@@ -39,7 +39,6 @@ from driver.node.kubelet.liveness import (
 )
 from driver.node.kubelet.prepare_retries import PrepareRetries
 from driver.node.kubelet.registration import RegistrationService
-from driver.node.kubelet.sockets import BoundSocket, prepare_socket_path
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.partition_use import Partitioners
@@ -48,6 +47,7 @@ from driver.node.publisher import SlicePublisher
 from driver.node.reconcile import ClaimReconciler
 from driver.node.recovery import recover
 from driver.node.settings import PluginSettings
+from driver.node.sockets import BoundSocket, prepare_socket_path
 from driver.node.state import PreparedClaims
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession

@@ -17,7 +17,7 @@ from driver.common.testhooks import NO_TEST_HOOKS, TestHooks, from_environment
 from driver.inventory.featuregates import GATES, FeatureGateError, FeatureGates
 from driver.inventory.sharing import SharingConfig, SharingConfigError, load_sharing_config
 from driver.node.health.taints import HealthPolicy, TaintEffect
-from driver.node.kubelet.sockets import (
+from driver.node.sockets import (
     SocketPathError,
     check_socket_path,
     rolling_update_dra_socket_file,

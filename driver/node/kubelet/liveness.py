@@ -42,7 +42,7 @@ from driver.node.background import BackgroundWorker
 from driver.node.kubelet.api import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.node.kubelet.api import pluginregistration_v1_pb2 as reg_pb
 from driver.node.kubelet.api import pluginregistration_v1_pb2_grpc as reg_grpc
-from driver.node.kubelet.sockets import BoundSocket
+from driver.node.sockets import BoundSocket
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from driver.common.flags import SettingsError
 from driver.node.checkpoint import Checkpoint
 from driver.node.claim_locks import NodeClaimLock
 from driver.node.instance_lock import InstanceLock
-from driver.node.kubelet.sockets import (
+from driver.node.server import PluginProcess
+from driver.node.settings import PluginSettings, plugin_settings
+from driver.node.sockets import (
     BoundSocket,
     rolling_update_dra_socket_file,
     rolling_update_registrar_socket_file,
 )
-from driver.node.server import PluginProcess
-from driver.node.settings import PluginSettings, plugin_settings
 from testbed.fakes import InMemoryKubeApi, allocated_claim, node_object, result
 
 UID = "0b7c4c1e-9a52-4c8e-8f54-6a3f1d2e5b77"
@@ -90,7 +90,7 @@ DIES_HOLDING_SOCKETS = """
 import os, socket, sys
 from pathlib import Path
 from driver.node.instance_lock import InstanceLock
-from driver.node.kubelet.sockets import BoundSocket
+from driver.node.sockets import BoundSocket
 instance = InstanceLock(Path(sys.argv[1]))
 bound = []
 for path in sys.argv[2:]:

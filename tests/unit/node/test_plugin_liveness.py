@@ -22,7 +22,7 @@ from driver.node.kubelet.liveness import (
     decide,
     self_probe,
 )
-from driver.node.kubelet.sockets import BoundSocket
+from driver.node.sockets import BoundSocket
 
 GRACE = 60.0
 REGISTERED = RegistrationSnapshot(registered=True, unregistered_for_s=0.0)
