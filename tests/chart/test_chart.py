@@ -219,7 +219,7 @@ def test_plugin_rbac_is_least_privilege() -> None:
     pods = find(objects, "ValidatingAdmissionPolicy", "retry-annotation")
     assert {"name": "key", "expression": "'gpu.example.com/prepare-retry'"} in pods["spec"]["variables"]
     assert container_env(find(objects, "DaemonSet"))["RETRY_WAITING_PODS"] == "true"
-    for policy in find_all(render(namespace="gpus"), "ValidatingAdmissionPolicy"):
+    for policy in plugin_policies(render(namespace="gpus")):
         condition = policy["spec"]["matchConditions"][0]["expression"]
         assert '"system:serviceaccount:gpus:fgpu-kubelet-plugin"' in condition
 
@@ -228,14 +228,18 @@ def test_without_prepare_retries_the_plugin_neither_lists_claims_nor_patches_pod
     objects = render({"kubeletPlugin": {"retryWaitingPods": False}})
     rules = plugin_rules(objects)
     assert rules[("resource.k8s.io", "resourceclaims")] == {"get"} and ("", "pods") not in rules
-    assert [p["metadata"]["name"] for p in find_all(objects, "ValidatingAdmissionPolicy")] == [
-        "fgpu-kubelet-plugin-own-slices"
-    ]
+    assert [p["metadata"]["name"] for p in plugin_policies(objects)] == ["fgpu-kubelet-plugin-own-slices"]
     assert container_env(find(objects, "DaemonSet"))["RETRY_WAITING_PODS"] == "false"
 
 
 def find_all(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
+
+
+def plugin_policies(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The admission policies that bound the plugin (the webhook has its own)."""
+    policies = find_all(objects, "ValidatingAdmissionPolicy")
+    return [p for p in policies if p["metadata"]["name"].startswith("fgpu-kubelet-plugin-")]
 
 
 def test_device_classes_follow_the_driver_name() -> None:
