@@ -7,15 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from driver.claims.refs import ClaimRef
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
-
-NIC = {"driver": "net.example.com", "pool": "node-a", "device": "eth1"}
-NIC_ENTRY = {
-    **NIC,
-    "conditions": [{"type": "Ready", "status": "True", "reason": "Up", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
-    "data": {"mac": "02:00:00:00:00:01"},
-}
+from testbed.fakes import result
+from tests.support.claim_status import NIC_ENTRY, add_claim, status_devices
 
 
 def share(device: str, memory: str, compute: str | None = None, request: str = "gpu") -> dict:
@@ -23,20 +16,6 @@ def share(device: str, memory: str, compute: str | None = None, request: str = "
     entry["shareID"] = f"0000-{device}-{memory}"
     entry["consumedCapacity"] = {"memory": memory, **({"compute": compute} if compute else {})}
     return entry
-
-
-def add_claim(api: InMemoryKubeApi, name: str, results: list[dict]) -> ClaimRef:
-    """An allocated claim (generation 1) that also holds a NIC of another driver with its status."""
-    claim = allocated_claim("default", name, f"uid-{name}", [*results, {"request": "nic", **NIC}])
-    claim["metadata"]["generation"] = 1
-    api.claims[("default", name)] = claim
-    api.apply_claim_status("default", name, {"metadata": {}, "status": {"devices": [NIC_ENTRY]}}, "net-driver")
-    return ClaimRef("default", name, f"uid-{name}")
-
-
-def status_devices(api: InMemoryKubeApi, ref: ClaimRef) -> dict[str, dict]:
-    devices = api.claims[(ref.namespace, ref.name)]["status"].get("devices") or []
-    return {d["device"]: d for d in devices}
 
 
 @pytest.mark.root  # mounts an MPS tmpfs / uses kubelet's directories

@@ -2,7 +2,10 @@
 reference allocator, its scenarios and the differential check (reference.py, scenarios.py,
 differential.py), the allocator on small inventories (allocation.py), a node's pool (pools.py),
 a node's prepared state (node_state.py), the controller as a process (controller.py) and in-process on
-an in-memory API server (controller_cluster.py), the CLI (cli.py)."""
+an in-memory API server (controller_cluster.py), the CLI (cli.py), the node's driver in-process:
+kubelet's DRA calls and metric samples (dra_calls.py), shares and their configs (shares.py), claims
+whose status other drivers share (claim_status.py), claims prepared again (prepare_again.py);
+opaque configs (configs.py), metrics scraped over HTTP (metrics.py), openb's pods (openb.py)."""
 
 from pathlib import Path
 

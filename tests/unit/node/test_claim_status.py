@@ -24,29 +24,10 @@ from driver.node import metrics
 from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, device_data, device_entry, up_to_date
 from driver.node.reconcile import ClaimReconciler
 from driver.node.state import PreparedDevice
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, result
+from tests.support.claim_status import NIC_ENTRY, add_claim, status_devices
 
 DRIVER = "gpu.fgpu.dev"
-NIC = {"driver": "net.example.com", "pool": "node-a", "device": "eth1"}
-NIC_ENTRY = {
-    **NIC,
-    "conditions": [{"type": "Ready", "status": "True", "reason": "Up", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
-    "data": {"mac": "02:00:00:00:00:01"},
-}
-
-
-def add_claim(api: InMemoryKubeApi, name: str, results: list[dict]) -> ClaimRef:
-    """An allocated claim (generation 1) that also holds a NIC of another driver with its status."""
-    claim = allocated_claim("default", name, f"uid-{name}", [*results, {"request": "nic", **NIC}])
-    claim["metadata"]["generation"] = 1
-    api.claims[("default", name)] = claim
-    api.apply_claim_status("default", name, {"metadata": {}, "status": {"devices": [NIC_ENTRY]}}, "net-driver")
-    return ClaimRef("default", name, f"uid-{name}")
-
-
-def status_devices(api: InMemoryKubeApi, ref: ClaimRef) -> dict[str, dict]:
-    devices = api.claims[(ref.namespace, ref.name)]["status"].get("devices") or []
-    return {d["device"]: d for d in devices}
 
 
 def refusals(reason: str) -> float:

@@ -9,35 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from driver.claims.refs import ClaimRef
-from testbed.fakes import InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, result
 from testbed.node_env import build_node, fake_tools_env
-
-CONFIG = "gpu.fgpu.dev/v1alpha1"
-
-
-def claim(api: InMemoryKubeApi, name: str, results, config=None) -> ClaimRef:
-    api.claims[("default", name)] = allocated_claim("default", name, f"uid-{name}", results, config)
-    return ClaimRef("default", name, f"uid-{name}")
-
-
-def share(device: str, memory: str | None = None, compute: str | None = None, request: str = "gpu") -> dict:
-    entry = result(device, request=request)
-    entry["shareID"] = f"share-{device}-{memory}-{compute}"
-    entry["consumedCapacity"] = {k: v for k, v in (("memory", memory), ("compute", compute)) if v}
-    return entry
-
-
-def opaque(parameters: dict, requests=None, source: str = "FromClaim") -> dict:
-    return {
-        "source": source,
-        "requests": requests or [],
-        "opaque": {"driver": "gpu.fgpu.dev", "parameters": parameters},
-    }
-
-
-def spec(env, uid: str) -> dict:
-    return json.loads(env.cdi.spec_path(uid).read_text())
+from tests.support.shares import CONFIG, claim, opaque, share, spec
 
 
 def test_mig_placements_are_created_and_destroyed(node):

@@ -9,17 +9,16 @@ import urllib.request
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry
 
 from driver.claims.refs import ClaimRef
 from driver.common.http_server import ConnectionLimits
 from driver.node import metrics
-from driver.node.kubelet.api import dra_v1_pb2
 from driver.node.kubelet.dra_service import DraV1Service
 from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.state import PreparedClaim
-from testbed.fakes import CallContext, InMemoryKubeApi, allocated_claim, result
+from testbed.fakes import InMemoryKubeApi, allocated_claim, result
 from testbed.node_env import NodeEnv
+from tests.support.dra_calls import Samples, prepare, unprepare
 
 
 def add_claim(api: InMemoryKubeApi, name: str, results: list[dict], pods: tuple[str, ...] = ()) -> ClaimRef:
@@ -27,45 +26,6 @@ def add_claim(api: InMemoryKubeApi, name: str, results: list[dict], pods: tuple[
     claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": f"pod-{pod}"} for pod in pods]
     api.claims[("team", name)] = claim
     return ClaimRef("team", name, f"uid-{name}")
-
-
-def claims_message(refs: list[ClaimRef]) -> list[dra_v1_pb2.Claim]:
-    return [dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in refs]
-
-
-def prepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
-    request = dra_v1_pb2.NodePrepareResourcesRequest(claims=claims_message(refs))
-    return {uid: r.error for uid, r in service.NodePrepareResources(request, CallContext()).claims.items()}
-
-
-def unprepare(service: DraV1Service, refs: list[ClaimRef]) -> dict[str, str]:
-    request = dra_v1_pb2.NodeUnprepareResourcesRequest(claims=claims_message(refs))
-    return {uid: r.error for uid, r in service.NodeUnprepareResources(request, CallContext()).claims.items()}
-
-
-class Samples:
-    """Sample values of a registry, and how much the process-wide counters moved since creation."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self._before = self._all()
-
-    def _all(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in self.registry.collect()
-            for s in family.samples
-        }
-
-    def value(self, name: str, **labels: str) -> float | None:
-        return self.registry.get_sample_value(name, labels)
-
-    def delta(self, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return self._all().get(key, 0.0) - self._before.get(key, 0.0)
-
-    def series(self, name: str) -> list[dict[str, str]]:
-        return [s.labels for family in self.registry.collect() for s in family.samples if s.name == name]
 
 
 @pytest.fixture
