@@ -21,6 +21,7 @@ from driver.allocator.cel import CompiledSelector, SelectorError, compile_select
 from driver.allocator.model import MAX_RESULTS_PER_CLAIM, Claim, Constraint, Device, DeviceClass, DeviceId, Request
 from driver.allocator.pools import Node, Pool, placement_matches
 from driver.allocator.state import AllocatedState
+from driver.claims.tenancy import Tenant, may_meet
 from driver.common.quantity import Amount, format_amount
 
 DeviceOrder = Callable[["NodeAllocator", list[Device]], list[Device]]
@@ -255,6 +256,16 @@ class NodeAllocator:
         in_use = [self.state.shared.get(device.id, {}), *self._sharing.get(device.id, ())]
         return consumed if fits(consumed, device.capacity, *in_use) else None
 
+    def other_tenant(self, claim: Claim, request: Request, device: Device) -> Tenant | None:
+        """A tenant holding shares of the device that the claim's share may not meet (None: it may
+        join them, driver/claims/tenancy.py); admin access holds nothing, so it joins any. The
+        claims of one search are taken as one tenant (callers search one claim at a time)."""
+        held = self.state.tenants.get(device.id)
+        if not held or request.admin_access:
+            return None
+        mine = Tenant(self.classes[request.class_name].tenancy(device.id[0]), claim.namespace, claim.uid)
+        return next((tenant for tenant, count in held.items() if count > 0 and not may_meet(mine, tenant)), None)
+
     def pool_of(self, device: Device) -> Pool:
         return self._pool_of[device.id[:2]]
 
@@ -385,6 +396,8 @@ class NodeAllocator:
         shared = device.allow_multiple_allocations
         if self._in_use(device) and not request.admin_access:
             return None
+        if shared and self.state.tenants and self.other_tenant(claim, request, device) is not None:
+            return None  # another tenant's shares: prepare would refuse it
         pool = self._pool_of[device.id[:2]]
         draws = bool(device.consumes) and not (shared and self.capacity_in_use(device))
         if draws:

@@ -37,6 +37,7 @@ from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placemen
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
 from driver.allocator.state import AllocatedState
+from driver.claims.tenancy import Tenant
 from driver.common.quantity import Amount
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
@@ -46,6 +47,7 @@ SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that 
 
 
 PoolId = tuple[str, str]
+HeldResult = tuple[dict[str, Any], Tenant | None]  # a result, and whose share it is (None: no share, or not known)
 
 
 class Snapshot:
@@ -177,6 +179,7 @@ class ClusterAllocator:
         self._candidates: dict[str, dict[Any, Any]] = {}  # node -> what NodeAllocator caches for it
         self._no_fit: dict[str, set[Hashable]] = {}  # node -> search keys of claims its devices cannot take now
         self._partial: dict[str, bool] = {}  # a GPU (counter set) part used: room without opening one
+        self._tenanted: set[str] = set()  # nodes with shares that have tenants: who asks changes what fits
         self._fragmentation = Fragmentation() if policy == "fragmentation" else None
         self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
         # fragmentation: node -> its GPUs and the positions of those this claim should take
@@ -206,10 +209,11 @@ class ClusterAllocator:
         self._views.pop(node, None)
         used: Amount = 0
         total: Amount = 0
-        partial = False
+        partial = tenanted = False
         for pool in self.snapshot.pools.get(node, ()):
             available = self.state.counters_left(pool)
             partial = partial or any(self.state.shared.get(d.id) for d in pool.devices)
+            tenanted = tenanted or (bool(self.state.tenants) and any(d.id in self.state.tenants for d in pool.devices))
             for set_name, counters in pool.counter_sets.items():
                 drawn = sum(value - available[set_name][name] for name, value in counters.items())
                 full = sum(counters.values())
@@ -222,6 +226,7 @@ class ClusterAllocator:
                     used += self.state.is_allocated(device.id)
         self._rank(node, used / total if total else 0.0)
         self._partial[node] = partial
+        (self._tenanted.add if tenanted else self._tenanted.discard)(node)
 
     def _rank(self, node: str, usage: Usage) -> None:
         """The node's usage now (0: none, or gone), kept sorted for node_order."""
@@ -282,8 +287,15 @@ class ClusterAllocator:
         upstream's order, which ends exactly as upstream does: a claim kube-scheduler would
         allocate is never refused because our order tried another device first. Within `budget`
         (default: SEARCH_STEPS), else SearchBudgetExceeded."""
-        key = tuple(claim.search_key for claim in claims)
-        return self._search(node, claims, key, budget or SearchBudget(SEARCH_STEPS))
+        return self._search(node, claims, self._fit_key(node, claims), budget or SearchBudget(SEARCH_STEPS))
+
+    def _fit_key(self, node: str, claims: Sequence[Claim]) -> Hashable:
+        """What a search on the node reads of the claims (claims with equal keys fit alike): their
+        shapes, and where the node's shares have tenants their namespaces too. Not their uids: a
+        claim being placed holds no shares, so where its class's tenancy is Claim it may join none,
+        whichever claim it is."""
+        shapes = tuple(claim.search_key for claim in claims)
+        return (shapes, tuple(claim.namespace for claim in claims)) if node in self._tenanted else shapes
 
     def _search(
         self, node: str, claims: Sequence[Claim], key: Hashable, budget: SearchBudget
@@ -326,6 +338,7 @@ class ClusterAllocator:
                 self._rank(node, 0.0)
                 for cached in (self._usage, self._candidates, self._no_fit, self._partial, self._views):
                     cached.pop(node, None)
+                self._tenanted.discard(node)
 
     def allocate(
         self,
@@ -352,11 +365,11 @@ class ClusterAllocator:
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
         scanned = 0
-        key = (claim.search_key,)
         order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
         while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
+            key = self._fit_key(node, (claim,))
             if not why and key in self._no_fit.get(node, ()):
                 continue  # its devices cannot take it: whether its pods could is only asked to explain
             if pods_fit is not None and not pods_fit(node):
@@ -487,17 +500,27 @@ class ClusterAllocator:
         return explain(self, claim)
 
     def commit(self, placement: Placement) -> None:
-        self.add(placement.node, placement.allocation)
+        self.add(placement.node, placement.allocation, placement.claim)
 
-    def add(self, node: str, allocation: dict[str, Any]) -> None:
+    def add(self, node: str, allocation: dict[str, Any], holder: Claim | None = None) -> None:
         """Count an allocation (one of ours, or one made elsewhere: node "" re-measures every node
-        that sees its pools); release is the reverse."""
-        self.state.add_allocation(allocation)
+        that sees its pools), with the claim that holds it where known (its shares' tenants);
+        release, given the same, is the reverse."""
+        self.state.add_allocation(allocation, holder)
         self._changed(node, allocation)
 
-    def release(self, node: str, allocation: dict[str, Any]) -> None:
-        self.state.remove_allocation(allocation)
+    def release(self, node: str, allocation: dict[str, Any], holder: Claim | None = None) -> None:
+        self.state.remove_allocation(allocation, holder)
         self._changed(node, allocation)
+
+    def recount(self, gone: Sequence[HeldResult], new: Sequence[HeldResult]) -> None:
+        """Results of any claims that are gone and that are new, each with its share's tenant (None:
+        none, or not known), as release and add count them; each node they touch re-measured once."""
+        for result, tenant in gone:
+            self.state.remove_result(result, tenant)
+        for result, tenant in new:
+            self.state.add_result(result, tenant)
+        self._changed("", {"devices": {"results": [result for result, _ in (*gone, *new)]}})
 
     def _changed(self, node: str, allocation: dict[str, Any]) -> None:
         """Re-measure every node that sees a pool the allocation touched (more than one where a
@@ -521,7 +544,7 @@ class ClusterAllocator:
             outcome = self.allocate(claim, room=room, budget=budget)
             if isinstance(outcome, Failure):
                 for placement in reversed(placed):
-                    self.release(placement.node, placement.allocation)
+                    self.release(placement.node, placement.allocation, placement.claim)
                     if room is not None:
                         room.give_back(placement)
                 return Failure(claim, f"gang cannot be placed whole: {outcome.claim.key}: {outcome.reason}")

@@ -9,6 +9,7 @@ from driver.allocator.capacity import consumption, fits
 from driver.allocator.model import Claim, Device, DeviceClass, Request
 from driver.allocator.pools import Pool
 from driver.allocator.scoring import counters_fit
+from driver.claims.tenancy import unit
 from driver.common.quantity import Amount, format_amount
 
 
@@ -27,10 +28,14 @@ class ClusterView(Protocol):
     def node_allocator(self, node: str) -> NodeAllocator: ...
 
 
-def _why_not(allocator: NodeAllocator, request: Request, device: Device) -> str | None:
+def _why_not(allocator: NodeAllocator, claim: Claim, request: Request, device: Device) -> str | None:
     """Why `device` cannot serve `request` now, or None if it could."""
     if not request.admin_access and device.id in allocator.state.exclusive:
         return "in use"
+    other = allocator.other_tenant(claim, request, device)
+    if other is not None:  # named by its kind only: it may be another namespace's
+        mine = allocator.classes[request.class_name].tenancy(device.id[0])
+        return f"another tenant's shares: they belong to one {unit(mine, other.tenancy)} at a time, docs/security.md"
     consumed = consumption(request.capacity, device.capacity)
     if consumed is None:
         return "its capacity policy does not allow the requested amount"
@@ -86,7 +91,7 @@ def _explain_request(cluster: ClusterView, claim: Claim, request: Request) -> st
                 except AllocationError as error:
                     return str(error)
                 matching += 1
-                why = _why_not(allocator, request, device)
+                why = _why_not(allocator, claim, request, device)
                 if why is None:
                     usable_on[node] = usable_on.get(node, 0) + 1
                     continue

@@ -69,31 +69,32 @@ class Move:
 
 class _Scratch:
     """Adds and releases made while planning, undone in reverse order: an add and a release are
-    exact inverses on the allocator's state (whole numbers and fractions, counted shares)."""
+    exact inverses on the allocator's state (whole numbers and fractions, counted shares and their
+    tenants: each allocation with the claim that holds it)."""
 
     def __init__(self, allocator: ClusterAllocator) -> None:
         self.allocator = allocator
-        self._undo: list[tuple[Callable[[str, dict[str, Any]], None], str, dict[str, Any]]] = []
+        self._undo: list[tuple[Callable[[str, dict[str, Any], Claim], None], str, dict[str, Any], Claim]] = []
 
-    def add(self, node: str, allocation: dict[str, Any]) -> None:
-        self.allocator.add(node, allocation)
-        self._undo.append((self.allocator.release, node, allocation))
+    def add(self, node: str, allocation: dict[str, Any], holder: Claim) -> None:
+        self.allocator.add(node, allocation, holder)
+        self._undo.append((self.allocator.release, node, allocation, holder))
 
-    def release(self, node: str, allocation: dict[str, Any]) -> None:
-        self.allocator.release(node, allocation)
-        self._undo.append((self.allocator.add, node, allocation))
+    def release(self, node: str, allocation: dict[str, Any], holder: Claim) -> None:
+        self.allocator.release(node, allocation, holder)
+        self._undo.append((self.allocator.add, node, allocation, holder))
 
     def release_all(self, holders: Sequence[Holder]) -> None:
         for holder in holders:
-            self.release(holder.node, holder.allocation)
+            self.release(holder.node, holder.allocation, holder.claim)
 
     def mark(self) -> int:
         return len(self._undo)
 
     def undo(self, mark: int = 0) -> None:
         while len(self._undo) > mark:
-            step, node, allocation = self._undo.pop()
-            step(node, allocation)
+            step, node, allocation, holder = self._undo.pop()
+            step(node, allocation, holder)
 
 
 @contextmanager
@@ -193,7 +194,7 @@ def _node_options(
                 continue
             for holder in sorted(released, key=lambda h: _cost(allocator, [h]), reverse=True):
                 mark = scratch.mark()
-                scratch.add(holder.node, holder.allocation)
+                scratch.add(holder.node, holder.allocation, holder.claim)
                 if _fits_on(allocator, node, claim, budget) is None:
                     scratch.undo(mark)  # needed: it goes
                 else:
@@ -235,7 +236,7 @@ def _gang_options(
     for victims, placement in _claim_options(allocator, first, movable, budget)[:limit]:
         with _scratch(allocator) as scratch:
             scratch.release_all(victims)
-            scratch.add(placement.node, placement.allocation)
+            scratch.add(placement.node, placement.allocation, placement.claim)
             chosen, placed = list(victims), [placement]
             for claim in rest:
                 options = _claim_options(allocator, claim, [h for h in movable if h not in chosen], budget)
@@ -243,7 +244,7 @@ def _gang_options(
                     break
                 more, where = options[0]
                 scratch.release_all(more)
-                scratch.add(where.node, where.allocation)
+                scratch.add(where.node, where.allocation, where.claim)
                 chosen.extend(more)
                 placed.append(where)
             else:
@@ -274,15 +275,15 @@ def _moves(
     state as it is (victims still in their old places): never into the room they made."""
     with _scratch(allocator) as scratch:
         for placement in placements:
-            scratch.add(placement.node, placement.allocation)
+            scratch.add(placement.node, placement.allocation, placement.claim)
         for victim in victims:
-            scratch.add(victim.node, _rest_of_shared(allocator, victim))
+            scratch.add(victim.node, _rest_of_shared(allocator, victim), victim.claim)
         moves = []
         for victim in sorted(victims, key=lambda v: given_back(allocator, v), reverse=True):
             outcome = allocator.allocate(victim.claim, budget=budget)
             if isinstance(outcome, Failure):
                 return None
-            scratch.add(outcome.node, outcome.allocation)
+            scratch.add(outcome.node, outcome.allocation, outcome.claim)
             moves.append(outcome)
         return tuple(moves)
 
@@ -369,7 +370,7 @@ def compaction(
                     or _opens(allocator, outcome)
                 ):
                     break
-                scratch.add(outcome.node, outcome.allocation)
+                scratch.add(outcome.node, outcome.allocation, outcome.claim)
                 planned.append(Move(holder, outcome))
             else:
                 scratch.release_all(group)

@@ -8,10 +8,12 @@ import functools
 import json
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.cel import device_input
+from driver.claims.config import Tenancy
+from driver.claims.tenancy import class_tenancy
 from driver.common.quantity import Amount, QuantityError, parse_quantity
 
 DeviceId = tuple[str, str, str]  # driver, pool, device
@@ -177,6 +179,15 @@ class DeviceClass:
     name: str
     selectors: tuple[str, ...]
     configs: tuple[dict[str, Any], ...]
+    _tenancy: dict[str, Tenancy] = field(default_factory=dict, compare=False, repr=False)  # by driver
+
+    def tenancy(self, driver: str) -> Tenancy:
+        """Whose shares of `driver`'s devices may meet this class's (driver/claims/tenancy.py): read
+        from its configs once, the search asks on every device other tenants hold shares of."""
+        found = self._tenancy.get(driver)
+        if found is None:
+            found = self._tenancy[driver] = class_tenancy(self.configs, driver)
+        return found
 
 
 @dataclass(frozen=True)

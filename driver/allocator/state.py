@@ -1,15 +1,19 @@
-"""What is already allocated: devices in exclusive use, capacity consumed on shared devices, and
-the counters they draw. Built from the claims' allocation results; the allocator adds to it."""
+"""What is already allocated: devices in exclusive use, capacity consumed on shared devices, the
+counters they draw, and whose shares each shared device holds (its tenants: a claim of another
+tenant is not placed there, driver/claims/tenancy.py). Built from the claims' allocation results
+(a result's tenant from its claim, where the caller names it); the allocator adds to it."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.allocator.model import Device, DeviceId
+from driver.allocator.model import Claim, Device, DeviceId
 from driver.allocator.pools import Pool
+from driver.claims.tenancy import Tenant, request_tenancy
+from driver.common.flags import DEFAULT_DRIVER_NAME
 from driver.common.quantity import Amount, QuantityError, parse_quantity
 
 
@@ -21,6 +25,11 @@ class AllocatedState:
     exclusive: Counter[DeviceId] = field(default_factory=Counter)
     shared: dict[DeviceId, dict[str, Amount]] = field(default_factory=dict)  # consumed capacity
     share_count: dict[DeviceId, int] = field(default_factory=lambda: defaultdict(int))
+    # Who holds a shared device's shares: each tenant with its count of shares (a count may go
+    # below zero for a while: a release and an add are exact inverses in any order). Only
+    # `tenancy_driver`'s devices, whose plugin refuses another tenant's claim at prepare.
+    tenants: dict[DeviceId, Counter[Tenant]] = field(default_factory=dict)
+    tenancy_driver: str = DEFAULT_DRIVER_NAME
 
     def is_allocated(self, device: DeviceId) -> bool:
         """Allocated at all: its counters are drawn (once, however many shares it has)."""
@@ -42,7 +51,26 @@ class AllocatedState:
                             left[counter_set][name] -= value
         return left
 
-    def add_result(self, result: dict[str, Any]) -> None:
+    def share_tenant(
+        self, result: dict[str, Any], configs: Sequence[dict[str, Any]], namespace: str, uid: str
+    ) -> Tenant | None:
+        """Whose a result's share is, for the claim (`namespace`, `uid`) whose allocation has the
+        result and config entries `configs`; None where the result is no share with a tenant."""
+        if result.get("shareID") is None or result.get("adminAccess") or result.get("driver") != self.tenancy_driver:
+            return None  # admin access is no tenant: it holds nothing, as prepare counts it
+        return Tenant(request_tenancy(configs, self.tenancy_driver, result.get("request") or ""), namespace, uid)
+
+    def _count_tenant(self, device: DeviceId, tenant: Tenant | None, sign: int) -> None:
+        if tenant is None:
+            return
+        held = self.tenants.setdefault(device, Counter())
+        held[tenant] += sign
+        if not held[tenant]:
+            del held[tenant]
+            if not held:
+                del self.tenants[device]
+
+    def add_result(self, result: dict[str, Any], tenant: Tenant | None = None) -> None:
         if result.get("adminAccess"):
             return  # admin access never takes a device from others
         device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
@@ -51,13 +79,15 @@ class AllocatedState:
             return
         consumed = self.shared.setdefault(device, {})
         self.share_count[device] += 1
+        self._count_tenant(device, tenant, +1)
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
                 consumed[name] = consumed.get(name, 0) + parse_quantity(value)
             except QuantityError:
                 continue  # the API server validated it; an unreadable entry cannot be counted
 
-    def remove_result(self, result: dict[str, Any]) -> None:
+    def remove_result(self, result: dict[str, Any], tenant: Tenant | None = None) -> None:
+        """The reverse of add_result, given the same tenant."""
         if result.get("adminAccess"):
             return
         device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
@@ -66,6 +96,7 @@ class AllocatedState:
             if self.exclusive[device] <= 0:
                 del self.exclusive[device]
             return
+        self._count_tenant(device, tenant, -1)
         consumed = self.shared.get(device, {})
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
@@ -77,17 +108,35 @@ class AllocatedState:
             self.shared.pop(device, None)
             self.share_count.pop(device, None)
 
-    def add_allocation(self, allocation: dict[str, Any] | None) -> None:
-        for result in ((allocation or {}).get("devices") or {}).get("results") or ():
-            self.add_result(result)
+    def _tenants(self, allocation: dict[str, Any], holder: Claim | None) -> list[tuple[dict[str, Any], Tenant | None]]:
+        devices = allocation.get("devices") or {}
+        configs = devices.get("config") or ()
+        return [
+            (result, None if holder is None else self.share_tenant(result, configs, holder.namespace, holder.uid))
+            for result in devices.get("results") or ()
+        ]
 
-    def remove_allocation(self, allocation: dict[str, Any] | None) -> None:
-        for result in ((allocation or {}).get("devices") or {}).get("results") or ():
-            self.remove_result(result)
+    def add_allocation(self, allocation: dict[str, Any] | None, holder: Claim | None = None) -> None:
+        """The allocation's results; with the claim that holds it, its shares' tenants too."""
+        for result, tenant in self._tenants(allocation or {}, holder):
+            self.add_result(result, tenant)
+
+    def remove_allocation(self, allocation: dict[str, Any] | None, holder: Claim | None = None) -> None:
+        for result, tenant in self._tenants(allocation or {}, holder):
+            self.remove_result(result, tenant)
 
     @classmethod
     def from_allocations(cls, allocations: Iterable[dict[str, Any] | None]) -> AllocatedState:
+        """Allocations whose claims are not known: devices and capacity held, no tenants."""
         state = cls()
         for allocation in allocations:
             state.add_allocation(allocation)
+        return state
+
+    @classmethod
+    def from_claims(cls, claims: Iterable[Claim], tenancy_driver: str = DEFAULT_DRIVER_NAME) -> AllocatedState:
+        """What the claims' allocations hold, their shares' tenants included."""
+        state = cls(tenancy_driver=tenancy_driver)
+        for claim in claims:
+            state.add_allocation(claim.allocation, claim)
         return state

@@ -3,6 +3,7 @@ and the opaque configs of our driver (pure: claim JSON in, dataclasses out)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,12 +63,13 @@ def allocation_for_node(claim: dict[str, Any], ref: ClaimRef, driver: str, pool:
             reason="not_allocated",
         )
     devices = tuple(_allocated_device(result) for result in local)
-    configs = tuple(
-        _opaque_config(entry)
-        for entry in (allocation.get("devices") or {}).get("config") or []
-        if (entry.get("opaque") or {}).get("driver") == driver
-    )
+    configs = opaque_configs((allocation.get("devices") or {}).get("config") or (), driver)
     return ClaimAllocation(claim=ref, devices=devices, configs=configs)
+
+
+def opaque_configs(entries: Iterable[dict[str, Any]], driver: str) -> tuple[OpaqueConfig, ...]:
+    """The opaque configs of `driver` among an allocation's config entries, in order."""
+    return tuple(_opaque_config(entry) for entry in entries if (entry.get("opaque") or {}).get("driver") == driver)
 
 
 def _allocated_device(result: dict[str, Any]) -> AllocatedDevice:

@@ -29,7 +29,7 @@ from driver.common.quantity import QuantityError, parse_quantity
 API_VERSION = "gpu.fgpu.dev/v1alpha1"
 KINDS = ("GpuConfig", "ShareConfig", "MigDeviceConfig")
 INTERVALS = ("Default", "Short", "Medium", "Long")
-Tenancy = Literal["Namespace", "Claim", "Shared"]  # whose shares may meet on a GPU: driver/node/tenancy.py
+Tenancy = Literal["Namespace", "Claim", "Shared"]  # whose shares may meet on a GPU: driver/claims/tenancy.py
 TENANCIES: tuple[Tenancy, ...] = get_args(Tenancy)
 DEFAULT_TENANCY: Tenancy = "Namespace"
 MIN_PINNED_MEMORY = 2**20  # MPS takes the limit in whole megabytes: less would be "0M", no limit

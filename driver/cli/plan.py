@@ -129,7 +129,7 @@ def plan(request: PlanInput, stdin: TextIO, out: TextIO, as_json: bool = False) 
 
 def make_plan(manifests: list[Manifest], policy: Policy, driver: str) -> Plan:
     catalog = Catalog(manifests)
-    world = World.build(catalog, policy)
+    world = World.build(catalog, policy, driver)
     result = Plan(skipped=list(catalog.skipped), notes=catalog.notes + world.notes())
     units = _units(catalog, world, driver, result)
     result.outcomes = _allocate(world, units, world.room({u.claim.key: u.pods for u in units}))
@@ -199,13 +199,13 @@ class World:
     pending_in_cluster: int  # claims in the cluster waiting for an allocation (not planned)
 
     @classmethod
-    def build(cls, catalog: Catalog, policy: Policy) -> World:
+    def build(cls, catalog: Catalog, policy: Policy, driver: str) -> World:
         slices = [_converted(slice_from_object, m) for m in catalog.of_kind("ResourceSlice")]
         classes = {c.name: c for c in (_converted(class_from_object, m) for m in catalog.of_kind("DeviceClass"))}
         nodes = sorted((node_of(m) for m in catalog.of_kind("Node")), key=lambda n: n.name)
         claims = [m for m in catalog.of_kind("ResourceClaim") if _allocated(m)]
         taken = [_converted(claim_from_object, m) for m in claims]
-        state = AllocatedState.from_allocations(c.allocation for c in taken if c.allocation)
+        state = AllocatedState.from_claims(taken, driver)  # with their shares' tenants
         snapshot = Snapshot(slices, nodes) if nodes else Snapshot.from_slices(slices)
         named = {s.placement.node_name for s in slices} - {""}
         pending = sum(1 for m in catalog.of_kind("ResourceClaim") if m.from_cluster and not _allocated(m))

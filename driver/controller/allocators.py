@@ -5,19 +5,23 @@ deleted touches only its pool. The allocator's state is told only what changed i
 ledgers, so its per-node caches survive for the nodes nothing touched; a standby keeps it current
 too, so that it places claims at once when it wins the lease. This module alone keeps the count of
 what the allocator holds: placements committed by a pass are counted here, reservations set aside
-and put back here."""
+and put back here. A share is counted with its tenant (its claim's namespace and uid, the tenancy
+of its class: driver/claims/tenancy.py) where its claim's status has it; a share known only from a
+ledger (the claim's status not written yet, or a reservation) does not say which request it is
+for, so it is counted without one and counted again, with it, once the claim's status has it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from driver.allocator.cluster import ClusterAllocator, Placement, Snapshot
+from driver.allocator.cluster import ClusterAllocator, HeldResult, Placement, Snapshot
 from driver.allocator.model import Slice, class_from_object
 from driver.allocator.pools import Node
 from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
+from driver.claims.tenancy import Tenant
 from driver.controller.informer import Informer
 from driver.controller.ledger import Ledgers, ResultKey, allocated_results, results_of
 
@@ -29,6 +33,25 @@ class Counted:
     allocator: ClusterAllocator
     key: tuple[int, int]  # the snapshot and the classes it was built on
     results: dict[ResultKey, dict[str, Any]]
+    tenants: dict[ResultKey, Tenant] = field(default_factory=dict)  # the shares counted with one
+    unnamed: set[ResultKey] = field(default_factory=set)  # shares counted from a ledger: no tenant yet
+
+    def held(self, key: ResultKey) -> HeldResult:
+        return self.results[key], self.tenants.get(key)
+
+    def count(self, key: ResultKey, result: dict[str, Any], tenant: Tenant | None) -> HeldResult:
+        """The result as counted from now on (the caller adds it to the allocator)."""
+        self.results[key] = result
+        if tenant is not None:
+            self.tenants[key] = tenant
+        if result.get("shareID") and "request" not in result:
+            self.unnamed.add(key)
+        return result, tenant
+
+    def uncount(self, key: ResultKey) -> HeldResult:
+        """The result as it was counted, no longer (the caller releases it from the allocator)."""
+        self.unnamed.discard(key)
+        return self.results.pop(key), self.tenants.pop(key, None)
 
 
 @dataclass
@@ -86,7 +109,8 @@ class AllocatorCache:
         writes are conditioned on). The allocator is kept from pass to pass and told only what
         changed, so its per-node caches survive for the nodes nothing touched."""
         snapshot = self.snapshot()
-        results = allocated_results(self._informers["claims"].items(), self._ledgers.objects())
+        claims = self._informers["claims"].items()
+        results = allocated_results(claims, self._ledgers.objects())
         key = (id(snapshot), self._informers["classes"].version)
         counted = self._counted
         if counted is None or counted.key != key:
@@ -94,16 +118,17 @@ class AllocatorCache:
             for obj in self._informers["classes"].items():
                 cls = class_from_object(obj)
                 classes[cls.name] = cls
-            state = AllocatedState()
-            for result in results.values():
-                state.add_result(result)
-            self._counted = Counted(ClusterAllocator(snapshot, classes, state, self._policy), key, results)
-            return self._counted.allocator
-        gone = [counted.results[k] for k in counted.results.keys() - results.keys()]
-        new = [results[k] for k in results.keys() - counted.results.keys()]
-        counted.allocator.release("", {"devices": {"results": gone}})
-        counted.allocator.add("", {"devices": {"results": new}})
-        counted.results = results
+            counted = Counted(ClusterAllocator(snapshot, classes, AllocatedState(), self._policy), key, {})
+            self._counted = counted
+        # Shares first counted from a ledger, now in their claim's status: counted again, with a tenant.
+        named = {k for k in counted.unnamed & results.keys() if "request" in results[k]}
+        gone = [counted.uncount(k) for k in (counted.results.keys() - results.keys()) | named]
+        added = results.keys() - counted.results.keys()
+        by_uid = {obj["metadata"].get("uid", ""): obj for obj in claims} if added else {}
+        state = counted.allocator.state
+        new = [counted.count(k, results[k], _tenant(state, k, results[k], by_uid)) for k in added]
+        counted.allocator.recount(gone, new)
+        counted.unnamed &= counted.results.keys()  # not those set aside since (set_aside)
         return counted.allocator
 
     def forget(self) -> None:
@@ -114,8 +139,12 @@ class AllocatorCache:
         """Placements just committed to the allocator: counted, so the next pass does not add them
         again when it finds them in the claims (or takes them out if they were never written)."""
         if self._counted is not None:
+            state = self._counted.allocator.state
             for obj, placement in placements:
-                self._counted.results.update(results_of(obj["metadata"].get("uid", ""), placement.allocation))
+                for key, result in results_of(obj["metadata"].get("uid", ""), placement.allocation).items():
+                    configs = placement.allocation["devices"].get("config") or ()
+                    tenant = state.share_tenant(result, configs, placement.claim.namespace, placement.claim.uid)
+                    self._counted.count(key, result, tenant)
 
     def set_aside(
         self,
@@ -136,3 +165,14 @@ class AllocatorCache:
             for key in keys:
                 del counted[key]
         return SetAside(allocator, held, counted, keys)
+
+
+def _tenant(state: AllocatedState, key: ResultKey, result: dict[str, Any], by_uid: dict[str, Any]) -> Tenant | None:
+    """Whose share the result is, where its claim's own allocation has it (a ledger's result names
+    no request, so no class: not known until the claim's status has it)."""
+    claim = by_uid.get(key[0])
+    allocation = ((claim or {}).get("status") or {}).get("allocation")
+    if claim is None or not allocation or "request" not in result:
+        return None
+    configs = (allocation.get("devices") or {}).get("config") or ()
+    return state.share_tenant(result, configs, claim["metadata"].get("namespace", ""), key[0])

@@ -56,3 +56,34 @@ def test_plan_reports_bad_files(tmp_path: Path):
     ]
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "invalid quantity 'lots'" in run.stderr
+
+
+def test_plan_places_no_claim_on_shares_another_namespace_holds(tmp_path: Path):
+    """A GPU's MPS shares belong to one namespace at a time (driver/claims/tenancy.py): a claim of
+    another namespace would wait at prepare, so the plan refuses it, naming no other tenant."""
+    share = (
+        "spec: {devices: {requests: [{name: r, exactly: {deviceClassName: mps.gpu.fgpu.dev,"
+        " selectors: [{cel: {expression: 'device.attributes[\"gpu.fgpu.dev\"].index == 0'}}],"
+        " capacity: {requests: {compute: '10'}}}}]}}\n"
+    )
+    held = (
+        "status: {allocation: {devices: {results: [{request: r, driver: gpu.fgpu.dev, pool: n1,"
+        " device: gpu-0-mps, shareID: 6f2b0c1e-0000-4000-8000-000000000001, consumedCapacity: {compute: '10'}}]}}}\n"
+    )
+    claims = tmp_path / "claims.yaml"
+    claims.write_text(
+        "\n---\n".join(
+            f"apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {{name: {name}, namespace: {ns}}}\n"
+            + share
+            + extra
+            for name, ns, extra in (("running", "a", held), ("other", "b", ""), ("second", "a", ""))
+        )
+    )
+    command = [sys.executable, "-m", "driver.cli", "plan", "--slices", str(discover(tmp_path, "n1", "dgx-h100"))]
+    command += ["--claims", str(claims), "--classes", str(ROOT / "daemonset" / "deviceclasses.yaml")]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1, run.stderr
+    assert "a/second: n1: gpu-0-mps" in run.stdout
+    assert "b/other: cannot allocate:" in run.stdout
+    assert "n1/gpu-0-mps (another tenant's shares: they belong to one namespace at a time" in run.stdout
+    assert "a/running" not in run.stdout.split("b/other: cannot allocate:")[1].splitlines()[0]
