@@ -18,6 +18,7 @@ COMMANDS = {
     "webhook": "driver.admission.commands",
     "plan": "driver.cli.plan_command",
     "status": "driver.cli.status_command",
+    "rightsize": "driver.cli.rightsize_command",
     "mock": "driver.nvml.commands",
 }
 MOCK_COMMANDS = ("fault", "driver", "usage")
@@ -66,7 +67,8 @@ def test_mock_commands_help(name: str):
 def test_the_old_mock_names_are_left_out_of_help_and_still_work_with_a_note(tmp_path: Path):
     listing = fgpu("--help").stdout.split("positional arguments:")[1].split("options:")[0]
     listed = [line.split()[0] for line in listing.splitlines() if line.startswith("    ") and line[4] != " "]
-    assert listed == ["discover", "kubelet-plugin", "health", "controller", "webhook", "plan", "status", "mock"]
+    commands = ["discover", "kubelet-plugin", "health", "controller", "webhook", "plan", "status", "rightsize"]
+    assert listed == [*commands, "mock"]
     env = {"PATH": "/usr/bin:/bin", "FGPU_NVML_MOCK_STATE": str(tmp_path / "gpus.json")}
     run = fgpu("mock-usage", "--nvml=mock:l4x4", "--gpu=1", "--utilization=40", env=env)
     assert (run.returncode, run.stderr) == (0, "fgpu: mock-usage is deprecated: use fgpu mock usage\n")
