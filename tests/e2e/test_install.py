@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
+from partitioner.mps import IDENTITY_FILE, DaemonIdentity
 from testbed.cluster.harness import Cluster, free_port
 from testbed.cluster.image_build import build_image
 from testbed.cluster.images import BUSYBOX_IMAGE
@@ -130,6 +130,7 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         "controller.hostNetwork": True,
         # On the node's network a container port is a host port: two replicas on one node need none.
         "controller.metricsPort": 0,
+        "controller.healthPort": 0,  # likewise its liveness port (and so no probe)
         "controller.nodeSelector": on_node,
         "webhook.nodeSelector": on_node,
         "webhook.replicas": 1,
@@ -563,13 +564,14 @@ def shared_pods(cluster: Cluster, node: RealNode) -> list[str]:
 
 
 def mps_daemons(release: Release) -> dict[str, int]:
-    """GPU UUID -> pid of its running MPS control daemon, from the pid files in the state dir."""
+    """GPU UUID -> pid of its running MPS control daemon, from the plugin's records in the state dir
+    (partitioner/mps.py: the daemon it started, never a file in the tenants' pipe directory)."""
     running = {}
-    for pid_file in Path(str(release.values["kubeletPlugin.stateDir"])).glob("mps/*/pipe/*.pid"):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text())
-            os.kill(pid, 0)
-            running[pid_file.parents[1].name] = pid
+    for record in Path(str(release.values["kubeletPlugin.stateDir"])).glob(f"mps/*/{IDENTITY_FILE}"):
+        with contextlib.suppress(OSError):
+            identity = DaemonIdentity.parse(record.read_text())
+            if identity is not None and identity.alive():
+                running[record.parent.name] = identity.pid
     return running
 
 
