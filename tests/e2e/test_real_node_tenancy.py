@@ -18,6 +18,7 @@ import kubernetes
 import pytest
 from kubernetes.stream import stream
 
+from driver.node.settings import MOCK_DRIVER_ROOT
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import (
     claim_template,
@@ -65,7 +66,7 @@ def run_in(core_api, name: str, namespace: str, command: str) -> str:
 def control(plugin: NodePlugin, gpu: int, command: str) -> subprocess.CompletedProcess[str]:
     """`echo <command> | nvidia-cuda-mps-control` at the GPU's pipe directory."""
     uuid = plugin.gpus().describe(gpu).uuid
-    tool = plugin.plugin_dir / "mock-driver-root" / "usr" / "bin" / "nvidia-cuda-mps-control"
+    tool = plugin.state_dir / MOCK_DRIVER_ROOT / "usr" / "bin" / "nvidia-cuda-mps-control"
     environment = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(plugin.state_dir / "mps" / uuid / "pipe")}
     return subprocess.run([str(tool)], input=command + "\n", capture_output=True, text=True, env=environment,
                           timeout=30, check=False)  # fmt: skip

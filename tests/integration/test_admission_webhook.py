@@ -37,6 +37,7 @@ pytestmark = pytest.mark.cluster
 
 DRIVER = "gpu.fgpu.dev"
 NS = "default"
+FLIPPED = {"Fail": "Ignore", "Ignore": "Fail"}  # a failurePolicy switched, whichever the chart has
 SHARE = {"apiVersion": "gpu.fgpu.dev/v1alpha1", "kind": "ShareConfig", "sharing": {"strategy": "MPS"}}
 BAD_SHARE = {**SHARE, "sharing": {"strategy": "MPS", "mps": {"activeThreadPercentage": 150}}}
 MERGE_PATCH = "application/merge-patch+json"
@@ -528,22 +529,25 @@ def test_the_webhooks_service_account_may_patch_the_caBundle_of_its_configuratio
         encoded = base64.b64encode(b"not a CA, but the webhook's to write\n").decode()
         ca_bundle = {"webhooks": [{"name": w["name"], "clientConfig": {"caBundle": encoded}}
                                   for w in configuration["webhooks"]]}  # fmt: skip
-        widened = {"webhooks": [{"name": w["name"], "failurePolicy": "Ignore"} for w in configuration["webhooks"]]}
+        configurations = admin.resources.get(api_version=configuration["apiVersion"], kind=configuration["kind"])
         deadline = time.monotonic() + 30
-        while True:  # the apiserver takes up the policy from its informer
+        while True:  # the apiserver takes up the policy from its informer: until then a switch passes
+            current = configurations.get(name="fgpu-webhook").to_dict()
+            switched = {"webhooks": [{"name": w["name"], "failurePolicy": FLIPPED[w["failurePolicy"]]}
+                                     for w in current["webhooks"]]}  # fmt: skip
             try:
-                webhook_api.patch_validating_webhook_configuration("fgpu-webhook", widened, _content_type=STRATEGIC)
+                webhook_api.patch_validating_webhook_configuration("fgpu-webhook", switched, _content_type=STRATEGIC)
             except ApiException as err:
                 assert err.status in (403, 422), err.body
                 assert "may only write the caBundle" in err.body
                 break
             assert time.monotonic() < deadline, "the admission policy never took effect"
             time.sleep(0.3)
+        before = configurations.get(name="fgpu-webhook").to_dict()
         webhook_api.patch_validating_webhook_configuration("fgpu-webhook", ca_bundle, _content_type=STRATEGIC)
-        configurations = admin.resources.get(api_version=configuration["apiVersion"], kind=configuration["kind"])
         written = configurations.get(name="fgpu-webhook").to_dict()
         assert {w["clientConfig"]["caBundle"] for w in written["webhooks"]} == {encoded}
-        assert {w["failurePolicy"] for w in written["webhooks"]} == {configuration["webhooks"][0]["failurePolicy"]}
+        assert [w["failurePolicy"] for w in written["webhooks"]] == [w["failurePolicy"] for w in before["webhooks"]]
         with pytest.raises(ApiException) as refused:
             webhook_api.delete_validating_webhook_configuration("fgpu-webhook")
         assert refused.value.status == 403  # RBAC: no delete
