@@ -12,8 +12,10 @@ GPUs and MPS shares; a pod asking k whole GPUs is a claim for k devices of gpu.f
 pod (thousandths m < 1000) an MPS share of compute ceil(m / 10) % (the trace's values are whole
 percents; the report counts any it had to round), gpu_spec a CEL selector on productName. Pod CPU
 and memory fit: driver/scheduling/nodefit.py's NodeRoom, as the controller uses it. CPU-only pods are claims
-without requests: the allocator places them with the same policy as GPU pods (or --cpu-pods as
-kube-scheduler's NodeResourcesFit scoring would, to measure the kube-scheduler advice in docs).
+without requests: the allocator places them with the same policy as GPU pods (fgpu places every
+pod), or with --cpu-pods as deployed: kube-scheduler places them as its NodeResourcesFit scoring
+would (least-allocated: its default, the profile docs/allocator.md recommends), and the allocator
+learns of them only as the controller does (their node's pods changed), with no commit.
 
   python -m bench.openb --trace default --seeds 42-51 --policy binpack
   python -m bench.openb --trace gpushare80 --seeds 42-44 --policy binpack --cpu-pods least-allocated
@@ -350,28 +352,46 @@ def replay(
         claim = claim_from_object(claim_object(pod))
         pods_of[claim.key] = [pod_needs(pod)]
         started = time.perf_counter()
-        outcome = place(allocator, room, names, claim, pod.num_gpu == 0 and cpu_pods != "policy", cpu_pods)
+        if pod.num_gpu == 0 and cpu_pods != "policy":
+            placed = by_kube_scheduler(allocator, room, names, claim, cpu_pods)
+        else:
+            placed = by_fgpu(allocator, room, claim)
         if pod.num_gpu:
             latencies.append(time.perf_counter() - started)
-        if outcome is None:
-            failed += 1
-        else:
-            allocator.commit(outcome)
-            room.take(outcome)
+        if placed:
             used += pod.gpu_total
+        else:
+            failed += 1
         events.append((arrived, used))
     rounded = sum(1 for p in pods if 0 < p.gpu_milli < 1000 and p.gpu_milli % 10)
     return Run(seed, unallocated(buckets(events, capacity)), failed, len(latencies), sum(latencies), latencies, rounded)
 
 
-def place(
-    allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, by_kube: bool, cpu_pods: CpuPods
-) -> Placement | None:
-    if by_kube:
-        node = kube_scheduler_node(allocator, room, names, claim, cpu_pods)
-        return None if node is None else Placement(claim, node, {"devices": {"results": []}})
+def by_fgpu(allocator: ClusterAllocator, room: NodeRoom, claim: Claim) -> bool:
+    """The claim placed by the allocator and committed, its pods counted in the room; False where
+    it fits nowhere."""
     outcome = allocator.allocate(claim, room=room, why=False)  # failures are counted, not explained
-    return None if isinstance(outcome, Failure) else outcome
+    if isinstance(outcome, Failure):
+        return False
+    allocator.commit(outcome)
+    room.take(outcome)
+    return True
+
+
+def by_kube_scheduler(
+    allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods
+) -> bool:
+    """A pod without claims placed as kube-scheduler would (kube_scheduler_node), as deployed: it
+    runs there, so the room counts it, and the allocator, kept from pod to pod as the controller
+    keeps it from pass to pass, learns only that the node's pods changed (what the controller tells
+    it, driver/controller/allocators.py follow): no allocation is committed, as none is made. False
+    where it fits nowhere."""
+    node = kube_scheduler_node(allocator, room, names, claim, mode)
+    if node is None:
+        return False
+    room.take(Placement(claim, node, {"devices": {"results": []}}))
+    allocator.pods_changed([node])
+    return True
 
 
 # --- report --------------------------------------------------------------------------------------

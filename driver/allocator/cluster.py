@@ -340,6 +340,16 @@ class ClusterAllocator:
                     cached.pop(node, None)
                 self._tenanted.discard(node)
 
+    def pods_changed(self, nodes: Iterable[str]) -> None:
+        """What these nodes hold for pods changed while their devices did not (a pod without
+        claims bound, finished, deleted or resized; allocatable changed): what the policy read of
+        their room is read again at the next placement. Nothing else kept for a node reads its
+        room (the search is about devices), so nothing else goes."""
+        for node in nodes:
+            view = self._views.get(node)
+            if view is not None:
+                view.room_changed()
+
     def allocate(
         self,
         claim: Claim,

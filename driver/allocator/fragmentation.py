@@ -220,7 +220,7 @@ class Shape:
 class NodeView:
     """A node's units, their states (as interned ids) now, and how many of each of the mix's
     shapes' pods its room takes (for `version` of the mix); dropped when the node's allocations
-    change."""
+    change, its room counted again when what the node holds for pods changes (room_changed)."""
 
     units: list[Unit]
     ids: tuple[int, ...]
@@ -231,6 +231,12 @@ class NodeView:
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
     scored: dict[int, Choice | None] = field(default_factory=dict)  # this mix's choices by Fragmentation.asked
     hosts: dict[RequestKey, bool] = field(default_factory=dict)  # request -> enough units could take it
+
+    def room_changed(self) -> None:
+        """A pod without claims came, went or was resized, or the node's allocatable changed: the
+        room's copies (and the scores read from them) are counted again when next asked, the
+        units' states (the devices did not change) are kept."""
+        self.version = -1  # counted for no mix: room_copies counts them afresh
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 Slices and nodes are gathered afresh only when a node's labels change; a slice added, changed or
 deleted touches only its pool. The allocator's state is told only what changed in the claims and
-ledgers, so its per-node caches survive for the nodes nothing touched; a standby keeps it current
-too, so that it places claims at once when it wins the lease. This module alone keeps the count of
-what the allocator holds: placements committed by a pass are counted here, reservations set aside
-and put back here. A share is counted with its tenant (its claim's namespace and uid, the tenancy
-of its class: driver/claims/tenancy.py) where its claim's status has it; a share known only from a
-ledger (the claim's status not written yet, or a reservation) does not say which request it is
-for, so it is counted without one and counted again, with it, once the claim's status has it."""
+ledgers, and the allocator which nodes' pods changed (follow), so its per-node caches survive for
+the nodes nothing touched; a standby keeps it current too, so that it places claims at once when it
+wins the lease. This module alone keeps the count of what the allocator holds: placements committed
+by a pass are counted here, reservations set aside and put back here. A share is counted with its
+tenant (its claim's namespace and uid, the tenancy of its class: driver/claims/tenancy.py) where
+its claim's status has it; a share known only from a ledger (the claim's status not written yet, or
+a reservation) does not say which request it is for, so it is counted without one and counted
+again, with it, once the claim's status has it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from driver.allocator.state import AllocatedState
 from driver.claims.tenancy import Tenant
 from driver.controller.informer import Informer
 from driver.controller.ledger import Ledgers, ResultKey, allocated_results, results_of
+from driver.scheduling.nodefit import NodeRoom
 
 
 @dataclass
@@ -77,6 +79,7 @@ class AllocatorCache:
         self._counted: Counted | None = None
         self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
         self._snapshot_slices: tuple[int, dict[str, Slice]] = (-1, {})  # informer version, slices by name
+        self._room: NodeRoom | None = None  # the last room the allocator placed with (follow)
 
     def snapshot(self) -> Snapshot:
         """Slices and nodes as the allocator sees them: gathered afresh only when a node's labels
@@ -130,6 +133,18 @@ class AllocatorCache:
         counted.allocator.recount(gone, new)
         counted.unnamed &= counted.results.keys()  # not those set aside since (set_aside)
         return counted.allocator
+
+    def follow(self, room: NodeRoom) -> NodeRoom:
+        """A room for pods made afresh from the caches (fit.py): the kept allocator is told which
+        nodes hold other pods, or have other facts, than in the room it placed with before (what
+        was placed on that one since counted), so its policy reads those nodes' room again
+        (ClusterAllocator.pods_changed): kube-scheduler places the pods without claims, and no
+        allocation tells the allocator of them. Returns the room."""
+        if self._counted is not None:
+            before = self._room
+            self._counted.allocator.pods_changed(room.changed_since(before) if before is not None else room.nodes)
+        self._room = room
+        return room
 
     def forget(self) -> None:
         """The claims and ledgers are read afresh: the next pass counts them from the start."""

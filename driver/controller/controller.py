@@ -45,7 +45,7 @@ from driver.controller.reporter import Reporter
 from driver.controller.search_shares import SearchShares
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import ClaimWriter
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)
@@ -215,8 +215,8 @@ class Controller:
 
     def _room(self) -> NodeRoom:
         """What the nodes have left for the pods of the claims a pass places, kube-scheduler's
-        refusals (refusals.py) ruled out."""
-        return self.replica.room(self.refusals.refused)
+        refusals (refusals.py) ruled out; the kept allocator told of the nodes whose pods changed."""
+        return self.allocators.follow(self.replica.room(self.refusals.refused))
 
 
 def _readable_slice(obj: dict[str, Any]) -> Slice | None:

@@ -319,6 +319,16 @@ class NodeRoom:
             left[PODS] = float(facts.allocatable[PODS]) - len(self.counted[node])
         return left
 
+    def holds(self, node: str) -> tuple[NodeFacts | None, Mapping[str, Amount], int]:
+        """What the node holds for pods, as one value to compare: its facts (allocatable, taints,
+        labels), what its pods request and how many they are."""
+        return self.nodes.get(node), self.requested.get(node, {}), len(self.counted.get(node, ()))
+
+    def changed_since(self, before: NodeRoom) -> set[str]:
+        """The nodes whose facts or pods differ from what `before` (an earlier room, with what was
+        placed on it since) holds: one comparison a node, nothing measured again."""
+        return {node for node in self.nodes.keys() | before.nodes.keys() if self.holds(node) != before.holds(node)}
+
     def needs(self, claim: Claim) -> dict[str, float]:
         """What the claim's pods request together (`pods`: how many they are)."""
         pods = self.pods_of.get(claim.key, ())

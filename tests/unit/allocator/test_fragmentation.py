@@ -211,3 +211,34 @@ def test_a_pod_keeps_off_the_only_node_whose_cpu_runs_a_less_common_big_pod():
         cluster.allocate(asking(f"seen{i}", gpus, cpus), room=room)
     outcome = cluster.allocate(asking("x", 1, 20), room=room)
     assert isinstance(outcome, Placement) and outcome.node == "n1"
+
+
+def test_the_view_of_a_node_follows_a_pod_without_claims_that_comes_and_goes():
+    # n1 and n2 alike: 8 GPUs, 200 CPUs; the mix is whole-GPU claims whose pods ask 11 CPUs, asked
+    # about with both nodes empty (their views kept since). A pod without claims then takes 104 of
+    # n1's CPUs (kube-scheduler placed it: no allocation changes): a 10-CPU pod there would leave 86,
+    # feeding 7 of those pods and stranding a GPU, so it goes to n2, once the allocator is told.
+    # When the pod leaves, the nodes are alike again and n1 (first by name) takes it.
+    pods_of: dict[str, list[PodNeeds]] = {}
+
+    def with_pod(c, cpus: int):
+        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
+        return c
+
+    room = room_for({"n1": 200, "n2": 200}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2"), policy="fragmentation")
+    for i in range(20):  # the mix learned at 16; the next learning (at 32) would count every room afresh
+        cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 11), room=room)
+    placed_by_kube = Placement(with_pod(claim("by-kube-scheduler"), 104), "n1", {"devices": {"results": []}})
+
+    def node_for_a_pod() -> str:
+        outcome = cluster.allocate(with_pod(claim("pod"), 10), room=room)  # asked, not committed
+        assert isinstance(outcome, Placement)
+        return outcome.node
+
+    room.take(placed_by_kube)
+    cluster.pods_changed(["n1"])
+    assert node_for_a_pod() == "n2"
+    room.give_back(placed_by_kube)
+    cluster.pods_changed(["n1"])
+    assert node_for_a_pod() == "n1"

@@ -1,6 +1,7 @@
 """The openb bench's protocol pieces (bench/openb.py) on a tiny trace: tuning the pod list to 130%
-of capacity, the arrived-% buckets, the unallocated metric, the claims a pod becomes, and a whole
-replay through the allocator over slices fgpu builds."""
+of capacity, the arrived-% buckets, the unallocated metric, the claims a pod becomes, a whole
+replay through the allocator over slices fgpu builds, and kube-scheduler placing the pods without
+claims as deployed."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from bench.openb import (
     kube_scheduler_node,
     pod_needs,
     published,
+    read_nodes,
+    read_pods,
     replay,
     run,
     seeds,
@@ -26,6 +29,7 @@ from bench.openb import (
     unallocated,
     workload,
 )
+from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.model import claim_from_object
 from tests.support.openb import pod, write_tiny_traces
 
@@ -148,3 +152,32 @@ def test_kube_scheduler_stand_in_scores_cpu_only_pods_as_node_resources_fit_does
     pods_of[small.key] = [pod_needs(pod("s", 0, cpu=1000))]
     chosen = {mode: kube_scheduler_node(allocator, room, names, small, mode) for mode in get_args(CpuPods)[1:]}
     assert chosen == {"least-allocated": n0, "most-allocated": n1, "most-allocated-gpu": n0}
+
+
+@pytest.mark.parametrize("mode", get_args(CpuPods)[1:])
+def test_as_deployed_the_allocator_only_hears_of_the_pods_kube_scheduler_places(tmp_path, monkeypatch, mode):
+    # The controller never commits a placement for a pod without claims: the allocator commits the
+    # GPU pods' placements only, and is told of each pod kube-scheduler placed as the controller
+    # tells it, by the pod's node (AllocatorCache.follow).
+    folder = write_tiny_traces(tmp_path)
+    nodes, pods = read_nodes(folder / "openb_node_list_gpu_node.csv"), read_pods(folder / "openb_pod_list_default.csv")
+    committed: list[Placement] = []
+    told: list[list[str]] = []
+    commit, pods_changed = ClusterAllocator.commit, ClusterAllocator.pods_changed
+
+    def counted_commit(self: ClusterAllocator, placement: Placement) -> None:
+        committed.append(placement)
+        commit(self, placement)
+
+    def counted_pods_changed(self: ClusterAllocator, changed: list[str]) -> None:
+        told.append(list(changed))
+        pods_changed(self, changed)
+
+    monkeypatch.setattr(ClusterAllocator, "commit", counted_commit)
+    monkeypatch.setattr(ClusterAllocator, "pods_changed", counted_pods_changed)
+    result = replay(nodes, pods, seed=42, policy="fragmentation", cpu_pods=mode)
+    tuned = workload(pods, 1000 * sum(n.gpus for n in nodes), 42)
+    gpu_pods = sum(1 for p in tuned if p.num_gpu)
+    assert all(p.allocation["devices"]["results"] for p in committed) and len(committed) <= gpu_pods
+    assert told and all(len(names) == 1 for names in told) and len(told) <= len(tuned) - gpu_pods
+    assert len(committed) + len(told) + result.failed == len(tuned)

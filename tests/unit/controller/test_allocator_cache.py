@@ -4,11 +4,13 @@ only what changed in the slices."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tests.support.controller_cluster import (
     claims_in,
     devices_of,
     fake_cluster,
+    gated_pod,
     opt_in_claim,
     sync,
 )
@@ -45,6 +47,46 @@ def test_new_slices_reach_the_allocator_without_gathering_other_nodes_again(h100
     assert controller.allocators.snapshot() is snapshot and snapshot.pools["n1"] is n1_pools  # n1 untouched
     assert {pool for pool, _ in devices_of(claims_in(api)["b"])} == {"n2"}
     assert {s.pool for s in controller.informers["slices"].items()} == {"n1", "n2"}  # n3's left out
+
+
+def test_a_pod_without_claims_bound_between_passes_reaches_the_kept_allocators_view_of_its_node(h100_slices, replicas):
+    # n1 and n2: 8 H100s and 200 CPUs each. Pass 1 places 16 quarter-GPU MPS claims whose pods ask
+    # 5 CPUs: all on n1 (four GPUs full), the mix learned from them, n2 scored and its view kept.
+    # Then kube-scheduler binds a pod without claims to n2 that leaves it 4 CPUs: too few for one
+    # more such pod, so n2's 8 free GPUs are stranded. Pass 2's quarter share with a 1-CPU pod goes
+    # to n2, where it takes a GPU no such pod could have used (fragmentation falls), not to n1,
+    # where it would take one they could (as it would on a view still counting n2's 200 CPUs).
+    api = fake_cluster(h100_slices, nodes=2)
+    for node in ("n1", "n2"):
+        api.put("nodes", {"metadata": {"name": node}, "status": {"allocatable": {"cpu": "200", "pods": "110"}}})
+    for i in range(16):
+        api.put("claims", mps_claim(f"s{i}"))
+        api.put("pods", with_cpus(gated_pod(f"p{i}", f"s{i}"), "5"))
+    controller = replicas(api)
+    controller.run_pass()
+    assert {pool for i in range(16) for pool, _ in devices_of(claims_in(api)[f"s{i}"])} == {"n1"}
+    web = with_cpus({"metadata": {"name": "web", "namespace": "ml"}, "spec": {"nodeName": "n2"}}, "196")
+    api.put("pods", web)
+    api.put("claims", mps_claim("x"))
+    api.put("pods", with_cpus(gated_pod("px", "x"), "1"))
+    sync(controller, "pods", "claims")
+    controller.run_pass()
+    assert {pool for pool, _ in devices_of(claims_in(api)["x"])} == {"n2"}
+
+
+def mps_claim(name: str) -> dict[str, Any]:
+    """An opt-in claim for an MPS share of a quarter of a GPU's compute."""
+    claim = opt_in_claim(name, 1)
+    claim["spec"]["devices"]["requests"][0]["exactly"] = {
+        "deviceClassName": "mps.gpu.fgpu.dev",
+        "capacity": {"requests": {"compute": "25"}},
+    }
+    return claim
+
+
+def with_cpus(pod: dict[str, Any], cpus: str) -> dict[str, Any]:
+    pod["spec"]["containers"] = [{"name": "c", "resources": {"requests": {"cpu": cpus}}}]
+    return pod
 
 
 # --- PodGroups (scheduling.k8s.io/v1beta1) with a gang policy ---------------------------------

@@ -190,3 +190,14 @@ def test_fits_answers_as_the_reasons_do_pod_by_pod():
     assert answers["ns/pair", "a"] and not answers["ns/three", "a"] and not answers["ns/fpga", "a"]
     assert answers["ns/zero", "a"] and not answers["ns/refused", "a"] and answers["ns/again", "a"]
     assert not any(answers[key, "tainted"] or answers[key, "gone"] for key in pods_of)
+
+
+def test_a_room_names_the_nodes_whose_facts_or_pods_differ_from_an_earlier_rooms():
+    web, batch = PodNeeds("ns/web", {"cpu": Fraction(1)}), PodNeeds("ns/batch", {"cpu": Fraction(2)})
+    before = NodeRoom([node("a"), node("b"), node("c"), node("d")], {}, [("a", web), ("b", batch), ("c", batch)])
+    resized = PodNeeds("ns/batch", {"cpu": Fraction(3)})
+    nodes = [node("a"), node("b"), node("c", allocatable={"cpu": "8"}), node("e")]
+    after = NodeRoom(nodes, {}, [("b", resized), ("c", batch), ("e", web)])
+    # a: its pod finished; b: its pod resized; c: allocatable changed; d gone, e new.
+    assert after.changed_since(before) == {"a", "b", "c", "d", "e"}
+    assert NodeRoom([node("a"), node("b")], {}, [("a", web)]).changed_since(before) == {"b", "c", "d"}
