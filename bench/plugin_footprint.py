@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from driver.kube.client import KubeError, NotFoundError
+from driver.kube.errors import KubeError, NotFoundError
 from driver.node.sockets import accepts_connections
 from testbed.cluster.harness import free_port
 from testbed.fakes import InMemoryKubeApi, node_object

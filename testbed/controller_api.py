@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from driver.controller.informer import object_key
-from driver.kube.client import ConflictError, KubeUnavailableError, NotFoundError
+from driver.kube.errors import ConflictError, KubeUnavailableError, NotFoundError
 
 
 class InMemoryControllerApi:

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from driver.kube.client import ConflictError, JsonObject, KubeError, KubeUnavailableError, NotFoundError, RefusedError
+from driver.kube.client import JsonObject
+from driver.kube.errors import ConflictError, KubeError, KubeUnavailableError, NotFoundError, RefusedError
 
 DeviceKey = tuple[str, str, str, str]
 

@@ -19,7 +19,7 @@ import logging
 from typing import Any, Protocol
 
 from driver.admission.review import REVIEW_API_VERSION, admission_request
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.scheduling.opt_in import SCHEDULING_GATE, gated, opted_in
 
 LOG = logging.getLogger("fgpu.webhook")

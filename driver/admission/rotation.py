@@ -32,13 +32,8 @@ from typing import Any, Protocol
 import kubernetes
 
 from driver.admission import certs
-from driver.kube.client import (
-    ConflictError,
-    KubeConfigError,
-    KubeError,
-    NotFoundError,
-    translated_errors,
-)
+from driver.kube.client import translated_errors
+from driver.kube.errors import ConflictError, KubeConfigError, KubeError, NotFoundError
 
 LOG = logging.getLogger("fgpu.webhook")
 FIELD_MANAGER = "fgpu-webhook"

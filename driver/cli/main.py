@@ -11,7 +11,7 @@ from driver.cli import plan_command, rightsize_command, status_command
 from driver.cli.logs import LOG_FORMATS, configure_logging
 from driver.common.flags import FlagParser, SettingsError
 from driver.controller import commands as controller
-from driver.kube.client import KubeConfigError
+from driver.kube.errors import KubeConfigError
 from driver.node import commands as node
 from driver.nvml import commands as mock
 from driver.nvml.machine import MachineProfileError

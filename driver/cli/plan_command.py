@@ -8,7 +8,7 @@ from pathlib import Path
 
 from driver.allocator.policies import DEFAULT_POLICY, POLICIES
 from driver.common.flags import SettingsError, Subcommands
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:

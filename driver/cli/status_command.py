@@ -36,7 +36,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.idle is not None or args.by:
         return _usage_status(args)
     from driver.cli.status import RENDERERS, cluster_status
-    from driver.kube.client import ClientKubeApi, KubeError
+    from driver.kube.client import ClientKubeApi
+    from driver.kube.errors import KubeError
 
     nodes = {name.strip() for value in args.node or () for name in value.split(",") if name.strip()}
     api = ClientKubeApi(args.kubeconfig)

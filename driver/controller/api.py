@@ -10,7 +10,8 @@ from typing import Any, Protocol
 
 import kubernetes
 
-from driver.kube.client import ClientKubeApi, TooManyRequestsError
+from driver.kube.client import ClientKubeApi
+from driver.kube.errors import TooManyRequestsError
 
 JsonObject = dict[str, Any]
 

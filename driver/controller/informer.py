@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from driver.kube.client import KubeError, NotFoundError, RefusedError
+from driver.kube.errors import KubeError, NotFoundError, RefusedError
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 300

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.controller.clock import WALL_CLOCK, WallClock, monotonic
-from driver.kube.client import ConflictError, KubeError, NotFoundError
+from driver.kube.errors import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 JITTER = 1.2  # client-go's JitterFactor: the renew deadline must leave room for a late retry

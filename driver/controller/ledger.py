@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.kube.client import ConflictError, KubeError
+from driver.kube.errors import ConflictError, KubeError
 
 log = logging.getLogger(__name__)
 LEDGER_LABEL = "gpu.fgpu.dev/ledger"

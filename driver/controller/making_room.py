@@ -41,7 +41,7 @@ from driver.controller.refusals import pods_by_claim
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
 from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from driver.controller.api import ControllerApi
 from driver.controller.clock import WallClock
 from driver.controller.gates import GatedPods
 from driver.controller.informer import Informer, object_key
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.kube.events import object_event
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from driver.controller.ledger import (
     pool_of,
 )
 from driver.controller.replica import Replica
-from driver.kube.client import ConflictError, KubeError, NotFoundError
+from driver.kube.errors import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"

@@ -23,44 +23,16 @@ from kubernetes.watch.watch import iter_resp_lines
 from driver.common.yamlfile import YamlFileError, load_yaml
 from driver.kube import claim_protobuf
 from driver.kube.claim_protobuf import DeviceKey
+from driver.kube.errors import (
+    ConflictError,
+    KubeConfigError,
+    KubeUnavailableError,
+    NotFoundError,
+    RefusedError,
+    TooManyRequestsError,
+)
 
 JsonObject = dict[str, Any]
-
-
-class KubeError(Exception):
-    """A request to the API server failed; the message says how."""
-
-
-class NotFoundError(KubeError, LookupError):
-    """The object does not exist."""
-
-
-class ConflictError(KubeError):
-    """The object changed since it was read (HTTP 409): read it again and retry."""
-
-
-class KubeUnavailableError(KubeError, ConnectionError):
-    """The API server could not be reached or answered with a server error."""
-
-
-class TooManyRequestsError(KubeUnavailableError):
-    """HTTP 429: try again later; for an eviction, a PodDisruptionBudget does not allow it now
-    (`reason` says which)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"API server error 429: {reason}")
-        self.reason = reason
-
-
-class RefusedError(KubeError):
-    """The API server refused the request (a 4xx other than 404, 409 and 429): sent again as it
-    is, it would be refused again. `status` is the HTTP code; `resource_version`, where the caller
-    knows it, the version of the object the refused write was based on."""
-
-    def __init__(self, message: str, status: int, resource_version: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.resource_version = resource_version
 
 
 class KubeApi(Protocol):
@@ -116,10 +88,6 @@ def _status_message(err: ApiException) -> str:
     except (ValueError, AttributeError):
         message = None
     return " ".join(str(message).split()) if message else str(err.reason)
-
-
-class KubeConfigError(ValueError):
-    """No usable client configuration: a setup error, reported once, not retried."""
 
 
 def _check_kubeconfig_files(kubeconfig: str) -> None:

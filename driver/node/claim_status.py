@@ -44,7 +44,8 @@ from typing import Any
 from driver.claims.refs import ClaimRef
 from driver.inventory.sharing import MIG_KINDS
 from driver.kube.claim_protobuf import DeviceKey
-from driver.kube.client import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError, RefusedError
+from driver.kube.client import JsonObject, KubeApi
+from driver.kube.errors import ConflictError, KubeError, NotFoundError, RefusedError
 from driver.kube.events import object_event
 from driver.node import metrics
 from driver.node.state import PreparedDevice

@@ -38,7 +38,8 @@ from driver.common.http_server import BoundedHTTPServer, ConnectionLimits
 from driver.common.quantity import ceil_int, parse_quantity
 from driver.inventory.discovery import GpuInfo
 from driver.inventory.sharing import MIG_KINDS, DeviceKind
-from driver.kube.client import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.kube.client import JsonObject, KubeApi
+from driver.kube.errors import KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction, is_busy, pod_uid_of_cgroup

@@ -17,7 +17,7 @@ from driver.inventory.devices import Inventory
 from driver.inventory.discovery import GpuInfo, discover_gpus, with_current_mig_mode
 from driver.inventory.offers import node_inventory, shortfall
 from driver.inventory.sharing import SharingConfig
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.node.background import BackgroundWorker
 from driver.nvml.session import NvmlSession
 

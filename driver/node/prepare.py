@@ -36,7 +36,8 @@ from driver.claims.allocation import allocation_for_node
 from driver.claims.refs import ClaimError, ClaimRef, ErrorReason
 from driver.common.testhooks import NO_TEST_HOOKS, Step, TestHooks
 from driver.inventory.devices import DeviceTarget
-from driver.kube.client import JsonObject, KubeApi, KubeError, NotFoundError
+from driver.kube.client import JsonObject, KubeApi
+from driver.kube.errors import KubeError, NotFoundError
 from driver.node import metrics
 from driver.node.cdi import CdiWriter
 from driver.node.claim_locks import KeyedLocks, NodeClaimLock

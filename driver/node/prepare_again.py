@@ -14,7 +14,8 @@ from dataclasses import replace
 import pynvml
 
 from driver.claims.refs import ClaimError, ClaimRef
-from driver.kube.client import KubeApi, KubeError
+from driver.kube.client import KubeApi
+from driver.kube.errors import KubeError
 from driver.node.cdi import CdiWriter
 from driver.node.claim_result import ClaimResult
 from driver.node.claim_status import ClaimStatusWriter

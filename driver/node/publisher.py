@@ -15,7 +15,8 @@ from typing import Any
 
 from driver.inventory.devices import DeviceTaint, Inventory
 from driver.inventory.slices import SPEC_HASH_ANNOTATION, build_slices, node_owner
-from driver.kube.client import KubeApi, KubeError, KubeUnavailableError, NotFoundError
+from driver.kube.client import KubeApi
+from driver.kube.errors import KubeError, KubeUnavailableError, NotFoundError
 from driver.node import metrics
 from driver.node.background import BackgroundWorker
 

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 
 from driver.claims.refs import ClaimRef
-from driver.kube.client import KubeApi, KubeError, NotFoundError
+from driver.kube.client import KubeApi
+from driver.kube.errors import KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
 from driver.node.prepare import ClaimPreparer
 from driver.node.state import PreparedClaims

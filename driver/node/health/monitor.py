@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from driver.inventory.devices import DeviceTaint, DeviceTarget
 from driver.inventory.discovery import GpuInfo
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.node import metrics
 from driver.node.background import BackgroundWorker
 from driver.node.health.record import GpuFault, HealthRecord, MigSlices

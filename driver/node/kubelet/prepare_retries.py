@@ -20,7 +20,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from driver.kube.client import ConflictError, JsonObject, KubeApi, KubeError, NotFoundError
+from driver.kube.client import JsonObject, KubeApi
+from driver.kube.errors import ConflictError, KubeError, NotFoundError
 from driver.kube.events import object_event
 from driver.node.background import BackgroundWorker
 

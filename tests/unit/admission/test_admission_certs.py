@@ -26,7 +26,7 @@ from driver.admission.lifetimes import Lifetimes, duration
 from driver.admission.rotation import MUTATING, VALIDATING, CaBundlePublisher, MountedFiles, Rotator, SelfManaged
 from driver.admission.server import WebhookServer, tls_context
 from driver.admission.settings import WebhookSettings
-from driver.kube.client import ConflictError
+from driver.kube.errors import ConflictError
 
 HOSTS = certs.service_hosts("fgpu-webhook", "fgpu-system", ["127.0.0.1"])
 SHORT = Lifetimes(validity_s=60, renew_before_s=20, ca_validity_s=3600)

@@ -14,7 +14,7 @@ import pytest
 
 from driver.admission.mutate import gate_patch, mutate
 from driver.admission.review import ReviewError
-from driver.kube.client import KubeUnavailableError
+from driver.kube.errors import KubeUnavailableError
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 
 OPT_IN = {OPT_IN_LABEL: OPT_IN_VALUE}

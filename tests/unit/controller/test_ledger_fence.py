@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from driver.controller.ledger import FENCE_ANNOTATION
-from driver.kube.client import ConflictError
+from driver.kube.errors import ConflictError
 from tests.support.controller_cluster import (
     assert_no_device_given_twice,
     claims_in,

@@ -10,7 +10,7 @@ from typing import Any
 
 from driver.controller.informer import Informer
 from driver.controller.ledger import FENCE_ANNOTATION
-from driver.kube.client import NotFoundError, RefusedError
+from driver.kube.errors import NotFoundError, RefusedError
 from testbed.controller_api import InMemoryControllerApi
 from tests.support.controller_cluster import (
     assert_no_device_given_twice,

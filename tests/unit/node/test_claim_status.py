@@ -11,14 +11,14 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from driver.claims.refs import ClaimRef
-from driver.kube.client import (
+from driver.kube.client import translated_errors
+from driver.kube.errors import (
     ConflictError,
     KubeError,
     KubeUnavailableError,
     NotFoundError,
     RefusedError,
     TooManyRequestsError,
-    translated_errors,
 )
 from driver.node import metrics
 from driver.node.claim_status import CONFLICT_ATTEMPTS, ClaimStatusWriter, device_data, device_entry, up_to_date

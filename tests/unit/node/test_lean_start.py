@@ -19,7 +19,8 @@ GENERATED_APIS = ("kubernetes.client.api.core_v1_api", "kubernetes.client.api.re
 PLUGIN_PATH = """
 import json, sys
 from driver.cli.main import build_parser
-from driver.kube.client import ClientKubeApi, KubeUnavailableError
+from driver.kube.client import ClientKubeApi
+from driver.kube.errors import KubeUnavailableError
 from driver.node.server import run_plugin
 
 build_parser().parse_args(["kubelet-plugin", "--node-name=n1"])

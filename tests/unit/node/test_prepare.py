@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from driver.claims.refs import ClaimRef
-from driver.kube.client import KubeError
+from driver.kube.errors import KubeError
 from driver.node.cdi import CdiDevice, CdiWriter, DriverFiles
 from driver.node.claim_locks import KeyedLocks
 from testbed.fakes import InMemoryKubeApi, allocated_claim, result
