@@ -43,7 +43,7 @@ import yaml
 from bench.allocator import DRIVER, classes, node_copy, percentile
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import Claim, claim_from_object, class_from_object, slice_from_object
-from driver.allocator.scoring import POLICIES, Policy
+from driver.allocator.policies import POLICIES, Policy
 from driver.allocator.state import AllocatedState
 from driver.inventory.discovery import discover_gpus
 from driver.inventory.offers import node_inventory

@@ -34,8 +34,9 @@ from driver.allocator.fragmentation import (
     units_of,
 )
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
+from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node, Pool, gather_pools
-from driver.allocator.scoring import DEFAULT_POLICY, Policy, device_score, order_for
+from driver.allocator.scoring import device_score, order_for
 from driver.allocator.state import AllocatedState
 from driver.claims.tenancy import Tenant
 from driver.common.quantity import Amount

@@ -15,13 +15,9 @@ from fractions import Fraction
 
 from driver.allocator.allocate import NodeAllocator
 from driver.allocator.model import Device
-from driver.allocator.policies import DEFAULT_POLICY, POLICIES, Policy
+from driver.allocator.policies import Policy
 from driver.allocator.pools import Pool
 from driver.common.quantity import Amount
-
-# The policies' names live in policies.py (flags list them without importing the allocator); the
-# allocator's own modules keep taking them from here.
-__all__ = ["DEFAULT_POLICY", "POLICIES", "Policy", "counters_fit", "device_score", "order_for"]
 
 
 def counters_fit(device: Device, available: dict[str, dict[str, Amount]], extra: Device | None = None) -> bool:

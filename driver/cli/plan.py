@@ -28,8 +28,8 @@ from driver.allocator.model import (
     class_from_object,
     slice_from_object,
 )
+from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node
-from driver.allocator.scoring import DEFAULT_POLICY, Policy
 from driver.allocator.state import AllocatedState
 from driver.cli.plan_inputs import (
     WORKLOAD_KINDS,

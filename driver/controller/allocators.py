@@ -19,8 +19,8 @@ from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator, HeldResult, Placement, Snapshot
 from driver.allocator.model import Slice, class_from_object
+from driver.allocator.policies import Policy
 from driver.allocator.pools import Node
-from driver.allocator.scoring import Policy
 from driver.allocator.state import AllocatedState
 from driver.claims.tenancy import Tenant
 from driver.controller.informer import Informer

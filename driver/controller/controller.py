@@ -25,7 +25,7 @@ from typing import Any
 from driver.allocator.allocate import SEARCH_STEPS
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.model import ObjectError, Slice, slice_from_object
-from driver.allocator.scoring import DEFAULT_POLICY, Policy
+from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.common.testhooks import NO_TEST_HOOKS, TestHooks
 from driver.controller import metrics
 from driver.controller.allocators import AllocatorCache
