@@ -3,15 +3,17 @@
 ResourceClaims, ResourceClaimTemplates and DeviceClasses carry `opaque` configs for a driver; those
 for ours are checked with the very rules prepare applies (driver/claims/config.py), so a bad
 config is refused at `kubectl apply`, naming the field, instead of failing the pod at start.
-What depends on the allocated device (a limit within the allocated capacity, a strategy that fits
-the device's kind) is known only at prepare, and checked there.
+A claim's or template's own config may not set what only a DeviceClass sets (the GPU-wide
+time-slice interval, the tenancy). What depends on the allocated device (a limit within the
+allocated capacity, a strategy that fits the device's kind) is known only at prepare, and checked
+there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from driver.claims.config import parse_device_config
+from driver.claims.config import DeviceConfig, parse_device_config
 from driver.claims.refs import ClaimError
 
 REVIEW_API_VERSION = "admission.k8s.io/v1"
@@ -22,6 +24,9 @@ CONFIG_PATHS: dict[str, tuple[str, ...]] = {
     "ResourceClaimTemplate": ("spec", "spec", "devices", "config"),
     "DeviceClass": ("spec", "config"),
 }
+
+# Kinds whose configs are a claim's (source FromClaim at prepare), not a class's.
+CLAIM_KINDS = frozenset({"ResourceClaim", "ResourceClaimTemplate"})
 
 
 class ReviewError(ValueError):
@@ -43,10 +48,25 @@ def config_errors(kind: str, obj: dict[str, Any], driver: str) -> list[str]:
             continue  # another driver's config, or none: not ours to judge
         field = ".".join(path) + f"[{index}].opaque.parameters"
         try:
-            parse_device_config(opaque.get("parameters"))
+            parsed = parse_device_config(opaque.get("parameters"))
         except ClaimError as err:
             errors.append(f"{field}: {err}")
+            continue
+        if kind in CLAIM_KINDS:
+            errors.extend(f"{field}: {error}" for error in class_only_errors(parsed))
     return errors
+
+
+def class_only_errors(parsed: DeviceConfig) -> list[str]:
+    """What a claim's config sets that only a DeviceClass may. Prepare refuses a claim's tenancy, and
+    a claim's interval that differs from its class's; the class is unknown here, so any interval is
+    refused: a GPU-wide setting is the administrator's, and a claim that repeats it gains nothing."""
+    fields = {"sharing.timeSlicing.interval": parsed.interval, "sharing.tenancy": parsed.tenancy}
+    return [
+        f"opaque config: {field} is set by the device class only; remove it from the claim"
+        for field, value in fields.items()
+        if value is not None
+    ]
 
 
 def admission_request(document: Any) -> dict[str, Any]:

@@ -96,6 +96,37 @@ def test_templates_and_device_classes_are_checked_where_they_keep_configs() -> N
     assert denied["status"]["message"].startswith("DeviceClass k: spec.config[0]")
 
 
+TIMESLICE = {**GOOD, "sharing": {"strategy": "TimeSlicing"}}
+LONG = {**GOOD, "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}
+CLAIM_TENANCY = {**GOOD, "sharing": {"strategy": "MPS", "tenancy": "Shared"}}
+
+
+def test_a_claim_may_not_set_what_only_its_class_sets() -> None:
+    # The interval is the whole GPU's and the tenancy says whom a GPU is shared with: an
+    # administrator's, from the DeviceClass. Prepare refuses them too; the webhook at create.
+    template = {"metadata": {"name": "t"}, "spec": {"spec": claim(opaque(TIMESLICE), opaque(LONG))["spec"]}}
+    denied = review(admission("ResourceClaimTemplate", template), DRIVER)["response"]
+    assert denied["status"]["message"] == (
+        "ResourceClaimTemplate t: spec.spec.devices.config[1].opaque.parameters: "
+        "opaque config: sharing.timeSlicing.interval is set by the device class only; remove it from the claim"
+    )
+    assert config_errors("ResourceClaim", claim(opaque(CLAIM_TENANCY)), DRIVER) == [
+        "spec.devices.config[0].opaque.parameters: "
+        "opaque config: sharing.tenancy is set by the device class only; remove it from the claim"
+    ]
+    # Even the class's own value: the class is not known here, and repeating it gains nothing.
+    default = {**GOOD, "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Default"}}}
+    assert "sharing.timeSlicing.interval" in config_errors("ResourceClaim", claim(opaque(default)), DRIVER)[0]
+
+
+def test_a_class_sets_the_interval_and_a_claim_may_leave_it_unset() -> None:
+    device_class = {"metadata": {"name": "k"}, "spec": {"config": [opaque(LONG), opaque(CLAIM_TENANCY)]}}
+    assert review(admission("DeviceClass", device_class), DRIVER)["response"]["allowed"] is True
+    empty = {**GOOD, "sharing": {"strategy": "TimeSlicing", "timeSlicing": {}}}  # changes nothing
+    assert config_errors("ResourceClaim", claim(opaque(TIMESLICE), opaque(empty)), DRIVER) == []
+    assert config_errors("ResourceClaim", claim(opaque(LONG, driver="gpu.nvidia.com")), DRIVER) == []
+
+
 def test_other_drivers_configs_and_other_kinds_are_not_ours_to_judge() -> None:
     assert config_errors("ResourceClaim", claim(opaque("garbage", driver="gpu.nvidia.com")), DRIVER) == []
     assert config_errors("ResourceClaim", claim({"opaque": None}, {}), DRIVER) == []
