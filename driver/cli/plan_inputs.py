@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from driver.allocator.model import ObjectError
 from driver.allocator.pools import Node
 from driver.common.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
-from driver.controller.api import ClientControllerApi
+from driver.kube.client import ClientKubeApi
 from driver.scheduling.nodefit import PodNeeds
 
 STDIN = "-"
@@ -170,14 +170,6 @@ def manifest(obj: Any, where: str) -> Manifest:
     return Manifest(Ref(kind, namespace, metadata["name"]), obj, where)
 
 
-class _ReadOnlyApi(ClientControllerApi):
-    """The controller's paged lists, plus claim templates; fgpu plan only ever lists."""
-
-    def __init__(self, kubeconfig: str) -> None:
-        super().__init__(kubeconfig, connections=1)
-        self.listers["templates"] = self._resource.list_resource_claim_template_for_all_namespaces
-
-
 LISTED = {
     "slices": "ResourceSlice",
     "classes": "DeviceClass",
@@ -189,7 +181,7 @@ LISTED = {
 
 def cluster_manifests(kubeconfig: str) -> list[Manifest]:
     """What a live cluster publishes and holds now (list items carry no kind: it is set here)."""
-    api = _ReadOnlyApi(kubeconfig)
+    api = ClientKubeApi(kubeconfig)  # fgpu plan only ever lists
     try:
         return [
             manifest({**obj, "kind": kind}, CLUSTER)

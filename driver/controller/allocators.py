@@ -23,8 +23,8 @@ from driver.allocator.policies import Policy
 from driver.allocator.pools import Node
 from driver.allocator.state import AllocatedState
 from driver.claims.tenancy import Tenant
-from driver.controller.informer import Informer
 from driver.controller.ledger import Ledgers, ResultKey, allocated_results, results_of
+from driver.kube.informer import Informer
 from driver.scheduling.nodefit import NodeRoom
 
 

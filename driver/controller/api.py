@@ -4,8 +4,7 @@ and benchmarks is testbed/controller_api.py."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import kubernetes
@@ -61,44 +60,6 @@ class ClientControllerApi(ClientKubeApi):
         self._client.configuration.connection_pool_maxsize = connections
         self._client.rest_client = kubernetes.client.rest.RESTClientObject(self._client.configuration)
         self._coordination = kubernetes.client.CoordinationV1Api(self._client)
-        scheduling = kubernetes.client.SchedulingV1beta1Api(self._client)  # PodGroups: Kubernetes 1.37+
-        self.listers: dict[str, Callable[..., Any]] = {
-            "slices": self._resource.list_resource_slice,
-            "classes": self._resource.list_device_class,
-            "claims": self._resource.list_resource_claim_for_all_namespaces,
-            "pods": self._core.list_pod_for_all_namespaces,
-            "nodes": self._core.list_node,
-            "podgroups": scheduling.list_pod_group_for_all_namespaces,
-        }
-        self.namespaced_listers: dict[str, Callable[..., Any]] = {"ledgers": self._core.list_namespaced_config_map}
-
-    def _lister(self, kind: str, namespace: str) -> Callable[..., Any]:
-        if kind in self.namespaced_listers:
-            return functools.partial(self.namespaced_listers[kind], namespace)
-        return self.listers[kind]
-
-    def list_pages(
-        self, kind: str, label_selector: str = "", namespace: str = "", limit: int = 500
-    ) -> Iterator[tuple[list[JsonObject], str]]:
-        """(items, resourceVersion) page by page: one consistent list, `limit` objects at a time
-        (an expired continue token ends it with an error: the informer lists again)."""
-        token = ""
-        while True:
-            result = self._call(
-                self._lister(kind, namespace), label_selector=label_selector, limit=limit, _continue=token or None
-            )
-            yield result.get("items") or [], result["metadata"].get("resourceVersion", "")
-            token = result["metadata"].get("continue") or ""
-            if not token:
-                return
-
-    def watch(
-        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""
-    ) -> Iterator[tuple[str, JsonObject]]:
-        lister = self._lister(kind, namespace)
-        return self._watch(
-            lister, resource_version, timeout_s, label_selector=label_selector, allow_watch_bookmarks=True
-        )
 
     def replace_claim(self, claim: JsonObject) -> JsonObject:
         meta = claim["metadata"]

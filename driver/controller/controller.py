@@ -32,7 +32,6 @@ from driver.controller.allocators import AllocatorCache
 from driver.controller.api import ControllerApi
 from driver.controller.clock import WallClock
 from driver.controller.gates import GatedPods, GateLifter
-from driver.controller.informer import Informer
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers
 from driver.controller.making_room import RoomMaker
@@ -46,6 +45,7 @@ from driver.controller.search_shares import SearchShares
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import ClaimWriter
 from driver.kube.errors import KubeError
+from driver.kube.informer import Informer
 from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)

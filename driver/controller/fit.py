@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from driver.controller.informer import object_key
+from driver.kube.informer import object_key
 from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
 from driver.scheduling.opt_in import gated, pod_claim_names
 

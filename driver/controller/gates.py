@@ -13,9 +13,9 @@ from typing import Any
 
 from driver.controller import metrics
 from driver.controller.groups import Groups, group_name
-from driver.controller.informer import Informer, object_key
 from driver.controller.replica import Replica
 from driver.kube.errors import KubeError
+from driver.kube.informer import Informer, object_key
 from driver.scheduling.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.controller.informer import object_key
+from driver.kube.informer import object_key
 from driver.scheduling.opt_in import gated, known_claim_names, opted_in, pending, pod_claim_names
 
 JsonObject = dict[str, Any]

@@ -34,7 +34,6 @@ from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import COMPACTION_MOVES, Plan, compaction, make_room
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller import metrics
-from driver.controller.informer import object_key
 from driver.controller.ledger import RESERVED_KEY, PoolId, entries_for, entries_of, entry_results, pool_of
 from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim
@@ -42,6 +41,7 @@ from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
 from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
 from driver.kube.errors import KubeError
+from driver.kube.informer import object_key
 from driver.scheduling.nodefit import NodeRoom
 
 log = logging.getLogger(__name__)

@@ -25,13 +25,13 @@ from driver.controller import metrics
 from driver.controller.allocators import AllocatorCache
 from driver.controller.fit import claim_pods
 from driver.controller.groups import Groups
-from driver.controller.informer import object_key
 from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim, released
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
 from driver.controller.search_shares import share_spent
 from driver.controller.writes import ClaimWriter, Unit
+from driver.kube.informer import object_key
 from driver.scheduling.nodefit import NodeRoom
 from driver.scheduling.opt_in import GANG_LABEL, gang_label, pending
 from driver.scheduling.units import (

@@ -24,9 +24,9 @@ from typing import Any
 from driver.controller import metrics
 from driver.controller.api import ControllerApi
 from driver.controller.fit import allocated_node, live_pods
-from driver.controller.informer import Informer, object_key
 from driver.controller.reporter import Reporter
 from driver.kube.errors import KubeError
+from driver.kube.informer import Informer, object_key
 from driver.scheduling.opt_in import gated, known_claim_names, opted_in
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from typing import Any
 from driver.controller.api import ControllerApi
 from driver.controller.fit import node_room
 from driver.controller.groups import Groups
-from driver.controller.informer import Informer
 from driver.controller.ledger import Ledgers
 from driver.controller.progress import Progress
+from driver.kube.informer import Informer
 from driver.scheduling.nodefit import NodeRoom
 from driver.scheduling.opt_in import gated, pending
 

@@ -11,9 +11,9 @@ from typing import Any
 from driver.controller.api import ControllerApi
 from driver.controller.clock import WallClock
 from driver.controller.gates import GatedPods
-from driver.controller.informer import Informer, object_key
 from driver.kube.errors import KubeError
 from driver.kube.events import object_event
+from driver.kube.informer import Informer, object_key
 
 log = logging.getLogger(__name__)
 COMPONENT = "fgpu-controller"

@@ -21,7 +21,7 @@ from typing import Any
 from driver.allocator.make_room import Holder
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller.fit import allocated_node
-from driver.controller.informer import object_key
+from driver.kube.informer import object_key
 from driver.scheduling.opt_in import MOVABLE_ANNOTATION
 
 JsonObject = dict[str, Any]

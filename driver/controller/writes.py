@@ -20,7 +20,6 @@ from driver.allocator.cluster import Placement
 from driver.common.testhooks import TestHooks
 from driver.controller import metrics
 from driver.controller.clock import WallClock
-from driver.controller.informer import object_key
 from driver.controller.ledger import (
     FENCE_ANNOTATION,
     Entry,
@@ -33,6 +32,7 @@ from driver.controller.ledger import (
 )
 from driver.controller.replica import Replica
 from driver.kube.errors import ConflictError, KubeError, NotFoundError
+from driver.kube.informer import object_key
 
 log = logging.getLogger(__name__)
 DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -101,6 +102,15 @@ def _check_kubeconfig_files(kubeconfig: str) -> None:
             raise YamlFileError(f"{path} is not a kubeconfig (a mapping of clusters, users, contexts)")
 
 
+def _selected(label_selector: str) -> list[tuple[str, str]]:
+    return [("labelSelector", label_selector)] if label_selector else []
+
+
+def _kind_path(kind: str, namespace: str) -> str:
+    """Where the objects of `kind` are listed: a namespaced kind's in `namespace`."""
+    return KIND_PATHS[kind].replace("{namespace}", urllib.parse.quote(namespace, safe=""))
+
+
 def slice_field_selector(driver: str, node: str) -> str:
     return f"spec.driver={driver},spec.nodeName={node}"
 
@@ -108,6 +118,17 @@ def slice_field_selector(driver: str, node: str) -> str:
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 CORE_V1 = "/api/v1"
 JSON = "application/json"
+# What list_pages and watch read, by the names the informers give them.
+KIND_PATHS = {
+    "slices": RESOURCE_V1 + "/resourceslices",
+    "classes": RESOURCE_V1 + "/deviceclasses",
+    "claims": RESOURCE_V1 + "/resourceclaims",
+    "templates": RESOURCE_V1 + "/resourceclaimtemplates",
+    "pods": CORE_V1 + "/pods",
+    "nodes": CORE_V1 + "/nodes",
+    "podgroups": "/apis/scheduling.k8s.io/v1beta1/podgroups",  # Kubernetes 1.37+
+    "ledgers": CORE_V1 + "/namespaces/{namespace}/configmaps",
+}
 
 
 class ClientKubeApi:
@@ -294,19 +315,35 @@ class ClientKubeApi:
             functools.partial(self._send, "GET", RESOURCE_V1 + "/resourceslices", {"Accept": JSON}, None, query)
         )
 
-    def _watch(
-        self, lister: Any, resource_version: str, timeout_s: int, **selectors: Any
+    def list_pages(
+        self, kind: str, label_selector: str = "", namespace: str = "", limit: int = 500
+    ) -> Iterator[tuple[list[JsonObject], str]]:
+        """(items, resourceVersion) of the objects of `kind` (KIND_PATHS) page by page: one
+        consistent list, `limit` objects at a time (an expired continue token ends it with an
+        error: the informer lists again)."""
+        token = ""
+        while True:
+            query = [("limit", limit), *_selected(label_selector), *([("continue", token)] if token else [])]
+            result = self._json("GET", _kind_path(kind, namespace), query=query)
+            yield result.get("items") or [], result["metadata"].get("resourceVersion", "")
+            token = result["metadata"].get("continue") or ""
+            if not token:
+                return
+
+    def watch(
+        self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""
     ) -> Iterator[tuple[str, JsonObject]]:
-        """(type, object) events of a watch through `lister`; close() ends it at once."""
-        opened = functools.partial(
-            lister,
-            resource_version=resource_version,
-            timeout_seconds=timeout_s,
-            watch=True,
-            _preload_content=False,
-            **selectors,
-        )
-        return self._events(opened)
+        """(type, object) events of the objects of `kind` from `resource_version`, bookmarks
+        included, until the server ends the watch after `timeout_s`; close() ends it at once."""
+        query = [
+            *_selected(label_selector),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", timeout_s),
+            ("allowWatchBookmarks", True),
+            ("watch", True),
+        ]
+        send = functools.partial(self._send, "GET", _kind_path(kind, namespace), {"Accept": JSON}, None, query)
+        return self._events(send)
 
     def _events(self, opened: Callable[[], Any]) -> Iterator[tuple[str, JsonObject]]:
         """(type, object) events of the watch response `opened` returns (opened at the first

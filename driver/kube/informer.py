@@ -86,6 +86,10 @@ class Informer:
         """Our own write, applied at once so the next pass does not act on the stale object."""
         self._apply("MODIFIED", obj)
 
+    def forget(self, obj: dict[str, Any]) -> None:
+        """Our own delete, applied at once."""
+        self._apply("DELETED", obj)
+
     def _list(self) -> tuple[dict[str, tuple[int | None, Any]], str]:
         """Everything, page by page (each page transformed before the next is read). An object we
         hold at the same version keeps its kept form: a list again after a watch error re-parses

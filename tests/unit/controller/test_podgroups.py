@@ -8,9 +8,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from driver.controller.informer import Informer
 from driver.controller.ledger import FENCE_ANNOTATION
 from driver.kube.errors import NotFoundError, RefusedError
+from driver.kube.informer import Informer
 from testbed.controller_api import InMemoryControllerApi
 from tests.support.controller_cluster import (
     assert_no_device_given_twice,
