@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from driver.controller.informer import object_key
 from driver.kube.errors import ConflictError, KubeUnavailableError, NotFoundError
+from driver.kube.informer import object_key
 
 
 class InMemoryControllerApi:
@@ -71,7 +71,8 @@ class InMemoryControllerApi:
     ) -> Iterator[tuple[list[dict[str, Any]], str]]:
         """In pages of at most 2 objects, whatever the limit: every list in these tests is paged."""
         with self._lock:
-            items, version = copy.deepcopy(list(self.store[kind].values())), str(self.version)
+            kept = [obj for obj in self.store[kind].values() if _selected(obj, label_selector)]
+            items, version = copy.deepcopy(kept), str(self.version)
         for start in range(0, max(len(items), 1), 2):
             yield items[start : start + 2], version
 
@@ -79,6 +80,20 @@ class InMemoryControllerApi:
         self, kind: str, resource_version: str, timeout_s: int, label_selector: str = "", namespace: str = ""
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         return iter(())
+
+    # --- the fleet publisher's writes (driver/fleet) ---
+
+    def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        if object_key(body) in self.store["slices"]:
+            raise ConflictError(f"{object_key(body)} already exists")
+        return self.put("slices", body)
+
+    def replace_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._replace("slices", body)
+
+    def delete_slice(self, name: str) -> None:
+        with self._lock:
+            self.store["slices"].pop(f"/{name}", None)
 
     # --- the controller's calls ---
 
@@ -150,3 +165,13 @@ class InMemoryControllerApi:
         if self.lease_outage:
             raise KubeUnavailableError("API server unreachable")
         return self._replace("leases", lease)
+
+
+def _selected(obj: dict[str, Any], label_selector: str) -> bool:
+    """Whether the object's labels match a selector of `key` and `key=value` terms."""
+    labels = obj["metadata"].get("labels") or {}
+    for term in filter(None, label_selector.split(",")):
+        key, _, value = term.partition("=")
+        if key not in labels or (value and labels[key] != value):
+            return False
+    return True

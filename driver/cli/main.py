@@ -7,10 +7,11 @@ import argparse
 import sys
 
 from driver.admission import commands as webhook
-from driver.cli import plan_command, rightsize_command, status_command
+from driver.cli import plan_command, rightsize_command, slice_template_command, status_command
 from driver.cli.logs import LOG_FORMATS, configure_logging
 from driver.common.flags import FlagParser, SettingsError
 from driver.controller import commands as controller
+from driver.fleet import commands as fleet
 from driver.kube.errors import KubeConfigError
 from driver.node import commands as node
 from driver.nvml import commands as mock
@@ -18,9 +19,11 @@ from driver.nvml.machine import MachineProfileError
 from driver.nvml.mock_driver_root import MockDriverRootError
 from driver.nvml.session import NvmlUnavailableError
 
-# discover, kubelet-plugin, health; controller; webhook; plan; status; rightsize; mock fault|driver|usage
+# discover, kubelet-plugin, health; controller; webhook; plan; status; rightsize; mock fault|driver|usage;
+# simulate-fleet; slice-template
 REGISTERS = (node.register, controller.register, webhook.register, plan_command.register,
-             status_command.register, rightsize_command.register, mock.register)  # fmt: skip
+             status_command.register, rightsize_command.register, mock.register, fleet.register,
+             slice_template_command.register)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,4 +86,20 @@ if ! fresh kueue "$kueue_stamp"; then
   cp "$kueue_source/config/components/webhook/manifests.yaml" "$out/kueue-config/webhooks.yaml"
   echo "$kueue_stamp" > "$out/.stamp-kueue"
 fi
+# kwok's controller, for the fleet tests and benchmarks (nodes without a kubelet:
+# testbed/cluster/kwok_manager.py): its own module in kwok/, and its stages (what it does to nodes
+# and pods, from the same module) into kwok-config/.
+kwok_stamp="$(stamp_of kwok/go.mod kwok/go.sum)"
+if ! fresh kwok "$kwok_stamp"; then
+  kwok_version="$(cd kwok && go list -m -f '{{.Version}}' sigs.k8s.io/kwok)"
+  echo "building kwok ${kwok_version} (a few minutes from a cold cache) ..." >&2
+  (cd kwok && go build -p 2 -ldflags "-s -w" -o "$out/kwok" sigs.k8s.io/kwok/cmd/kwok)
+  kwok_source="$(cd kwok && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
+  rm -rf "$out/kwok-config" && mkdir -p "$out/kwok-config"
+  for stage in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
+    pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
+    cp "$kwok_source/kustomize/stage/$stage.yaml" "$out/kwok-config/"
+  done
+  echo "$kwok_stamp" > "$out/.stamp-kwok"
+fi
 echo "$out"

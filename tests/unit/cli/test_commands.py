@@ -20,6 +20,8 @@ COMMANDS = {
     "status": "driver.cli.status_command",
     "rightsize": "driver.cli.rightsize_command",
     "mock": "driver.nvml.commands",
+    "slice-template": "driver.cli.slice_template_command",
+    "simulate-fleet": "driver.fleet.commands",
 }
 MOCK_COMMANDS = ("fault", "driver", "usage")
 OLD_MOCK_NAMES = tuple(f"mock-{name}" for name in MOCK_COMMANDS)
@@ -68,7 +70,7 @@ def test_the_old_mock_names_are_left_out_of_help_and_still_work_with_a_note(tmp_
     listing = fgpu("--help").stdout.split("positional arguments:")[1].split("options:")[0]
     listed = [line.split()[0] for line in listing.splitlines() if line.startswith("    ") and line[4] != " "]
     commands = ["discover", "kubelet-plugin", "health", "controller", "webhook", "plan", "status", "rightsize"]
-    assert listed == [*commands, "mock"]
+    assert listed == [*commands, "mock", "simulate-fleet", "slice-template"]
     env = {"PATH": "/usr/bin:/bin", "FGPU_NVML_MOCK_STATE": str(tmp_path / "gpus.json")}
     run = fgpu("mock-usage", "--nvml=mock:l4x4", "--gpu=1", "--utilization=40", env=env)
     assert (run.returncode, run.stderr) == (0, "fgpu: mock-usage is deprecated: use fgpu mock usage\n")
