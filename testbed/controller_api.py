@@ -135,6 +135,14 @@ class InMemoryControllerApi:
     def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
         return self._replace("pods", {**pod, "spec": {**pod["spec"], "schedulingGates": gates}})
 
+    def set_pod_condition(self, pod: dict[str, Any], condition: dict[str, Any]) -> dict[str, Any]:
+        """As the API server merges it: the condition of that type replaced, the others kept."""
+        current = self.get("pods", object_key(pod))
+        status = current.get("status") or {}
+        others = [c for c in status.get("conditions") or [] if c.get("type") != condition["type"]]
+        current["status"] = {**status, "conditions": [*others, condition]}
+        return self.put("pods", current)
+
     def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:
         self.events.append(event)
         return event

@@ -9,10 +9,11 @@ from typing import Any, Protocol
 
 import kubernetes
 
-from driver.kube.client import ClientKubeApi
+from driver.kube.client import CORE_V1, ClientKubeApi
 from driver.kube.errors import TooManyRequestsError
 
 JsonObject = dict[str, Any]
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 class ControllerApi(Protocol):
@@ -33,6 +34,8 @@ class ControllerApi(Protocol):
     def replace_claim_status(self, claim: JsonObject) -> JsonObject: ...
 
     def set_scheduling_gates(self, pod: JsonObject, gates: list[JsonObject]) -> JsonObject: ...
+
+    def set_pod_condition(self, pod: JsonObject, condition: JsonObject) -> JsonObject: ...
 
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject: ...
 
@@ -55,10 +58,7 @@ class ClientControllerApi(ClientKubeApi):
     """ControllerApi over the official client."""
 
     def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int = 32) -> None:
-        super().__init__(kubeconfig, timeout_s)
-        # Writes go out from a pool of threads: one connection each, or urllib3 drops the extras.
-        self._client.configuration.connection_pool_maxsize = connections
-        self._client.rest_client = kubernetes.client.rest.RESTClientObject(self._client.configuration)
+        super().__init__(kubeconfig, timeout_s, connections)  # writes go out from a pool of threads
         self._coordination = kubernetes.client.CoordinationV1Api(self._client)
 
     def replace_claim(self, claim: JsonObject) -> JsonObject:
@@ -78,6 +78,15 @@ class ClientControllerApi(ClientKubeApi):
             {"op": "replace", "path": "/spec/schedulingGates", "value": gates},
         ]
         return self._call(self._core.patch_namespaced_pod, meta["name"], meta["namespace"], patch)
+
+    def set_pod_condition(self, pod: JsonObject, condition: JsonObject) -> JsonObject:
+        """Set one condition in the pod's status, by type (a strategic merge patch: the others stay)."""
+        meta = pod["metadata"]
+        body = {"metadata": {"uid": meta["uid"]}, "status": {"conditions": [condition]}}
+        path = CORE_V1 + "/namespaces/{namespace}/pods/{name}/status"
+        return self._json(
+            "PATCH", path, body, content_type=STRATEGIC_MERGE_PATCH, namespace=meta["namespace"], name=meta["name"]
+        )
 
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
         return self._call(self._core.create_namespaced_event, namespace, event)

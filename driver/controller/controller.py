@@ -42,6 +42,7 @@ from driver.controller.refusals import RefusalTracker
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
 from driver.controller.search_shares import SearchShares
+from driver.controller.unschedulable import UnschedulableMarker
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import ClaimWriter
 from driver.kube.errors import KubeError
@@ -118,6 +119,7 @@ class Controller:
         self.writer = ClaimWriter(replica, self.gates.lift_pods, self.refusals.placed, wall_clock, hooks)
         self.placer = Placer(replica, self.allocators, self.writer, reporter, self._room)
         self.room_maker = RoomMaker(replica, self.budget, reporter, self._room, preempt_across_namespaces)
+        self.unschedulable = UnschedulableMarker(api, self.informers["pods"], gated, reporter.reason_of, wall_clock)
 
     # --- running ------------------------------------------------------------------------------
 
@@ -201,6 +203,8 @@ class Controller:
         if self.stale.is_set():
             self.refresh()
             return
+        if current.unplaced:
+            self.unschedulable.mark(current.unplaced, self.room_maker.reservations())
         self.gates.lift_all()
 
     def refresh(self) -> None:

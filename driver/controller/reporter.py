@@ -42,6 +42,10 @@ class Reporter:
             message = reason if kind == "ResourceClaim" else f"claim {meta['name']}: {reason}"
             self.event(api_version, kind, subject, why, message, warning)
 
+    def reason_of(self, obj: dict[str, Any]) -> str | None:
+        """The last failure reported for this claim, if any."""
+        return self._reported.get(obj["metadata"].get("uid", ""))
+
     def report_group(
         self,
         podgroup: dict[str, Any] | None,

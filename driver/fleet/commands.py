@@ -33,7 +33,7 @@ def cmd_simulate_fleet(args: argparse.Namespace) -> int:
         parse_kinds(args.offer, "--offer")
     except SharingConfigError as err:
         raise SettingsError(str(err)) from err
-    api = ClientKubeApi(args.kubeconfig)
+    api = ClientKubeApi(args.kubeconfig, connections=args.workers)
     publisher = FleetPublisher(api, args.driver_name, args.offer, args.workers)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: publisher.stop())

@@ -134,7 +134,9 @@ KIND_PATHS = {
 class ClientKubeApi:
     """KubeApi over the official `kubernetes` client, returning the server's JSON untouched."""
 
-    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
+    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int | None = None) -> None:
+        """`connections`: how many requests go out at once (threads), each on a connection of its
+        own; urllib3 drops what its pool cannot keep (a warning each time) and connects again."""
         configuration = kubernetes.client.Configuration()
         try:
             if kubeconfig:
@@ -149,6 +151,8 @@ class ClientKubeApi:
                 "give a working kubeconfig (--kubeconfig, KUBECONFIG)"
             ) from err
         configuration.retries = False
+        if connections is not None:
+            configuration.connection_pool_maxsize = connections
         self._client = kubernetes.client.ApiClient(configuration)
         self._timeout = timeout_s
         self._watches: set[urllib3.BaseHTTPResponse] = set()

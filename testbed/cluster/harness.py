@@ -120,7 +120,9 @@ def check_alive(processes: dict[str, subprocess.Popen[bytes]], logs: Path) -> No
             raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
 
 
-def poll_until(what: str, probe: Callable[[], Any], timeout_s: float, alive: Callable[[], None]) -> None:
+def poll_until(
+    what: str, probe: Callable[[], Any], timeout_s: float, alive: Callable[[], None], interval_s: float = 0.2
+) -> None:
     """Poll probe until it is true, failing early when alive() raises (a daemon exited)."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -131,7 +133,7 @@ def poll_until(what: str, probe: Callable[[], Any], timeout_s: float, alive: Cal
                 return
         except Exception as err:  # not up yet: connection refused, 403 during bootstrap ...
             last = err
-        time.sleep(0.2)
+        time.sleep(interval_s)
     raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s: {last}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
 from testbed.cluster.kwok_manager import KWOK_TOLERATION, Kwok
 from testbed.workloads import wait_until
-from tests.support.controller import CONTROLLER
+from tests.support.controller import CONTROLLER, by_kube_scheduler
 from tests.support.pools import complete_pool
 
 H100_NODES = ("kwok-h100-a", "kwok-h100-b")
@@ -99,8 +100,12 @@ def _pod(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _claim(name: str, device_class: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    request = {"name": "gpu", "exactly": {"deviceClassName": device_class}}
+def _claim(
+    name: str, device_class: str, labels: dict[str, str] | None = None, selector: str | None = None
+) -> dict[str, Any]:
+    request: dict[str, Any] = {"name": "gpu", "exactly": {"deviceClassName": device_class}}
+    if selector:
+        request["exactly"]["selectors"] = [{"cel": {"expression": selector}}]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -153,6 +158,42 @@ def test_the_controller_places_an_opt_in_claim_on_the_fleet(fleet: Kwok, resourc
             lambda: not core_api.list_namespaced_pod("default", field_selector="metadata.name=fleet-whole").items,
         )
         resource_api.delete_namespaced_resource_claim("fleet-whole", "default")
+
+
+def test_a_claim_that_fits_no_node_shows_its_pod_unschedulable_until_a_node_arrives(
+    fleet: Kwok, resource_api, core_api
+) -> None:
+    """What a node autoscaler sees (PodScheduled=False, Unschedulable) while the pod keeps its gate;
+    the node it would add arrives; the controller, and only the controller, allocates the claim."""
+    b200 = 'device.attributes["gpu.fgpu.dev"].productName == "NVIDIA B200"'
+    claim = _claim("fleet-b200", "gpu.fgpu.dev", {OPT_IN_LABEL: "fgpu"}, selector=b200)
+    resource_api.create_namespaced_resource_claim("default", claim)
+    core_api.create_namespaced_pod("default", _pod("fleet-b200", {
+        "schedulingGates": [{"name": SCHEDULING_GATE}],
+        "resourceClaims": [{"name": "gpu", "resourceClaimName": "fleet-b200"}],
+    }))  # fmt: skip
+
+    def unschedulable() -> Any:
+        pod = core_api.read_namespaced_pod("fleet-b200", "default")
+        found = [c for c in pod.status.conditions or () if c.type == "PodScheduled" and c.reason == "Unschedulable"]
+        return found and pod
+
+    try:
+        pod = wait_until("the pod marked unschedulable", unschedulable)
+        assert [g.name for g in pod.spec.scheduling_gates] == [SCHEDULING_GATE]
+        time.sleep(3)  # kube-scheduler leaves a gated pod's condition alone
+        assert unschedulable()
+        fleet.add_nodes(["kwok-b200"], "dgx-b200")
+        assert _running_on(core_api, "fleet-b200") == "kwok-b200"
+        assert not by_kube_scheduler(resource_api, "fleet-b200")
+        assert resource_api.read_namespaced_resource_claim("fleet-b200", "default").status.allocation
+    finally:
+        core_api.delete_namespaced_pod("fleet-b200", "default", grace_period_seconds=0)
+        wait_until(
+            "pod fleet-b200 gone",
+            lambda: not core_api.list_namespaced_pod("default", field_selector="metadata.name=fleet-b200").items,
+        )
+        resource_api.delete_namespaced_resource_claim("fleet-b200", "default")
 
 
 def test_a_node_gone_takes_its_slices_and_an_unlabelled_node_gets_none(fleet: Kwok, resource_api, core_api) -> None:
