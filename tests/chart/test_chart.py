@@ -192,6 +192,12 @@ def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
     assert "--compact-when-idle" in args
 
 
+def test_the_controller_may_patch_pod_status_to_mark_pods_unschedulable_and_no_more() -> None:
+    role = find(render({}), "ClusterRole", "controller")
+    status = {verb for rule in role["rules"] if "pods/status" in rule["resources"] for verb in rule["verbs"]}
+    assert status == {"patch"}  # the PodScheduled condition of its gated pods (docs/autoscaling.md)
+
+
 def plugin_rules(objects: list[dict[str, Any]]) -> dict[tuple[str, ...], set[str]]:
     role = find(objects, "ClusterRole", "kubelet-plugin")
     return {
