@@ -86,6 +86,32 @@ if ! fresh kueue "$kueue_stamp"; then
   cp "$kueue_source/config/components/webhook/manifests.yaml" "$out/kueue-config/webhooks.yaml"
   echo "$kueue_stamp" > "$out/.stamp-kueue"
 fi
+# The workload operators issue 39 runs fgpu under (testbed/cluster/operators.py): JobSet, LeaderWorkerSet
+# and Kubeflow Trainer v2 from one module of their own in operators/ (the versions Kueue v0.19
+# integrates with; their client libraries are not the control plane's), KubeRay from operators/kuberay/
+# (it needs an older controller-runtime). Each one's CRDs and, where it has webhooks, its webhook
+# manifests with their kustomize patches, into <name>-config/.
+operators_stamp="$(stamp_of operators/go.mod operators/go.sum operators/kuberay/go.mod operators/kuberay/go.sum)"
+if ! fresh operators "$operators_stamp"; then
+  # name, our module directory, main package, its module, its CRD and webhook directories there.
+  while read -r name directory package module crds webhook; do
+    source_dir="$(cd "$directory" && go list -m -f '{{.Dir}}' "$module")"
+    module_version="$(cd "$directory" && go list -m -f '{{.Version}}' "$module")"
+    echo "building $name ${module_version} (a few minutes from a cold cache) ..." >&2
+    (cd "$directory" && go build -p 2 -ldflags "-s -w -X $module/pkg/version.GitVersion=${module_version}" \
+      -o "$out/$name" "$package")
+    rm -rf "$out/$name-config" && mkdir -p "$out/$name-config/crds"
+    cp "$source_dir/$crds"/*.yaml "$out/$name-config/crds/"
+    rm -f "$out/$name-config/crds/kustomization.yaml"
+    if [[ "$webhook" != - ]]; then cp -r "$source_dir/$webhook" "$out/$name-config/webhook"; fi
+  done <<'OPERATORS'
+jobset operators sigs.k8s.io/jobset sigs.k8s.io/jobset config/components/crd/bases config/components/webhook
+lws operators sigs.k8s.io/lws/cmd sigs.k8s.io/lws config/crd/bases config/webhook
+trainer operators github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager github.com/kubeflow/trainer/v2 manifests/base/crds manifests/base/webhook
+kuberay operators/kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator config/crd/bases -
+OPERATORS
+  echo "$operators_stamp" > "$out/.stamp-operators"
+fi
 # kwok's controller, for the fleet tests and benchmarks (nodes without a kubelet:
 # testbed/cluster/kwok_manager.py): its own module in kwok/, and its stages (what it does to nodes
 # and pods, from the same module) into kwok-config/.
