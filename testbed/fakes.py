@@ -21,6 +21,7 @@ class InMemoryKubeApi:
         self.claims: dict[tuple[str, str], JsonObject] = {}
         self.nodes: dict[str, JsonObject] = {}
         self.pods: dict[tuple[str, str], JsonObject] = {}
+        self.configmaps: dict[tuple[str, str], JsonObject] = {}
         self.slices: dict[str, JsonObject] = {}
         self.unavailable = False
         self.claim_gets = 0
@@ -152,6 +153,37 @@ class InMemoryKubeApi:
                 raise ConflictError(f"Precondition failed: UID in precondition: {uid}")
             pod["metadata"].setdefault("annotations", {}).update(annotations)
             self._bump(pod)
+
+    def get_pod(self, namespace: str, name: str) -> JsonObject:
+        self._check()
+        try:
+            return copy.deepcopy(self.pods[(namespace, name)])
+        except KeyError:
+            raise NotFoundError(f"{namespace}/{name}") from None
+
+    def get_configmap(self, namespace: str, name: str) -> JsonObject:
+        self._check()
+        try:
+            return copy.deepcopy(self.configmaps[(namespace, name)])
+        except KeyError:
+            raise NotFoundError(f"{namespace}/{name}") from None
+
+    def create_configmap(self, namespace: str, body: JsonObject) -> JsonObject:
+        self._check()
+        with self._lock:
+            key = (namespace, body["metadata"]["name"])
+            if key in self.configmaps:
+                raise ConflictError(f"configmaps {key[1]} already exists")
+            self.configmaps[key] = self._bump(copy.deepcopy(body))
+            return copy.deepcopy(self.configmaps[key])
+
+    def replace_configmap(self, namespace: str, name: str, body: JsonObject) -> JsonObject:
+        self._check()
+        with self._lock:
+            if (namespace, name) not in self.configmaps:
+                raise NotFoundError(f"{namespace}/{name}")
+            self.configmaps[(namespace, name)] = self._bump(copy.deepcopy(body))
+            return copy.deepcopy(self.configmaps[(namespace, name)])
 
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
         self._check()

@@ -53,6 +53,10 @@ class KubeApi(Protocol):
     def list_all_claims(self, from_cache: bool = False) -> list[JsonObject]: ...
     def annotate_pod(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> None: ...
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]: ...
+    def get_pod(self, namespace: str, name: str) -> JsonObject: ...
+    def get_configmap(self, namespace: str, name: str) -> JsonObject: ...
+    def create_configmap(self, namespace: str, body: JsonObject) -> JsonObject: ...
+    def replace_configmap(self, namespace: str, name: str, body: JsonObject) -> JsonObject: ...
     def create_slice(self, body: JsonObject) -> JsonObject: ...
     def replace_slice(self, name: str, body: JsonObject) -> JsonObject: ...
     def delete_slice(self, name: str) -> None: ...
@@ -128,6 +132,7 @@ KIND_PATHS = {
     "nodes": CORE_V1 + "/nodes",
     "podgroups": "/apis/scheduling.k8s.io/v1beta1/podgroups",  # Kubernetes 1.37+
     "ledgers": CORE_V1 + "/namespaces/{namespace}/configmaps",
+    "configmaps": CORE_V1 + "/namespaces/{namespace}/configmaps",  # the usage histories (driver/sizing/store.py)
 }
 
 
@@ -278,6 +283,26 @@ class ClientKubeApi:
         body = {"metadata": {"uid": uid, "annotations": annotations}}
         path = CORE_V1 + "/namespaces/{namespace}/pods/{name}"
         self._json("PATCH", path, body, content_type="application/merge-patch+json", namespace=namespace, name=name)
+
+    def get_pod(self, namespace: str, name: str) -> JsonObject:
+        return self._json("GET", CORE_V1 + "/namespaces/{namespace}/pods/{name}", namespace=namespace, name=name)
+
+    def get_configmap(self, namespace: str, name: str) -> JsonObject:
+        path = CORE_V1 + "/namespaces/{namespace}/configmaps/{name}"
+        return self._json("GET", path, namespace=namespace, name=name)
+
+    def create_configmap(self, namespace: str, body: JsonObject) -> JsonObject:
+        return self._json("POST", CORE_V1 + "/namespaces/{namespace}/configmaps", body, namespace=namespace)
+
+    def replace_configmap(self, namespace: str, name: str, body: JsonObject) -> JsonObject:
+        """A PUT without a resourceVersion: the last writer wins (the usage history has one writer
+        per object, its node's plugin)."""
+        path = CORE_V1 + "/namespaces/{namespace}/configmaps/{name}"
+        return self._json("PUT", path, body, namespace=namespace, name=name)
+
+    def list_configmaps(self, namespace: str, label_selector: str = "") -> list[JsonObject]:
+        """Every ConfigMap in the namespace (that the selector selects), page by page."""
+        return [item for items, _ in self.list_pages("configmaps", label_selector, namespace) for item in items]
 
     def list_slices(self, driver: str, node: str) -> tuple[list[JsonObject], str]:
         query = [("fieldSelector", slice_field_selector(driver, node))]

@@ -6,12 +6,14 @@ devices, MIG instances, MPS clients, GPU and MIG memory and utilisation by the p
 device) is read at scrape time by NodeCollector: from the checkpoint, which both plugin instances
 of a rolling update share, so either one reports the node's truth, and from NVML. What teams
 used over time (GPU-seconds by namespace and kind, each claim's time since last used;
-driver/node/usage.py) is sampled every SAMPLE_S and at each scrape, and counts since this
-instance started.
+driver/node/usage.py) and what each claim's processes use (memory, compute; claim_usage.py, also
+the usage history's samples) are sampled every SAMPLE_S and at each scrape; GPU-seconds count since
+this instance started.
 
 Tenants' names stay out unless asked for (`--metrics-tenant-labels`): /metrics is on the pod
 network, and any pod could otherwise list every namespace, pod and claim using this node's GPUs.
-Without them a holder is its claim's UID (`claim`), and GPU-seconds are by kind only (docs/metrics.md).
+Without them a holder is its claim's UID (`claim`), and GPU-seconds and claims' use are by kind
+only (docs/metrics.md).
 The server takes a bounded number of connections, each closed when idle (driver/common/http_server.py).
 """
 
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import pynvml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,6 +43,7 @@ from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.kube.client import JsonObject, KubeApi
 from driver.kube.errors import KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
+from driver.node.claim_usage import ClaimObservation, measure
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction, is_busy, pod_uid_of_cgroup
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
@@ -196,6 +199,7 @@ class ClaimReading:
     pods: tuple[str, ...] = ()
     pod_uids: tuple[str, ...] = ()
     share_memory: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    claim: Mapping[str, Any] = field(default_factory=dict)  # as read: right-sizing's record of it
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ def _claim_reading(claim: JsonObject, uid: str) -> ClaimReading:
         for r in results
         if r.get("shareID") and "memory" in (r.get("consumedCapacity") or {})
     }
-    return ClaimReading(tuple(n for n, _ in pods), tuple(u for _, u in pods), share_memory)
+    return ClaimReading(tuple(n for n, _ in pods), tuple(u for _, u in pods), share_memory, claim)
 
 
 def _bytes(quantity: str) -> int:
@@ -295,8 +299,10 @@ class NodeCollector(Collector):
         clock: Callable[[], float] = time.time,
         proc_root: Path = Path("/proc"),
         tenant_labels: bool = False,
+        on_claims: Callable[[float, list[ClaimObservation]], None] | None = None,
     ) -> None:
         self._node = node
+        self._on_claims = on_claims  # each sample's claims, for the usage history (usage_history.py)
         self._tenant_labels = tenant_labels  # claims' namespaces, names and pods as labels
         self._claims = claims
         self._nvml = nvml
@@ -307,6 +313,7 @@ class NodeCollector(Collector):
         self._proc_root = proc_root  # the host's /proc: the plugin runs with hostPID
         self._ledger = UsageLedger()
         self._ledger_lock = threading.Lock()
+        self._observed: list[ClaimObservation] = []  # the last sample's claims (fgpu_claim_memory_used_bytes)
 
     def collect(self) -> Iterator[Metric]:
         prepared = self._prepared_claims()
@@ -314,6 +321,7 @@ class NodeCollector(Collector):
         holders = self._holders_by_device(prepared)
         yield from self._usage(holders)
         yield from self._team_usage(self.sample_usage())
+        yield from self._claim_usage()
 
     def _prepared_claims(self) -> list[PreparedClaim]:
         return [c for c in self._claims.all().values() if c.state == "PrepareCompleted"]
@@ -326,15 +334,20 @@ class NodeCollector(Collector):
         prepared = self._prepared_claims()
         readings = self._holders.readings(prepared)
         activity = {gpu.uuid: self._activity(gpu) for gpu in self._gpus}
-        memory = {gpu.uuid: gpu.memory_bytes for gpu in self._gpus}
-        held = []
+        gpus = {gpu.uuid: gpu for gpu in self._gpus}
+        held, observed = [], []
         for claim in prepared:
             reading = readings[claim.uid]
-            for device in claim.devices:
+            holding = [d for d in claim.devices if d.holds]  # admin access holds nothing
+            for device in holding:
                 seen = activity.get(device.gpu_uuid)
-                if not device.holds or seen is None:  # admin access holds nothing; a GPU NVML lost
+                if seen is None:  # a GPU NVML lost
                     continue
                 share = reading.share_memory.get((device.pool, device.device, str(device.share_id)))
+                if len(holding) == 1:  # one size per claim is sized
+                    observation = self._observe(claim, device, reading, seen, gpus[device.gpu_uuid], share)
+                    if observation is not None:
+                        observed.append(observation)
                 held.append(
                     HeldDevice(
                         claim_uid=claim.uid,
@@ -343,24 +356,44 @@ class NodeCollector(Collector):
                         pods=reading.pods,
                         kind=device.kind,
                         device=device.device,
-                        gpu_fraction=gpu_fraction(device, memory[device.gpu_uuid], share),
+                        gpu_fraction=gpu_fraction(device, gpus[device.gpu_uuid].memory_bytes, share),
                         busy=is_busy(device, reading.pod_uids, seen),
                     )
                 )
         with self._ledger_lock:
             now = self._clock()
             self._ledger.observe(now, held)
-            return now
+            self._observed = observed
+        if self._on_claims is not None:
+            self._on_claims(now, observed)
+        return now
+
+    @staticmethod
+    def _observe(
+        claim: PreparedClaim,
+        device: PreparedDevice,
+        reading: ClaimReading,
+        activity: GpuActivity,
+        gpu: GpuInfo,
+        share_memory: int | None,
+    ) -> ClaimObservation | None:
+        use = measure(device, reading.pod_uids, activity, gpu, share_memory)
+        if use is None or not device.request_names:
+            return None
+        pods = tuple(zip(reading.pods, reading.pod_uids, strict=True))
+        return ClaimObservation(claim.uid, claim.namespace, claim.name, device.request_names[0],
+                                gpu.product_name, use, pods, reading.claim)  # fmt: skip
 
     def _activity(self, gpu: GpuInfo) -> GpuActivity | None:
         try:
-            percent = self._nvml.usage(gpu.index).gpu_percent
+            usage = self._nvml.usage(gpu.index)
             processes = tuple(self._nvml.processes(gpu.index))
+            migs = self._nvml.mig_usage(gpu.index) if gpu.mig_capable else {}
         except pynvml.NVMLError as err:
             log.debug("no activity of GPU %s at this sample: %s", gpu.uuid, err)
             return None
         pods = {p.pid: pod for p in processes if (pod := self._pod_of(p.pid))}
-        return GpuActivity(percent, processes, pods)
+        return GpuActivity(usage.gpu_percent, processes, pods, usage, migs)
 
     def _pod_of(self, pid: int) -> str | None:
         try:
@@ -399,6 +432,41 @@ class NodeCollector(Collector):
                 idle_s.add_metric(values, entry.idle_s)
                 last_used.add_metric(values, entry.last_used)
         yield from (gpu_seconds, idle_s, last_used)
+
+    def _claim_usage(self) -> Iterator[Metric]:
+        """What each claim's processes use (right-sizing's measure, claim_usage.py): per claim where
+        tenant labels are allowed, else summed by kind: a claim's UID would make a series per claim
+        that says nothing without the names."""
+        with self._ledger_lock:
+            observed = list(self._observed)
+        labels = ["node", "claim_namespace", "claim", "kind"]
+        memory = GaugeMetricFamily(
+            "fgpu_claim_memory_used_bytes",
+            "GPU memory the claim's processes hold (a whole GPU or MIG partition: the device's), at the last sample",
+            labels=labels,
+        )
+        compute = GaugeMetricFamily(
+            "fgpu_claim_compute_ratio",
+            "The claim's compute activity as a fraction of its whole GPU's SMs, at the last sample",
+            labels=labels,
+        )
+        at_limit = GaugeMetricFamily(
+            "fgpu_claim_memory_at_limit",
+            "Claims whose processes hold 98% or more of their memory limit (out-of-memory likely), at the last sample",
+            labels=labels,
+        )
+        sums: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+        for o in observed:
+            key = (o.namespace, o.name, o.use.size.kind) if self._tenant_labels else ("", "", o.use.size.kind)
+            values = sums[key]
+            values[0] += o.use.memory_mib * 2**20
+            values[1] += o.use.compute_percent / 100
+            values[2] += 1.0 if o.use.at_memory_limit else 0.0
+        for (namespace, claim, kind), (used, ratio, full) in sorted(sums.items()):
+            memory.add_metric([self._node, namespace, claim, kind], used)
+            compute.add_metric([self._node, namespace, claim, kind], ratio)
+            at_limit.add_metric([self._node, namespace, claim, kind], full)
+        yield from (memory, compute, at_limit)
 
     def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
         devices = [d for c in prepared for d in c.devices if d.holds]  # admin access holds nothing

@@ -39,7 +39,7 @@ from driver.node.kubelet.liveness import (
 )
 from driver.node.kubelet.prepare_retries import PrepareRetries
 from driver.node.kubelet.registration import RegistrationService
-from driver.node.metrics import ClaimHolders, MetricsServer, NodeCollector, node_registry
+from driver.node.metrics import SAMPLE_S, ClaimHolders, MetricsServer, NodeCollector, node_registry
 from driver.node.mig_mode_watch import MigModeWatch
 from driver.node.partition_use import Partitioners
 from driver.node.prepare import ClaimPreparer
@@ -49,6 +49,7 @@ from driver.node.recovery import recover
 from driver.node.settings import PluginSettings
 from driver.node.sockets import BoundSocket, prepare_socket_path
 from driver.node.state import PreparedClaims
+from driver.node.usage_history import HistorySettings, Sampler, UsageRecorder
 from driver.nvml import mock_driver_root
 from driver.nvml.session import NvmlSession
 from partitioner.mig import MigPartitioner
@@ -146,6 +147,8 @@ class PluginProcess:
         self._registration_server: grpc.Server | None = None
         self._health_server: grpc.Server | None = None
         self._metrics_server: MetricsServer | None = None
+        self._recorder: UsageRecorder | None = None
+        self._sampler: Sampler | None = None
         self._sockets: list[BoundSocket] = []
         self._stopped = threading.Event()
 
@@ -238,12 +241,7 @@ class PluginProcess:
         log.info("registration service on %s", settings.registration_socket)
         if settings.healthcheck_port >= 0:
             self._health_server = serve_health_port(self.health, settings.healthcheck_port)
-        if settings.metrics_port > 0:
-            collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api),
-                                      tenant_labels=settings.metrics_tenant_labels)  # fmt: skip
-            registry = node_registry(collector)
-            self._metrics_server = MetricsServer(settings.metrics_port, registry, sample=collector.sample_usage)
-            self._metrics_server.start()
+        self._start_usage()
 
         probe = partial(self_probe, settings.registration_socket, settings.dra_socket)
         self.liveness = LivenessMonitor(
@@ -251,6 +249,31 @@ class PluginProcess:
         )
         self.liveness.check_once()
         self.liveness.start()
+
+    def _start_usage(self) -> None:
+        """The metrics server and the usage history, both fed by one sampling point (metrics.py)."""
+        settings = self.settings
+        if settings.usage_history_namespace:
+            offset = settings.test_hooks.clock_offset_s
+            history = HistorySettings(settings.node_name, settings.usage_history_namespace,
+                                      settings.usage_sample_period_s, settings.usage_history_interval_s)  # fmt: skip
+            self._recorder = UsageRecorder(self.api, history, clock=lambda: time.time() + offset)
+            self._recorder.start()
+        if settings.metrics_port <= 0 and self._recorder is None:
+            return
+        collector = NodeCollector(settings.node_name, self.claims, self._nvml, self.gpus, ClaimHolders(self.api),
+                                  proc_root=settings.proc_root, tenant_labels=settings.metrics_tenant_labels,
+                                  on_claims=self._recorder.observe if self._recorder else None)  # fmt: skip
+        sample_s = min(SAMPLE_S, settings.usage_sample_period_s) if self._recorder else SAMPLE_S
+        if settings.metrics_port > 0:
+            registry = node_registry(collector)
+            self._metrics_server = MetricsServer(
+                settings.metrics_port, registry, sample=collector.sample_usage, sample_s=sample_s
+            )
+            self._metrics_server.start()
+        else:
+            self._sampler = Sampler(collector.sample_usage, sample_s)
+            self._sampler.start()
 
     def _bind(self, server: grpc.Server, path: Path) -> None:
         """Listen on `path` (replacing a stale socket of our own name) and record the file we bound
@@ -276,6 +299,10 @@ class PluginProcess:
         if self._dra_server is not None and self.settings.shutdown_drain_s > 0:
             log.info("serving DRA calls for %.1fs more", self.settings.shutdown_drain_s)
             time.sleep(self.settings.shutdown_drain_s)
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._recorder is not None:
+            self._recorder.stop()  # its last write, while the API client is open
         self.api.close()  # unblocks the publisher's watch
         self.health_monitor.stop()
         self.mig_mode_watch.stop()

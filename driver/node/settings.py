@@ -28,6 +28,7 @@ from partitioner.mps import DEFAULT_SHM_BYTES
 
 MOCK_DRIVER_ROOT = "mock-driver-root"  # under the state dir, where mock mode lays out the fake driver
 POD_UID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*$")  # it becomes part of two socket file names
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -58,6 +59,12 @@ class PluginSettings:
     metrics_port: int = -1  # Prometheus metrics; -1 or 0: off
     metrics_tenant_labels: bool = False  # claims' namespaces, names and pods in them (any pod can scrape)
     retry_waiting_pods: bool = True
+    # The usage history (docs/rightsizing.md): its ConfigMap's namespace ("": not kept), how often it
+    # is written, and how often a sample is taken (tests only: each sample counts 10 s whatever it is).
+    usage_history_namespace: str = ""
+    usage_history_interval_s: float = 300.0
+    usage_sample_period_s: float = 10.0
+    proc_root: Path = Path("/proc")  # the host's, with hostPID: each GPU process's pod (tests: a fake one)
     test_hooks: TestHooks = NO_TEST_HOOKS  # the FGPU_* test variables' hooks, set by tests only
 
     @property
@@ -199,6 +206,21 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         "(the port is on the pod network: any pod can read it) [METRICS_TENANT_LABELS=true|false]",
     )
     parser.add_argument(
+        "--usage-history-namespace",
+        default=env_default("", "USAGE_HISTORY_NAMESPACE"),
+        help="keep the usage history of the claims this plugin prepares (for fgpu rightsize) in the ConfigMap "
+        "fgpu-usage-<node> of this namespace, the driver's; empty: not kept [USAGE_HISTORY_NAMESPACE]",
+    )
+    parser.add_argument(
+        "--usage-history-interval",
+        type=interval,
+        default=env_default("300", "USAGE_HISTORY_INTERVAL"),
+        help="seconds between writes of the usage history (a crash loses at most this much) [USAGE_HISTORY_INTERVAL]",
+    )
+    # Tests only: a week's samples in minutes (each still counts 10 s), and GPU processes' pods from a fake /proc.
+    parser.add_argument("--usage-sample-period", type=interval, default=10.0, help=argparse.SUPPRESS)
+    parser.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--rolling-update-uid",
         default=env_default("", "POD_UID"),
         help="this pod's UID (downward API metadata.uid): sockets <driver>-<uid>-reg.sock and dra-<uid>.sock, "
@@ -284,6 +306,12 @@ def validate_names(args: argparse.Namespace) -> None:
         )
 
 
+def validate_namespace(namespace: str) -> str:
+    if namespace and (not DNS_LABEL.match(namespace) or len(namespace) > 63):
+        raise SettingsError(f"--usage-history-namespace {namespace!r} is not a namespace name (a DNS label)")
+    return namespace
+
+
 def validate_pod_uid(uid: str) -> str:
     if uid and not POD_UID.match(uid):
         raise SettingsError(f"--rolling-update-uid {uid!r} is not a pod UID (letters, digits, '-', '_', '.')")
@@ -354,6 +382,10 @@ def plugin_settings(args: argparse.Namespace) -> PluginSettings:
         metrics_port=args.metrics_port,
         metrics_tenant_labels=args.metrics_tenant_labels,
         retry_waiting_pods=args.retry_waiting_pods,
+        usage_history_namespace=validate_namespace(args.usage_history_namespace),
+        usage_history_interval_s=args.usage_history_interval,
+        usage_sample_period_s=args.usage_sample_period,
+        proc_root=Path(args.proc_root),
         test_hooks=from_environment(),
     )
     for flag, directory in (("--registrar-dir", settings.registrar_dir), ("--plugin-dir", settings.plugin_dir),

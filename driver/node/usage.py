@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.node.state import PreparedDevice
 from driver.nvml.geometry import GEOMETRY_BY_ID, MEMORY_SLICES
-from driver.nvml.session import NvmlProcess
+from driver.nvml.session import DeviceUsage, NvmlProcess
 
 # Busy: an SM utilisation at or above this (percent), over NVML's last sample period (1/6 s to 1 s).
 BUSY_PERCENT = 5
@@ -33,11 +33,14 @@ _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f
 @dataclass(frozen=True)
 class GpuActivity:
     """What NVML saw on a GPU at a sample, and the pod each process runs in (by pid; absent: not
-    a pod's, or its cgroup unreadable)."""
+    a pod's, or its cgroup unreadable); with the GPU's and its MIG devices' memory where read
+    (for right-sizing, driver/node/claim_usage.py)."""
 
     gpu_percent: int | None  # None in MIG mode: NVML does not measure it there
     processes: tuple[NvmlProcess, ...] = ()
     pod_of_pid: Mapping[int, str] = field(default_factory=dict)
+    device: DeviceUsage | None = None
+    mig: Mapping[str, DeviceUsage] = field(default_factory=dict)  # by MIG UUID
 
 
 @dataclass(frozen=True)

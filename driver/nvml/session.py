@@ -76,12 +76,20 @@ class DeviceUsage:
 
 @dataclass(frozen=True)
 class NvmlProcess:
-    """A compute process on a GPU: on which MIG device (None: the GPU itself), and its SM
-    utilisation in NVML's latest sample (None where NVML samples no processes: MIG mode)."""
+    """A compute process on a GPU: on which MIG device (None: the GPU itself), its SM utilisation
+    in NVML's latest sample (None where NVML samples no processes: MIG mode), and the GPU memory
+    it holds (None where NVML does not say: without permission, or under some vGPU drivers)."""
 
     pid: int
     mig_uuid: str | None
     sm_percent: int | None
+    memory_bytes: int | None = None
+
+
+def _used_memory(process: Any) -> int | None:
+    """A process's usedGpuMemory: pynvml gives None where NVML reports it unavailable."""
+    used = getattr(process, "usedGpuMemory", None)
+    return int(used) if isinstance(used, int) else None
 
 
 def _unless_absent(call: Any, *args: Any) -> Any:
@@ -292,7 +300,7 @@ class NvmlSession:
         handle = self.handle(index)
         if self.mig_enabled(index):
             return [
-                NvmlProcess(p.pid, self.nvml.nvmlDeviceGetUUID(mig), None)
+                NvmlProcess(p.pid, self.nvml.nvmlDeviceGetUUID(mig), None, _used_memory(p))
                 for mig in self._mig_handles(handle)
                 for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(mig)
             ]
@@ -306,7 +314,7 @@ class NvmlSession:
                 raise
         # A listed process without a sample did not run on the SMs in NVML's window: 0.
         return [
-            NvmlProcess(p.pid, None, None if samples is None else samples.get(p.pid, 0))
+            NvmlProcess(p.pid, None, None if samples is None else samples.get(p.pid, 0), _used_memory(p))
             for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         ]
 

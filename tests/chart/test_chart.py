@@ -218,8 +218,20 @@ def test_plugin_rbac_is_least_privilege() -> None:
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "delete"},
         ("", "nodes"): {"get"},
         ("", "events"): {"create"},  # a refused status write, on its claim; a retried prepare, on its pod
-        ("", "pods"): {"patch"},  # the prepare-retry annotation only, on its node's pods (the policy below)
+        # patch: the prepare-retry annotation only, on its node's pods (the policy below); get: the first
+        # pod of each claim it prepared, once, for the usage history's owner and template
+        ("", "pods"): {"get", "patch"},
     }
+    # The usage history: its node's ConfigMap, in the driver's namespace only (docs/rightsizing.md).
+    role = find(objects, "Role", "kubelet-plugin")
+    assert role["metadata"]["namespace"] == "fgpu-system"
+    assert [(r["apiGroups"], r["resources"], set(r["verbs"])) for r in role["rules"]] == [
+        ([""], ["configmaps"], {"get", "create", "update"})
+    ]
+    binding = find(objects, "RoleBinding", "kubelet-plugin")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    history_namespace = container_env(find(objects, "DaemonSet"))["USAGE_HISTORY_NAMESPACE"]
+    assert history_namespace == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     slices = find(objects, "ValidatingAdmissionPolicy", "own-slices")
     assert slices["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceslices"]
     pods = find(objects, "ValidatingAdmissionPolicy", "retry-annotation")
@@ -233,7 +245,7 @@ def test_plugin_rbac_is_least_privilege() -> None:
 def test_without_prepare_retries_the_plugin_neither_lists_claims_nor_patches_pods() -> None:
     objects = render({"kubeletPlugin": {"retryWaitingPods": False}})
     rules = plugin_rules(objects)
-    assert rules[("resource.k8s.io", "resourceclaims")] == {"get"} and ("", "pods") not in rules
+    assert rules[("resource.k8s.io", "resourceclaims")] == {"get"} and rules[("", "pods")] == {"get"}
     assert [p["metadata"]["name"] for p in plugin_policies(objects)] == ["fgpu-kubelet-plugin-own-slices"]
     assert container_env(find(objects, "DaemonSet"))["RETRY_WAITING_PODS"] == "false"
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -61,3 +62,40 @@ def test_the_parser_does_not_import_the_sizing_code():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "driver.sizing" not in run.stdout and "driver.cli.rightsize'" not in run.stdout
+
+
+class ConfigMapsApi:
+    """What `fgpu rightsize --kubeconfig` asks of the API server: the namespace's usage ConfigMaps."""
+
+    asked: ClassVar[list[tuple[str, str]]] = []
+
+    def __init__(self, kubeconfig: str | None) -> None:
+        self.kubeconfig = kubeconfig
+
+    def list_configmaps(self, namespace: str, label_selector: str = "") -> list[dict]:
+        from driver.sizing import store
+        from driver.sizing.history import from_json
+
+        self.asked.append((namespace, label_selector))
+        return [store.configmap(node, namespace, from_json(history_file(self.tmp, uid, node).read_text()))
+                for uid, node in (("a", "n1"), ("b", "n2"))]  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def test_kubeconfig_reads_and_merges_every_nodes_configmap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    from driver.kube import client
+
+    monkeypatch.setattr(ConfigMapsApi, "tmp", tmp_path, raising=False)
+    monkeypatch.setattr(client, "ClientKubeApi", ConfigMapsApi)
+    args = ["rightsize", "--kubeconfig=kc", "--namespace=gpus", f"--now={2 * DAY_S}"]
+    assert main(args) == 0
+    assert ConfigMapsApi.asked[-1] == ("gpus", "app.kubernetes.io/component=usage-history")
+    _, row = capsys.readouterr().out.splitlines()
+    assert "2560Mi 9%" in row and "7.68" in row  # both nodes' replicas, as from the two files
+    with pytest.raises(SystemExit) as both:  # one source or the other
+        main(["rightsize", "--kubeconfig=kc", "--history", "f.json"])
+    assert both.value.code == 2

@@ -300,8 +300,8 @@ def test_mock_usage_sets_what_nvml_reports_per_gpu_partition_and_process(tmp_pat
 
     assert session.usage(0).gpu_percent == 75
     assert session.usage(0).memory_used_bytes == 512 * 2**20
-    assert session.processes(0) == [NvmlProcess(41, None, 30), NvmlProcess(42, None, 0)]
-    assert session.processes(3) == [NvmlProcess(43, mig.compute_instances[0][1], None)]  # MIG: no samples
+    assert session.processes(0) == [NvmlProcess(41, None, 30, 512 * 2**20), NvmlProcess(42, None, 0, 0)]
+    assert session.processes(3) == [NvmlProcess(43, mig.compute_instances[0][1], None, 0)]  # MIG: no samples
     handle = session.handle(3)
     with pytest.raises(pynvml.NVMLError) as refused:
         session.nvml.nvmlDeviceGetProcessUtilization(handle, 0)
@@ -310,7 +310,7 @@ def test_mock_usage_sets_what_nvml_reports_per_gpu_partition_and_process(tmp_pat
 
     assert fgpu("--gpu=0", "--pid=41", "--end").returncode == 0
     assert fgpu("--gpu=0", "--utilization=-1").returncode == 0  # the simulated load again: idle
-    assert session.processes(0) == [NvmlProcess(42, None, 0)] and session.usage(0).gpu_percent == 0
+    assert session.processes(0) == [NvmlProcess(42, None, 0, 0)] and session.usage(0).gpu_percent == 0
 
     run = fgpu("--gpu=3", "--pid=44", "--gi=13")
     assert (run.returncode, run.stderr.strip()) == (2, "fgpu: mock usage on GPU 3: Not Found")
