@@ -206,9 +206,32 @@ def run_phase(cluster: Cluster, label: str, requests: list[dict[str, Any]], cont
     }
     if controller is not None:
         result["fit"] = fit_cost(client, namespace)
-    core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
-    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 300, f"{label}: claims deleted")
+    delete_pods(core, namespace)
+    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 600, f"{label}: claims deleted")
     return result
+
+
+def delete_pods(core: kubernetes.client.CoreV1Api, namespace: str) -> None:
+    """Every pod of the namespace. A collection delete stops where its request times out (thousands
+    of pods on 2 cores take longer than the API server's 60 s): asked again until none is left."""
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+        except kubernetes.client.ApiException as error:
+            if error.status != 504:
+                raise
+        listed = core.list_namespaced_pod(namespace, _preload_content=False)
+        if all(p["metadata"].get("deletionTimestamp") for p in json.loads(listed.data)["items"]):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{namespace}: pods not deleted in 600 s")
+
+    def gone() -> bool:
+        listed = core.list_namespaced_pod(namespace, limit=1, _preload_content=False)
+        return not json.loads(listed.data)["items"]
+
+    wait_until(gone, 600, f"{namespace}: pods deleted")
 
 
 SETTLED_S = 30  # no pod bound for this long: what is left does not fit (the path's own packing)

@@ -33,6 +33,7 @@ from bench.allocator import classes
 from bench.controller import UnthrottledCluster, memory_kib, run_phase, wait_until
 from driver.fleet.machine_types import MachineType, machine_inventory
 from driver.inventory.slices import build_slices
+from testbed.cluster.harness import spawn, stop_process
 from testbed.cluster.kwok_manager import Kwok
 
 FLEET_LEASE_S = 600
@@ -43,18 +44,23 @@ def fleet_slices(resource: kubernetes.client.ResourceV1Api) -> int:
     return len(json.loads(listed.data)["items"])
 
 
+def reported(result: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def start_controller(kubeconfig: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
     """The controller, and the seconds from its start to its caches synced and ledger built."""
     argv = [sys.executable, "-m", "driver.cli", "--log-level=INFO", "controller", f"--kubeconfig={kubeconfig}",
             "--lease-namespace=default", "--identity=bench"]  # fmt: skip
     started = time.monotonic()
-    with log.open("wb") as output:
-        process = subprocess.Popen(argv, stderr=output)
+    process = spawn(argv, log)
     wait_until(lambda: "caches synced" in log.read_text(), 600, "controller caches synced")
     return process, time.monotonic() - started
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The results, each printed as it comes (a later failure keeps the earlier figures)."""
     requests = [{"deviceClassName": "gpu.fgpu.dev"}] * args.pods
     with tempfile.TemporaryDirectory() as workdir:
         cluster = UnthrottledCluster(Path(workdir) / "cluster").start()
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             nodes_ready_s = time.monotonic() - started
             fleet = [sys.executable, "-m", "driver.cli", "--log-level=WARNING", "simulate-fleet",
                      f"--kubeconfig={cluster.kubeconfig}", f"--offer={args.offer}"]  # fmt: skip
-            processes.append(subprocess.Popen(fleet))
+            processes.append(spawn(fleet, Path(workdir) / "fleet.log"))
             published = time.monotonic()
             per_node = len(
                 build_slices("gpu.fgpu.dev", "n", machine_inventory(MachineType("dgx-h100", args.offer)), 1, None)
@@ -85,11 +91,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "kwok_nodes_ready_s": round(nodes_ready_s, 1), "fleet_publish_s": round(fleet_publish_s, 1),
                 "fleet_publisher_rss_mib": round(fleet_memory["VmRSS"] / 1024),
             }]  # fmt: skip
-            results.append(run_phase(cluster, "scheduler", requests, None))
+            reported(results[0])
+            results.append(reported(run_phase(cluster, "scheduler", requests, None)))
             controller, ready_s = start_controller(cluster.kubeconfig, Path(workdir) / "controller.log")
             processes.append(controller)
-            results.append({"controller_ready_s": round(ready_s, 1)})
-            results.append(run_phase(cluster, "controller", requests, controller.pid))
+            results.append(reported({"controller_ready_s": round(ready_s, 1)}))
+            results.append(reported(run_phase(cluster, "controller", requests, controller.pid)))
             results.append({
                 "controller_rss_mib": round(memory_kib(controller.pid)["VmRSS"] / 1024),
                 "controller_peak_rss_mib": round(memory_kib(controller.pid)["VmHWM"] / 1024),
@@ -97,10 +104,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "etcd_rss_mib": round(memory_kib(cluster.processes["etcd"].pid)["VmRSS"] / 1024),
                 "cores": os.cpu_count(),
             })  # fmt: skip
+            reported(results[-1])
         finally:
             for process in reversed(processes):
-                process.send_signal(signal.SIGTERM)
-                process.wait(timeout=60)
+                stop_process(process, grace_s=60)
             kwok.stop()
             cluster.stop()
     return results
@@ -112,9 +119,9 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=4000)
     parser.add_argument("--offer", default="whole", help="what each GPU offers (fgpu simulate-fleet --offer)")
     args = parser.parse_args()
+    # SIGTERM ends the run as Ctrl-C does: through the finally blocks that stop what it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run(args)
-    for result in results:
-        print(json.dumps(result))
     scheduler, controller = results[1], results[3]
     print(json.dumps({"ratio_pods_per_s": round(controller["pods_per_s"] / scheduler["pods_per_s"], 2)}))
 
