@@ -128,4 +128,20 @@ if ! fresh kwok "$kwok_stamp"; then
   done
   echo "$kwok_stamp" > "$out/.stamp-kwok"
 fi
+# Karpenter with its kwok cloud provider, for the autoscaling tests (testbed/cluster/karpenter_manager.py):
+# our own main in karpenter/ (kwok's provider wrapped to give instance types fgpu's devices), its own
+# module; Karpenter's CRDs (NodePool, NodeClaim, NodeOverlay, CapacityBuffer as its kwok chart ships
+# them, KWOKNodeClass) into karpenter-config/crds/. Karpenter v1.15.0 needs Go >= 1.26.9: this section
+# builds with go1.27.3, the toolchain this project's machines take from the Go module proxy (README).
+karpenter_stamp="$(stamp_of karpenter/go.mod karpenter/go.sum karpenter/*.go)"
+if ! fresh karpenter "$karpenter_stamp"; then
+  karpenter_version="$(cd karpenter && GOTOOLCHAIN=go1.27.3 go list -m -f '{{.Version}}' sigs.k8s.io/karpenter)"
+  echo "building karpenter ${karpenter_version} (several minutes from a cold cache) ..." >&2
+  (cd karpenter && GOTOOLCHAIN=go1.27.3 go build -p 2 \
+    -ldflags "-s -w -X sigs.k8s.io/karpenter/pkg/operator.Version=${karpenter_version}" -o "$out/karpenter" .)
+  karpenter_source="$(cd karpenter && GOTOOLCHAIN=go1.27.3 go list -m -f '{{.Dir}}' sigs.k8s.io/karpenter)"
+  rm -rf "$out/karpenter-config" && mkdir -p "$out/karpenter-config/crds"
+  cp "$karpenter_source"/kwok/charts/crds/*.yaml "$karpenter_source"/kwok/apis/crds/*.yaml "$out/karpenter-config/crds/"
+  echo "$karpenter_stamp" > "$out/.stamp-karpenter"
+fi
 echo "$out"
