@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -31,7 +31,9 @@ from driver.allocator.model import (
 from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node
 from driver.allocator.state import AllocatedState
+from driver.cli.plan_frameworks import framework_pods
 from driver.cli.plan_inputs import (
+    FRAMEWORK_KINDS,
     WORKLOAD_KINDS,
     ClaimTemplate,
     Manifest,
@@ -52,10 +54,13 @@ from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
 from driver.scheduling.opt_in import GANG_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, gang_of
 from driver.scheduling.units import (
     Gang,
+    Group,
     Lone,
     claim_opted_in,
     gang_incomplete,
-    no_group,
+    group_incomplete,
+    group_size_unreadable,
+    group_unplaced,
     size_unreadable,
 )
 from driver.scheduling.units import units as scheduling_units
@@ -69,7 +74,11 @@ NOT_PLANNED = {
     "PodGroup": "gangs through the Workload API (scheduling.k8s.io) are not planned yet (another issue); "
     "its pods' claims are planned one by one",
 }
-PLANNED_KINDS = "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs"
+PLANNED_KINDS = (
+    "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs, "
+    "TrainJobs, JobSets, LeaderWorkerSets, RayClusters, RayJobs"
+)
+RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")  # read for the TrainJobs that name them
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,9 @@ class Unit:
     where: str  # the object it comes from: "<file> document <n>"
     node: str = ""  # placed on this node only (a DaemonSet's pod)
     pods: tuple[PodNeeds, ...] = ()  # the pods that use the claim: it goes where they all fit
+    group: str = ""  # an operator's gang (namespace/name) of an opt-in claim: all or none
+    group_size: int = 0  # the pods the gang needs together (0: unreadable)
+    group_pods: int = 0  # the pods of the gang the input makes
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,7 @@ def _units(catalog: Catalog, world: World, driver: str, result: Plan) -> list[Un
     templates = _templates(catalog)
     users = _check_references(catalog, pods)
     used = _used(pods)
+    runtimes = _runtimes(catalog)
     units: list[Unit] = []
     for manifest in catalog.objects.values():
         kind = manifest.ref.kind
@@ -279,20 +292,34 @@ def _units(catalog: Catalog, world: World, driver: str, result: Plan) -> list[Un
                 result.skipped.append(Skip(str(manifest.ref), manifest.where, "no pod in the input uses it"))
         elif manifest.ref in pods:
             units.extend(_workload_units(manifest, pods[manifest.ref], templates, result))
-        elif kind not in WORKLOAD_KINDS:
+        elif kind in RUNTIME_KINDS:
+            if manifest.ref not in runtimes:
+                result.skipped.append(Skip(str(manifest.ref), manifest.where, "no TrainJob in the input uses it"))
+        elif kind not in WORKLOAD_KINDS + FRAMEWORK_KINDS:
             reason = NOT_PLANNED.get(kind, f"fgpu plan does not plan a {kind}: it plans {PLANNED_KINDS}")
             result.skipped.append(Skip(str(manifest.ref), manifest.where, reason))
     return [u for u in units if _kept(u, world, driver, result)]
 
 
+def _runtimes(catalog: Catalog) -> set[Ref]:
+    """The training runtimes the input's TrainJobs name."""
+    named = set()
+    for trainjob in catalog.of_kind("TrainJob"):
+        ref = (trainjob.obj.get("spec") or {}).get("runtimeRef") or {}
+        kind = str(ref.get("kind") or "ClusterTrainingRuntime")
+        named.add(Ref(kind, trainjob.ref.namespace if kind == "TrainingRuntime" else "", str(ref.get("name"))))
+    return named
+
+
 def _pods(catalog: Catalog, world: World, result: Plan) -> dict[Ref, list[Pod]]:
     pods: dict[Ref, list[Pod]] = {}
     for manifest in catalog.objects.values():
-        if manifest.ref.kind not in WORKLOAD_KINDS or manifest.from_cluster:
+        framework = manifest.ref.kind in FRAMEWORK_KINDS
+        if (manifest.ref.kind not in WORKLOAD_KINDS and not framework) or manifest.from_cluster:
             continue
         try:
             with _reading(manifest):
-                made = pods_of(manifest, world.nodes)
+                made = framework_pods(manifest, catalog.objects.get) if framework else pods_of(manifest, world.nodes)
         except NotPlanned as why:
             result.skipped.append(Skip(str(manifest.ref), manifest.where, str(why)))
             continue
@@ -300,7 +327,7 @@ def _pods(catalog: Catalog, world: World, result: Plan) -> dict[Ref, list[Pod]]:
             result.skipped.append(Skip(str(manifest.ref), manifest.where, "its pods use no ResourceClaims"))
             continue
         pods[manifest.ref] = made
-        if not world.nodes and (fields := placement_fields(manifest)):
+        if not world.nodes and not framework and (fields := placement_fields(manifest)):
             where = "on each node its nodeSelector matches" if manifest.ref.kind == "DaemonSet" else "on any node"
             result.notes.append(
                 f"{manifest.ref}: its pods' {', '.join(fields)} not checked without Nodes in the input; "
@@ -370,6 +397,7 @@ def _workload_units(
 ) -> list[Unit]:
     """Per pod, the claims made from templates for it (those it names are planned on their own)."""
     units = []
+    in_gang = Counter(pod.gang.name for pod in pods if pod.gang)
     for pod in pods:
         for pod_claim in (c for c in pod.claims if c.template):
             given, template = templates[_referenced(pod, pod_claim)]
@@ -378,7 +406,14 @@ def _workload_units(
             if pod.node and claim_opted_in(claim) and gang_of(claim):
                 result.skipped.append(Skip(subject, manifest.where, "a gang of a DaemonSet's pods is not planned"))
                 continue
-            units.append(Unit(subject, claim, manifest.where, pod.node, (pod.needs,) if pod.needs else ()))
+            needs = (pod.needs,) if pod.needs else ()
+            unit = Unit(subject, claim, manifest.where, pod.node, needs)
+            if pod.gang and claim_opted_in(claim):  # the controller's gang; kube-scheduler's claims go alone
+                group = f"{pod.namespace}/{pod.gang.name}"
+                subject = f"{subject} (gang {pod.gang.name} of {pod.gang.size})"
+                unit = replace(unit, subject=subject, group=group, group_size=pod.gang.size)
+                unit = replace(unit, group_pods=in_gang[pod.gang.name])
+            units.append(unit)
     return units
 
 
@@ -426,17 +461,24 @@ def _allocate(world: World, units: list[Unit], room: NodeRoom | None) -> list[Ou
     pods fit, the pods placed before counted."""
     outcomes: dict[int, Outcome] = {}
     allocated = world.allocated_members()
-    for unit in scheduling_units(units, _claim_of, no_group):
+    for unit in scheduling_units(units, _claim_of, _group_of):
         if isinstance(unit, Lone):
             outcomes[id(unit.member)] = _place(world.cluster, unit.member, room)
         elif isinstance(unit, Gang):
             for outcome in _place_gang(world.cluster, unit, allocated.get(unit.name, 0), room):
+                outcomes[id(outcome.unit)] = outcome
+        else:
+            for outcome in _place_group(world.cluster, unit, room):
                 outcomes[id(outcome.unit)] = outcome
     return [outcomes[id(unit)] for unit in units]
 
 
 def _claim_of(unit: Unit) -> Claim:
     return unit.claim
+
+
+def _group_of(unit: Unit) -> str | None:
+    return unit.group or None
 
 
 def _place(cluster: ClusterAllocator, unit: Unit, room: NodeRoom | None) -> Outcome:
@@ -461,6 +503,23 @@ def _place_gang(cluster: ClusterAllocator, gang: Gang[Unit], allocated: int, roo
             return [_placed(unit, by_claim[id(unit.claim)]) for unit in gang.members]
         reason = outcome.reason
     return [Outcome(unit, error=reason) for unit in gang.members]
+
+
+def _place_group(cluster: ClusterAllocator, group: Group[Unit], room: NodeRoom | None) -> list[Outcome]:
+    """An operator's gang (driver/scheduling/framework_gangs.py), as the controller places it:
+    nothing until its size in pods exist, then its opt-in claims all or none."""
+    first = group.members[0]
+    if first.group_size == 0:
+        reason = group_size_unreadable(group.name)
+    elif first.group_pods < first.group_size:
+        reason = group_incomplete(group.name, first.group_pods, first.group_size)
+    else:
+        outcome = cluster.allocate_gang([unit.claim for unit in group.members], room)
+        if not isinstance(outcome, Failure):
+            by_claim = {id(placement.claim): placement for placement in outcome}
+            return [_placed(unit, by_claim[id(unit.claim)]) for unit in group.members]
+        reason = group_unplaced(group.name, first.group_size, outcome.reason)
+    return [Outcome(unit, error=reason) for unit in group.members]
 
 
 def _placed(unit: Unit, placement: Placement) -> Outcome:

@@ -17,6 +17,7 @@ from driver.allocator.model import ObjectError
 from driver.allocator.pools import Node
 from driver.common.yamlfile import YamlFileError, load_yaml_documents, parse_yaml_documents
 from driver.kube.client import ClientKubeApi
+from driver.scheduling.framework_gangs import FrameworkGang
 from driver.scheduling.nodefit import PodNeeds
 
 STDIN = "-"
@@ -29,6 +30,7 @@ CLUSTER_SCOPED = frozenset(
         "StorageClass", "PriorityClass", "RuntimeClass", "ClusterRole", "ClusterRoleBinding",
         "CustomResourceDefinition", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration",
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "APIService", "IngressClass",
+        "ClusterTrainingRuntime",
     }
 )  # fmt: skip
 POD_CLAIM_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
@@ -78,6 +80,8 @@ class Pod:
     claims: tuple[PodClaim, ...]
     node: str = ""  # a DaemonSet's pod: the node it runs on
     needs: PodNeeds | None = None  # what kube-scheduler checks of it on a node
+    gang: FrameworkGang | None = None  # an operator's pod: the gang its labels put it in
+    role: str = ""  # an operator's pod: which of its pods ("worker 2 of group 0", "head")
 
     def with_needs(self, pod_spec: dict[str, Any]) -> Pod:
         metadata = {"name": self.subject, "namespace": self.namespace}
@@ -91,6 +95,8 @@ class Pod:
     def subject(self) -> str:
         if self.node:
             return f"{self.owner} on node {self.node}"
+        if self.role:
+            return f"{self.owner} {self.role}"
         return str(self.owner) if self.replica is None else f"{self.owner} replica {self.replica}"
 
 
@@ -197,6 +203,8 @@ def cluster_manifests(kubeconfig: str) -> list[Manifest]:
 
 
 WORKLOAD_KINDS = ("Pod", "Deployment", "ReplicaSet", "StatefulSet", "Job", "CronJob", "DaemonSet")
+# Workload operators' kinds, expanded into their pods by plan_frameworks.py.
+FRAMEWORK_KINDS = ("TrainJob", "JobSet", "LeaderWorkerSet", "RayCluster", "RayJob")
 
 
 def pods_of(workload: Manifest, nodes: Sequence[Node]) -> list[Pod]:
@@ -220,24 +228,25 @@ def pods_of(workload: Manifest, nodes: Sequence[Node]) -> list[Pod]:
 
 def _specs(workload: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
     """The workload's spec (a CronJob's: that of its Jobs) and its pods' spec."""
-    ref, spec = workload.ref, _mapping(workload.obj.get("spec"), workload.ref, "spec")
+    ref, spec = workload.ref, mapping_of(workload.obj.get("spec"), workload.ref, "spec")
     if ref.kind == "Pod":
         return spec, spec
     if ref.kind == "CronJob":
-        spec = _mapping(_mapping(spec.get("jobTemplate"), ref, "spec.jobTemplate").get("spec"), ref, "jobTemplate.spec")
-    return spec, _mapping(_mapping(spec.get("template"), ref, "spec.template").get("spec"), ref, "template.spec")
+        job_template = mapping_of(spec.get("jobTemplate"), ref, "spec.jobTemplate")
+        spec = mapping_of(job_template.get("spec"), ref, "jobTemplate.spec")
+    return spec, mapping_of(mapping_of(spec.get("template"), ref, "spec.template").get("spec"), ref, "template.spec")
 
 
 def _running(ref: Ref, spec: dict[str, Any]) -> int:
     """How many pods run at once: replicas, or a Job's parallelism up to its completions."""
     if ref.kind in ("Job", "CronJob"):
-        parallelism = _count(ref, spec, "parallelism")
+        parallelism = count_of(ref, spec, "parallelism")
         completions = spec.get("completions")
-        return parallelism if completions is None else min(parallelism, _count(ref, spec, "completions"))
-    return _count(ref, spec, "replicas")
+        return parallelism if completions is None else min(parallelism, count_of(ref, spec, "completions"))
+    return count_of(ref, spec, "replicas")
 
 
-def _count(ref: Ref, spec: dict[str, Any], field: str) -> int:
+def count_of(ref: Ref, spec: dict[str, Any], field: str) -> int:
     value = spec.get(field, 1)
     if value is None:
         return 1
@@ -249,31 +258,31 @@ def _count(ref: Ref, spec: dict[str, Any], field: str) -> int:
 def _ds_nodes(ref: Ref, pod_spec: dict[str, Any], nodes: Sequence[Node]) -> list[Node]:
     if not nodes:
         raise NotPlanned("a DaemonSet runs a pod on each node that fits: give the Nodes (in the files or --kubeconfig)")
-    selector = _mapping(pod_spec.get("nodeSelector") or {}, ref, "nodeSelector")
+    selector = mapping_of(pod_spec.get("nodeSelector") or {}, ref, "nodeSelector")
     chosen = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
     if not chosen:
         raise NotPlanned(f"no given Node has the labels of its nodeSelector {selector}")
     return chosen
 
 
-def _made_up(seed: str, length: int) -> str:
+def made_up(seed: str, length: int) -> str:
     """Stands for a random part of a name (a pod's or claim's suffix): stable, and valid in a name."""
     digest = hashlib.sha256(seed.encode()).digest()
     return "".join(NAME_ALPHABET[b % len(NAME_ALPHABET)] for b in digest[:length])
 
 
 def _made_up_name(ref: Ref, replica: int) -> str:
-    return f"{ref.name}-{_made_up(f'{ref}/{replica}', 5)}"
+    return f"{ref.name}-{made_up(f'{ref}/{replica}', 5)}"
 
 
 # How each controller names its pods: the Deployment's ReplicaSet adds the pod template's hash,
 # a StatefulSet numbers them, an indexed Job puts the index before the suffix.
 _NAMES: dict[str, Callable[[Ref, int, bool], str]] = {
-    "Deployment": lambda ref, i, _: f"{ref.name}-{_made_up(str(ref), 10)}-{_made_up(f'{ref}/{i}', 5)}",
+    "Deployment": lambda ref, i, _: f"{ref.name}-{made_up(str(ref), 10)}-{made_up(f'{ref}/{i}', 5)}",
     "ReplicaSet": lambda ref, i, _: _made_up_name(ref, i),
     "StatefulSet": lambda ref, i, _: f"{ref.name}-{i}",
-    "Job": lambda ref, i, indexed: f"{ref.name}-{i}-{_made_up(f'{ref}/{i}', 5)}" if indexed else _made_up_name(ref, i),
-    "CronJob": lambda ref, i, _: f"{ref.name}-{_made_up(str(ref), 8)}-{_made_up(f'{ref}/{i}', 5)}",
+    "Job": lambda ref, i, indexed: f"{ref.name}-{i}-{made_up(f'{ref}/{i}', 5)}" if indexed else _made_up_name(ref, i),
+    "CronJob": lambda ref, i, _: f"{ref.name}-{made_up(str(ref), 8)}-{made_up(f'{ref}/{i}', 5)}",
 }
 
 
@@ -300,7 +309,7 @@ def placement_fields(workload: Manifest) -> list[str]:
     return [f for f in used if f != "nodeSelector"] if workload.ref.kind == "DaemonSet" else used
 
 
-def _mapping(value: Any, ref: Ref, field: str) -> dict[str, Any]:
+def mapping_of(value: Any, ref: Ref, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ObjectError(f"{ref}: {field} is {'missing' if value is None else 'not a mapping'}")
     return value
@@ -310,13 +319,13 @@ def _mapping(value: Any, ref: Ref, field: str) -> dict[str, Any]:
 
 
 def claim_template(template: Manifest) -> ClaimTemplate:
-    spec = _mapping(template.obj.get("spec"), template.ref, "spec")
+    spec = mapping_of(template.obj.get("spec"), template.ref, "spec")
     metadata = spec.get("metadata") or {}
     return ClaimTemplate(
         ref=template.ref,
         labels=dict(metadata.get("labels") or {}),
         annotations=dict(metadata.get("annotations") or {}),
-        spec=_mapping(spec.get("spec"), template.ref, "spec.spec"),
+        spec=mapping_of(spec.get("spec"), template.ref, "spec.spec"),
     )
 
 
@@ -326,7 +335,7 @@ def claim_object(template: ClaimTemplate, pod: Pod, pod_claim: PodClaim) -> dict
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {
-            "name": generated_claim_name(pod.name, pod_claim.name, _made_up(f"{pod.name}/{pod_claim.name}", 5)),
+            "name": generated_claim_name(pod.name, pod_claim.name, made_up(f"{pod.name}/{pod_claim.name}", 5)),
             "namespace": pod.namespace,
             "labels": dict(template.labels),
             "annotations": {**template.annotations, POD_CLAIM_ANNOTATION: pod_claim.name},

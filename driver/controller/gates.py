@@ -1,5 +1,5 @@
 """Gates: pods' scheduling gates lifted once their claims are allocated (and their gang is whole:
-our labelled gang, or the pod's PodGroup, groups.py); and which gated pods wait for which claim
+our labelled gang, or the pod's PodGroup or operator's gang, groups.py); and which gated pods wait for which claim
 (read by the gates and by the Events, reporter.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrent.futures import wait
 from typing import Any
 
 from driver.controller import metrics
-from driver.controller.groups import Groups, group_name
+from driver.controller.groups import Groups, in_some_gang
 from driver.controller.replica import Replica
 from driver.kube.errors import KubeError
 from driver.kube.informer import Informer, object_key
@@ -65,7 +65,7 @@ class GateLifter:
         pods = [p for key in keys if (p := self._informers["pods"].get(key)) is not None]
         if pods:
             whole = self._whole_gangs()
-            groups = self._replica.groups() if any(group_name(p) for p in pods) else None
+            groups = self._replica.groups() if any(in_some_gang(p) for p in pods) else None
             for pod in pods:
                 self._lift(pod, whole, groups)
 

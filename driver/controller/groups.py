@@ -16,7 +16,11 @@ A claim is in a group through the pods that use it (by name, through their statu
 owns it) or the PodGroup that owns it (a group's own claim). A pod whose group does not exist, or
 cannot be read, waits, as kube-scheduler keeps it waiting. A group with the basic policy is no
 gang: its claims are placed one by one. Our own gang labels (driver/scheduling/opt_in.py) come first where a claim
-carries them."""
+carries them.
+
+The pods of workload operators that make no PodGroup (JobSet, Kubeflow Trainer, LeaderWorkerSet,
+KubeRay) are grouped by the same rule, each operator's gang read from its pods' labels and
+annotations (driver/scheduling/framework_gangs.py) as a PodGroup of that size that always exists."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.kube.informer import object_key
+from driver.scheduling.framework_gangs import pod_framework_gang
 from driver.scheduling.opt_in import gated, known_claim_names, opted_in, pending, pod_claim_names
 
 JsonObject = dict[str, Any]
@@ -37,6 +42,12 @@ def group_name(pod: JsonObject) -> str | None:
     return ((pod.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") or None
 
 
+def in_some_gang(pod: JsonObject) -> bool:
+    """Whether the pod may be in a gang group: it names a PodGroup, or an operator's labels put it
+    in one."""
+    return group_name(pod) is not None or pod_framework_gang(pod) is not None
+
+
 def min_count(podgroup: JsonObject) -> int | None:
     """The gang's minCount; None for a group without a gang policy (basic)."""
     gang = (((podgroup.get("spec") or {}).get("schedulingPolicy")) or {}).get("gang")
@@ -46,6 +57,12 @@ def min_count(podgroup: JsonObject) -> int | None:
         return max(1, int(gang.get("minCount", 1)))
     except (TypeError, ValueError):
         return 1
+
+
+def _agreed(known: int | None, size: int) -> int:
+    """One size for a gang whose pods disagree (a template changed): the largest, so that none is
+    placed short; 0 (unreadable) wins."""
+    return size if known is None else (0 if 0 in (known, size) else max(known, size))
 
 
 @dataclass
@@ -75,6 +92,7 @@ class Groups:
         claim: Callable[[str], JsonObject | None],
     ) -> None:
         self._podgroups = {object_key(g): g for g in podgroups}
+        self._framework_sizes: dict[str, int] = {}  # an operator's gang -> its size (framework_gangs.py)
         self._claim = claim
         self._pods: dict[str, list[JsonObject]] = defaultdict(list)  # gang group -> its live pods
         self._by_pod_uid: dict[str, str] = {}
@@ -82,10 +100,15 @@ class Groups:
         self._states: dict[str, GroupState] = {}
         for pod in pods:
             meta = pod["metadata"]
-            name = group_name(pod)
-            if not name or meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in FINISHED:
+            if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in FINISHED:
                 continue
-            key = f"{meta['namespace']}/{name}"
+            if (name := group_name(pod)) is not None:
+                key = f"{meta['namespace']}/{name}"
+            elif (framework := pod_framework_gang(pod)) is not None:
+                key = f"{meta['namespace']}/{framework.name}"
+                self._framework_sizes[key] = _agreed(self._framework_sizes.get(key), framework.size)
+            else:
+                continue
             if not self._gang(key):
                 continue
             self._pods[key].append(pod)
@@ -96,11 +119,17 @@ class Groups:
 
     def _gang(self, key: str) -> bool:
         """Whether the group is a gang, or may be one (not found: its pods wait)."""
+        if key in self._framework_sizes:
+            return True
         podgroup = self._podgroups.get(key)
         return podgroup is None or min_count(podgroup) is not None
 
     def podgroup(self, key: str) -> JsonObject | None:
         return self._podgroups.get(key)
+
+    def exists(self, key: str) -> bool:
+        """Whether the group's size is known: its PodGroup is there, or an operator's pods say it."""
+        return key in self._podgroups or key in self._framework_sizes
 
     def of_pod(self, pod: JsonObject) -> str | None:
         """The gang group the pod is in."""
@@ -128,7 +157,10 @@ class Groups:
 
     def _measure(self, key: str) -> GroupState:
         podgroup = self._podgroups.get(key)
-        state = GroupState(size=(min_count(podgroup) or 0) if podgroup is not None else 0)
+        if key in self._framework_sizes:
+            state = GroupState(size=self._framework_sizes[key])
+        else:
+            state = GroupState(size=(min_count(podgroup) or 0) if podgroup is not None else 0)
         allocated: dict[str, JsonObject] = {}
         namespace = key.split("/", 1)[0]
         for pod in self._pods.get(key, ()):

@@ -41,6 +41,7 @@ from driver.scheduling.units import (
     gang_incomplete,
     group_absent,
     group_incomplete,
+    group_size_unreadable,
     group_unplaced,
     size_unreadable,
     units,
@@ -200,14 +201,16 @@ class Placer:
         return Unit(outcome, present, kept=allocated)
 
     def _place_group(self, current: Pass, groups: Groups, group: Group[Waiting], room: NodeRoom) -> Unit | None:
-        """A PodGroup's gang (groups.py): the opt-in claims of its members (pods with every claim
-        made), all or none, once minCount members exist; nothing placed before."""
+        """A PodGroup's gang, or an operator's (groups.py): the opt-in claims of its members (pods
+        with every claim made), all or none, once minCount members exist; nothing placed before."""
         members = [claim for _, claim in group.members]
         state, podgroup = groups.state(group.name), groups.podgroup(group.name)
         objects = {c.key: self._informers["claims"].get(c.key) for c in members}
-        if podgroup is None or state.present < state.size:
-            if podgroup is None:
+        if not groups.exists(group.name) or state.size == 0 or state.present < state.size:
+            if not groups.exists(group.name):
                 reason = group_absent(group.name, self._informers["podgroups"].absent)
+            elif state.size == 0:  # an operator's pods whose gang size cannot be read
+                reason = group_size_unreadable(group.name)
             else:
                 reason = group_incomplete(group.name, state.present, state.size)
             self._reporter.report_group(podgroup, objects.values(), reason, warning=False)

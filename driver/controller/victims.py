@@ -6,7 +6,9 @@ controller that recreates it (a ReplicaSet, StatefulSet, Job...); nothing else i
 is *preemptible* for a pending pod of higher priority whose `preemptionPolicy` is not `Never`,
 whatever its annotation, as kube-scheduler preempts, but only in the pending claim's namespace
 unless the controller is told to preempt across namespaces (making_room.py says why). Movable pods
-of a higher priority than the pending pod are not moved for it."""
+of a higher priority than the pending pod are not moved for it. A member of a gang (our labels, a
+PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
+gang, and whole gangs are not moved yet."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from typing import Any
 from driver.allocator.make_room import Holder
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller.fit import allocated_node
+from driver.controller.groups import in_some_gang
 from driver.kube.informer import object_key
-from driver.scheduling.opt_in import MOVABLE_ANNOTATION
+from driver.scheduling.opt_in import GANG_LABEL, MOVABLE_ANNOTATION, opted_in
 
 JsonObject = dict[str, Any]
 
@@ -87,6 +90,7 @@ def candidates(
         in_reach = within is None or claim["metadata"].get("namespace") == within
         preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
+        takeable = takeable and not _in_gang(claim, pods)
         if not (takeable or held_too):
             continue
         try:
@@ -96,6 +100,12 @@ def candidates(
         started = max((_created(p) for p in pods), default=0.0)
         found.append(Candidate(Holder(parsed, node, allocation, takeable, started), pods, preempted and takeable))
     return found
+
+
+def _in_gang(claim: JsonObject, pods: Sequence[JsonObject]) -> bool:
+    """A member of a gang: taken alone it would split the gang, which runs only whole."""
+    labelled = opted_in(claim) and bool((claim["metadata"].get("labels") or {}).get(GANG_LABEL))
+    return labelled or any(in_some_gang(p) for p in pods)
 
 
 @dataclass

@@ -36,7 +36,8 @@ class Gang(Generic[T]):
 
 @dataclass(frozen=True)
 class Group(Generic[T]):
-    """The waiting claims of a PodGroup with a gang policy (namespace/name)."""
+    """The waiting claims of a PodGroup with a gang policy, or of a workload operator's gang
+    (driver/scheduling/framework_gangs.py) (namespace/name)."""
 
     name: str
     members: list[T]
@@ -69,11 +70,6 @@ def units(
         yield Group(name, grouped)
 
 
-def no_group(_: object) -> None:
-    """For `units` where there are no PodGroups (fgpu plan does not plan them yet)."""
-    return None
-
-
 def size_unreadable(gang: Gang[T]) -> str | None:
     """Why the gang is never placed as it is labelled, if it is not."""
     return f"label {GANG_SIZE_LABEL} must be a whole number" if gang.size == 0 else None
@@ -91,6 +87,11 @@ def group_absent(group: str, why: str | None) -> str:
     return f"pod group {group} waits: no PodGroup {group} (scheduling.k8s.io/v1beta1) to read" + (
         f": {why}" if why else ""
     )
+
+
+def group_size_unreadable(group: str) -> str:
+    """An operator's gang (framework_gangs.py) whose pods say no whole number for its size."""
+    return f"pod group {group} waits: its pods' gang size is not a whole number (framework_gangs.py)"
 
 
 def group_incomplete(group: str, present: int, size: int) -> str:

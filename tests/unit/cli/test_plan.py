@@ -209,9 +209,11 @@ def test_what_is_not_planned_is_said_one_line_an_object(h100: list[Manifest]):
     skipped = {s.what: f"{s.where}: {s.reason}" for s in result.skipped}
     assert skipped == {
         "configmap default/settings": "f.yaml: document 1: fgpu plan does not plan a ConfigMap: it plans "
-        "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs",
+        "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs, "
+        "TrainJobs, JobSets, LeaderWorkerSets, RayClusters, RayJobs",
         "frobnicator ml/f": "f.yaml: document 2: fgpu plan does not plan a Frobnicator: it plans "
-        "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs",
+        "ResourceClaims, and the claims of Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs, "
+        "TrainJobs, JobSets, LeaderWorkerSets, RayClusters, RayJobs",
         "workload default/train": "f.yaml: document 3: gangs through the Workload API (scheduling.k8s.io) are "
         "not planned yet (another issue); its pods' claims are planned one by one",
         "resourceclaimtemplate default/unused": "f.yaml: document 4: no pod in the input uses it",
