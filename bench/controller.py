@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.watch.watch import iter_resp_lines
 
 from bench.allocator import classes, cluster_slices, mixed_stream, node_slices_json, percentile
@@ -213,7 +214,8 @@ def run_phase(cluster: Cluster, label: str, requests: list[dict[str, Any]], cont
 
 def delete_pods(core: kubernetes.client.CoreV1Api, namespace: str) -> None:
     """Every pod of the namespace. A collection delete stops where its request times out (thousands
-    of pods on 2 cores take longer than the API server's 60 s): asked again until none is left."""
+    of pods on 2 cores take longer than the API server's 60 s: a 504, or the connection closed):
+    asked again until none is left."""
     deadline = time.monotonic() + 600
     while True:
         try:
@@ -221,6 +223,8 @@ def delete_pods(core: kubernetes.client.CoreV1Api, namespace: str) -> None:
         except kubernetes.client.ApiException as error:
             if error.status != 504:
                 raise
+        except urllib3.exceptions.HTTPError:  # the API server closed the connection at its timeout
+            pass
         listed = core.list_namespaced_pod(namespace, _preload_content=False)
         if all(p["metadata"].get("deletionTimestamp") for p in json.loads(listed.data)["items"]):
             break
