@@ -18,7 +18,7 @@ import pytest
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.node import RealNode
 from testbed.workloads import claim_template, delete_namespace, pod_spec, report, unique, wait_until
-from tests.support.controller import CONTROLLER
+from tests.support.controller import running_controller
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -38,12 +38,8 @@ def namespace(cluster, real_node: RealNode, node_plugin) -> Iterator[str]:
 
 @pytest.fixture
 def controller(cluster, namespace) -> Iterator[subprocess.Popen]:
-    process = subprocess.Popen([*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", f"--lease-namespace={namespace}"])
-    try:
+    with running_controller(cluster.kubeconfig, f"--lease-namespace={namespace}") as process:
         yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
 
 
 def jobset(name: str, node: str, template: str, jobs: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.kueue_manager import KueueManager
 from testbed.workloads import claim_template, delete_namespace, pod_spec, unique, wait_until
 from tests.support import ROOT
-from tests.support.controller import CONTROLLER
+from tests.support.controller import running_controller
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -142,12 +142,8 @@ def test_kueue_admits_jobsets_by_their_gpu_quota(cluster, real_node, queue):
 
 @pytest.fixture
 def controller(cluster, queue) -> Iterator[subprocess.Popen]:
-    process = subprocess.Popen([*CONTROLLER, f"--kubeconfig={cluster.kubeconfig}", f"--lease-namespace={queue}"])
-    try:
+    with running_controller(cluster.kubeconfig, f"--lease-namespace={queue}") as process:
         yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
 
 
 def test_an_admitted_jobset_whose_gang_fits_no_node_holds_nothing(cluster, real_node, queue, controller):

@@ -5,6 +5,7 @@ both pods; a node's slices go with it."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -114,6 +115,25 @@ def _claim(
     }
 
 
+@contextlib.contextmanager
+def claim_and_pod(resource_api, core_api, claim: dict[str, Any], pod_spec: dict[str, Any]) -> Iterator[str]:
+    """The claim and a pod using it (both named after the claim), deleted after the block: the pod
+    first, waited for, then the claim."""
+    name = claim["metadata"]["name"]
+    resource_api.create_namespaced_resource_claim("default", claim)
+    spec = {**pod_spec, "resourceClaims": [{"name": "gpu", "resourceClaimName": name}]}
+    core_api.create_namespaced_pod("default", _pod(name, spec))
+    try:
+        yield name
+    finally:
+        core_api.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+        selector = f"metadata.name={name}"
+        wait_until(
+            f"pod {name} gone", lambda: not core_api.list_namespaced_pod("default", field_selector=selector).items
+        )
+        resource_api.delete_namespaced_resource_claim(name, "default")
+
+
 def _running_on(core_api, name: str) -> str:
     def running() -> str | None:
         pod = core_api.read_namespaced_pod(name, "default")
@@ -123,41 +143,18 @@ def _running_on(core_api, name: str) -> str:
 
 
 def test_kube_scheduler_places_a_claim_on_the_fleet_and_kwok_runs_the_pod(fleet: Kwok, resource_api, core_api) -> None:
-    resource_api.create_namespaced_resource_claim("default", _claim("fleet-mps", "mps.gpu.fgpu.dev"))
-    core_api.create_namespaced_pod("default", _pod("fleet-mps", {"resourceClaims": [
-        {"name": "gpu", "resourceClaimName": "fleet-mps"}]}))  # fmt: skip
-    try:
-        assert _running_on(core_api, "fleet-mps") in (*H100_NODES, L4_NODE)
-        allocation = resource_api.read_namespaced_resource_claim("fleet-mps", "default").status.allocation
+    with claim_and_pod(resource_api, core_api, _claim("fleet-mps", "mps.gpu.fgpu.dev"), {}) as name:
+        assert _running_on(core_api, name) in (*H100_NODES, L4_NODE)
+        allocation = resource_api.read_namespaced_resource_claim(name, "default").status.allocation
         assert allocation.devices.results[0].device.endswith("-mps")
-    finally:
-        core_api.delete_namespaced_pod("fleet-mps", "default", grace_period_seconds=0)
-        wait_until(
-            "pod fleet-mps gone",
-            lambda: not core_api.list_namespaced_pod("default", field_selector="metadata.name=fleet-mps").items,
-        )
-        resource_api.delete_namespaced_resource_claim("fleet-mps", "default")
 
 
 def test_the_controller_places_an_opt_in_claim_on_the_fleet(fleet: Kwok, resource_api, core_api) -> None:
-    resource_api.create_namespaced_resource_claim(
-        "default", _claim("fleet-whole", "gpu.fgpu.dev", {OPT_IN_LABEL: "fgpu"})
-    )
-    core_api.create_namespaced_pod("default", _pod("fleet-whole", {
-        "schedulingGates": [{"name": SCHEDULING_GATE}],
-        "resourceClaims": [{"name": "gpu", "resourceClaimName": "fleet-whole"}],
-    }))  # fmt: skip
-    try:
-        node = _running_on(core_api, "fleet-whole")
-        allocation = resource_api.read_namespaced_resource_claim("fleet-whole", "default").status.allocation
+    claim = _claim("fleet-whole", "gpu.fgpu.dev", {OPT_IN_LABEL: "fgpu"})
+    with claim_and_pod(resource_api, core_api, claim, {"schedulingGates": [{"name": SCHEDULING_GATE}]}) as name:
+        node = _running_on(core_api, name)
+        allocation = resource_api.read_namespaced_resource_claim(name, "default").status.allocation
         assert allocation.devices.results[0].pool == node
-    finally:
-        core_api.delete_namespaced_pod("fleet-whole", "default", grace_period_seconds=0)
-        wait_until(
-            "pod fleet-whole gone",
-            lambda: not core_api.list_namespaced_pod("default", field_selector="metadata.name=fleet-whole").items,
-        )
-        resource_api.delete_namespaced_resource_claim("fleet-whole", "default")
 
 
 def test_a_claim_that_fits_no_node_shows_its_pod_unschedulable_until_a_node_arrives(
@@ -167,33 +164,21 @@ def test_a_claim_that_fits_no_node_shows_its_pod_unschedulable_until_a_node_arri
     the node it would add arrives; the controller, and only the controller, allocates the claim."""
     b200 = 'device.attributes["gpu.fgpu.dev"].productName == "NVIDIA B200"'
     claim = _claim("fleet-b200", "gpu.fgpu.dev", {OPT_IN_LABEL: "fgpu"}, selector=b200)
-    resource_api.create_namespaced_resource_claim("default", claim)
-    core_api.create_namespaced_pod("default", _pod("fleet-b200", {
-        "schedulingGates": [{"name": SCHEDULING_GATE}],
-        "resourceClaims": [{"name": "gpu", "resourceClaimName": "fleet-b200"}],
-    }))  # fmt: skip
 
     def unschedulable() -> Any:
         pod = core_api.read_namespaced_pod("fleet-b200", "default")
         found = [c for c in pod.status.conditions or () if c.type == "PodScheduled" and c.reason == "Unschedulable"]
         return found and pod
 
-    try:
+    with claim_and_pod(resource_api, core_api, claim, {"schedulingGates": [{"name": SCHEDULING_GATE}]}) as name:
         pod = wait_until("the pod marked unschedulable", unschedulable)
         assert [g.name for g in pod.spec.scheduling_gates] == [SCHEDULING_GATE]
         time.sleep(3)  # kube-scheduler leaves a gated pod's condition alone
         assert unschedulable()
         fleet.add_nodes(["kwok-b200"], "dgx-b200")
-        assert _running_on(core_api, "fleet-b200") == "kwok-b200"
-        assert not by_kube_scheduler(resource_api, "fleet-b200")
-        assert resource_api.read_namespaced_resource_claim("fleet-b200", "default").status.allocation
-    finally:
-        core_api.delete_namespaced_pod("fleet-b200", "default", grace_period_seconds=0)
-        wait_until(
-            "pod fleet-b200 gone",
-            lambda: not core_api.list_namespaced_pod("default", field_selector="metadata.name=fleet-b200").items,
-        )
-        resource_api.delete_namespaced_resource_claim("fleet-b200", "default")
+        assert _running_on(core_api, name) == "kwok-b200"
+        assert not by_kube_scheduler(resource_api, name)
+        assert resource_api.read_namespaced_resource_claim(name, "default").status.allocation
 
 
 def test_a_node_gone_takes_its_slices_and_an_unlabelled_node_gets_none(fleet: Kwok, resource_api, core_api) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,17 @@ class ControlledNodes:
 
     kubelets: dict[str, KubeletStandIn]
     metrics_port: int  # the controller's Prometheus endpoint on 127.0.0.1
+
+
+@contextlib.contextmanager
+def running_controller(kubeconfig: object, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`fgpu controller` as a process, stopped (SIGTERM) when the block ends."""
+    process = subprocess.Popen([*CONTROLLER, f"--kubeconfig={kubeconfig}", *flags])
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
 
 
 def gang_claim(name: str, gang: str, size: int, gpus: int) -> dict[str, Any]:
