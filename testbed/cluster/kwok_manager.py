@@ -26,6 +26,13 @@ from testbed.cluster.harness import Cluster, check_alive, free_port, node_object
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_TAINT = {"key": KWOK_ANNOTATION, "value": "fake", "effect": "NoSchedule"}
 KWOK_TOLERATION = {"key": KWOK_ANNOTATION, "operator": "Exists", "effect": "NoSchedule"}
+# What a pod meant for the fleet's nodes carries: it tolerates kwok's taint and goes only to nodes
+# with a machine type (kwok's or Karpenter's), never to a fake node another test left with slices.
+ON_FLEET_NODES: dict[str, Any] = {
+    "tolerations": [KWOK_TOLERATION],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": MACHINE_LABEL, "operator": "Exists"}]}]}}},
+}  # fmt: skip
 START_TIMEOUT_S = 60
 CREATORS = 8  # concurrent node writes
 

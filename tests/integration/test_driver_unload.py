@@ -5,12 +5,14 @@ makes the prepared MIG claim's instance again, untaints and publishes the new dr
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import kubernetes
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -32,6 +34,22 @@ DEVICES = 8 * 26  # the whole GPU and 25 MIG placements of each of 8 H100s
 NEW_VERSION = "580.105.08"
 NS = "default"
 RETRY = "gpu.fgpu.dev/prepare-retry"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_forgotten(cluster) -> Iterator[None]:
+    """The fake node and its slices go with the module: no later module's scheduler or controller
+    may place anything there (nothing publishes them again: the plugins of each test are stopped)."""
+    yield
+    core, resource = (
+        kubernetes.client.CoreV1Api(cluster.api_client()),
+        kubernetes.client.ResourceV1Api(cluster.api_client()),
+    )
+    with contextlib.suppress(kubernetes.client.ApiException):
+        core.delete_node(NODE)
+    for found in node_slices(resource, NODE):
+        with contextlib.suppress(kubernetes.client.ApiException):
+            resource.delete_resource_slice(found.metadata.name)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import yaml
 from driver.fleet.machine_types import MACHINE_LABEL
 from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
-from testbed.cluster.kwok_manager import KWOK_TOLERATION, Kwok
+from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
 from testbed.workloads import wait_until
 from tests.support.controller import CONTROLLER, by_kube_scheduler
 from tests.support.pools import complete_pool
@@ -93,7 +93,7 @@ def _pod(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {"name": name},
         "spec": {
-            "tolerations": [KWOK_TOLERATION],
+            **ON_FLEET_NODES,
             "terminationGracePeriodSeconds": 0,
             "containers": [container],
             **spec,

@@ -20,7 +20,7 @@ import pytest
 from driver.fleet.machine_types import MACHINE_LABEL
 from testbed.cluster.harness import Cluster
 from testbed.cluster.karpenter_manager import DGX_H100, L4X4, KarpenterManager, NodePool
-from testbed.cluster.kwok_manager import KWOK_TOLERATION, Kwok
+from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
 from testbed.workloads import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -117,7 +117,7 @@ def _pod(name: str, claim: dict[str, str]) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {"name": name, "labels": {"test": "karpenter"}},
         "spec": {
-            "tolerations": [KWOK_TOLERATION],
+            **ON_FLEET_NODES,
             "terminationGracePeriodSeconds": 0,
             "containers": [container],
             "resourceClaims": [{"name": "gpu", **claim}],
