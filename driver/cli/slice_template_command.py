@@ -6,16 +6,14 @@ type has them, with the mock, and offers them as `fgpu discover` does for the sa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-import yaml
-
-from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, Subcommands
+from driver.common.flags import DEFAULT_DRIVER_NAME, Subcommands
+from driver.common.yamlfile import document_text
 from driver.inventory.fresh_machine import fresh_gpus
 from driver.inventory.offers import check_offers, node_inventory, shortfall
 from driver.inventory.templates import FORMATS, RENDERERS, node_type_template
-from driver.node.settings import DNS_SUBDOMAIN, sharing_config
+from driver.node.settings import sharing_config, validate_driver_name
 from driver.nvml.machine import bundled_machines, load_machine
 
 
@@ -57,8 +55,7 @@ def add_slice_template_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_slice_template(args: argparse.Namespace) -> int:
-    if not DNS_SUBDOMAIN.match(args.driver_name) or len(args.driver_name) > 63:
-        raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
+    validate_driver_name(args.driver_name)
     sharing = sharing_config(args)
     machine = load_machine(args.machine)
     gpus = fresh_gpus(machine, args.mig_mode == "on")
@@ -67,10 +64,7 @@ def cmd_slice_template(args: argparse.Namespace) -> int:
         print(reason, file=sys.stderr)  # as `fgpu discover`: stdout stays the document
     template = node_type_template(args.driver_name, machine.name, node_inventory(gpus, sharing))
     document = RENDERERS[args.format](template)
-    if args.output == "json":
-        print(json.dumps(document, indent=2, sort_keys=True))
-    else:
-        print(yaml.safe_dump(document, sort_keys=True), end="")
+    print(document_text(document, args.output == "json"), end="")
     return 0
 
 

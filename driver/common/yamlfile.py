@@ -3,6 +3,7 @@ one that cannot be read or parsed is an error of one line that names the file.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,10 @@ def _problem(err: yaml.YAMLError) -> str:
         mark = err.problem_mark
         return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
     return " ".join(str(err).split())
+
+
+def document_text(document: Any, as_json: bool) -> str:
+    """A document as a command prints it (`-o json|yaml`): keys sorted, JSON indented."""
+    return (
+        json.dumps(document, indent=2, sort_keys=True) + "\n" if as_json else yaml.safe_dump(document, sort_keys=True)
+    )

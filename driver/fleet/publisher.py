@@ -93,6 +93,7 @@ class FleetPublisher:
                                transform=published_slice)  # fmt: skip
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fleet-write")
         self._reported: dict[str, str] = {}  # node -> the problem last logged for it
+        self._wanted: dict[str, tuple[MachineType, dict[str, str]]] = {}  # node -> its type, _wanted_hashes
         self.passes = 0
 
     def run(self) -> None:
@@ -128,15 +129,31 @@ class FleetPublisher:
                 if existing:
                     writes.append(self._pool.submit(self._write_pool, node.name, [], existing))
                 continue
-            desired = self._desired(node, 0)
-            if not _up_to_date(existing, desired):
+            if not _up_to_date(existing, self._wanted_hashes(node)):
                 generation = max((s.generation for s in existing), default=0) + 1
                 writes.append(self._pool.submit(self._write_pool, node.name, self._desired(node, generation), existing))
         for node_name, existing in by_node.items():  # nodes gone or no longer labelled
             writes.append(self._pool.submit(self._write_pool, node_name, [], existing))
+        present = {node.name for node in self.nodes.items()}
+        self._wanted = {name: wanted for name, wanted in self._wanted.items() if name in present}
+        self._reported = {name: problem for name, problem in self._reported.items() if name in present}
         failed = sum(not write.result() for write in writes)
         self.passes += 1
         return PassResult(written=len(writes) - failed, failed=failed)
+
+    def _wanted_hashes(self, node: FleetNode) -> dict[str, str]:
+        """Slice name -> spec hash of the node's pool: what a pass compares with what is published.
+        Kept per node and machine type (a spec names its node, not its generation or owner), so
+        that a pass, which any node's heartbeat starts, builds no slices for the nodes up to date."""
+        assert node.machine_type is not None
+        kept = self._wanted.get(node.name)
+        if kept is None or kept[0] != node.machine_type:
+            hashes = {
+                s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+                for s in self._desired(node, 0)
+            }
+            kept = self._wanted[node.name] = (node.machine_type, hashes)
+        return kept[1]
 
     def _desired(self, node: FleetNode, generation: int) -> list[dict[str, Any]]:
         assert node.machine_type is not None
@@ -174,7 +191,6 @@ class FleetPublisher:
         return True
 
 
-def _up_to_date(existing: list[PublishedSlice], desired: list[dict[str, Any]]) -> bool:
-    want = {s["metadata"]["name"]: s["metadata"]["annotations"][SPEC_HASH_ANNOTATION] for s in desired}
+def _up_to_date(existing: list[PublishedSlice], wanted: dict[str, str]) -> bool:
     have = {s.name: s.spec_hash for s in existing}
-    return want == have and len({s.generation for s in existing}) <= 1
+    return wanted == have and len({s.generation for s in existing}) <= 1

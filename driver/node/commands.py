@@ -5,13 +5,11 @@ and the plugin's settings are in driver/node/settings.py."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import yaml
-
 from driver.common.flags import SettingsError, Subcommands, env_default
+from driver.common.yamlfile import document_text
 from driver.inventory.discovery import discover_gpus
 from driver.inventory.offers import check_offers, node_inventory, shortfall
 from driver.inventory.slices import build_slices
@@ -37,10 +35,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
         "kind": "List",
         "items": build_slices(args.driver_name, args.node_name, inventory, generation=1, owner=None),
     }
-    if args.output == "json":
-        print(json.dumps(document, indent=2, sort_keys=True))
-    else:
-        print(yaml.safe_dump(document, sort_keys=True), end="")
+    print(document_text(document, args.output == "json"), end="")
     return 0
 
 

@@ -294,9 +294,13 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
     return HealthPolicy(xids, args.health_fault_effect, args.health_lost_effect, args.health_recovery)
 
 
+def validate_driver_name(name: str | None) -> None:
+    if not DNS_SUBDOMAIN.match(name or "") or len(name or "") > 63:
+        raise SettingsError(f"--driver-name {name!r} is not a DNS subdomain of at most 63 characters")
+
+
 def validate_names(args: argparse.Namespace) -> None:
-    if not DNS_SUBDOMAIN.match(args.driver_name or "") or len(args.driver_name) > 63:
-        raise SettingsError(f"--driver-name {args.driver_name!r} is not a DNS subdomain of at most 63 characters")
+    validate_driver_name(args.driver_name)
     if not args.node_name:
         raise SettingsError("--node-name (or NODE_NAME) is required")
     if not DNS_SUBDOMAIN.match(args.node_name) or len(args.node_name) > 253:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import copy
 import io
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from driver.cli.plan_frameworks import framework_pods
 from driver.cli.plan_inputs import manifest, read_manifests
 from driver.scheduling.framework_gangs import FrameworkGang
 from tests.support import ROOT
+from tests.support.controller_cluster import discover
 
 CLASSES = ROOT / "daemonset" / "deviceclasses.yaml"
 FRAMEWORKS = ROOT / "examples" / "frameworks"
@@ -31,21 +30,7 @@ WHOLE, MPS, MIG_3G = r"gpu-\d", r"gpu-\d-mps \(share\)", r"gpu-\d-mig-3g40gb-\d"
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One dgx-h100 (8 GPUs) as installed by default."""
-    command = [
-        sys.executable,
-        "-m",
-        "driver.cli",
-        "discover",
-        "--nvml",
-        "mock:dgx-h100",
-        "--node-name",
-        "n1",
-        "-o",
-        "yaml",
-    ]
-    path = tmp_path_factory.mktemp("slices") / "n1.yaml"
-    path.write_text(subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT, timeout=120).stdout)
-    return path
+    return discover(tmp_path_factory.mktemp("slices"), "n1", "dgx-h100")
 
 
 def plan_of(*paths: Path, extra: list[dict[str, Any]] = ()) -> Plan:  # type: ignore[assignment]
