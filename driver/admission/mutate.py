@@ -1,4 +1,5 @@
-"""Opt-in without editing pods: the scheduling gate added at pod create (POST /mutate).
+"""Opt-in without editing pods: the scheduling gate added at pod create (POST /mutate, and POST
+/place-pods for pods without claims).
 
 A pod that uses an opt-in claim (labelled `gpu.fgpu.dev/allocator: fgpu`, driver/scheduling/opt_in.py)
 gets the gate `gpu.fgpu.dev/allocation`, so that kube-scheduler leaves it to fgpu's controller, as
@@ -9,6 +10,14 @@ it afterwards, with the template's `spec.metadata.labels`), so the template is r
 Never a refusal: a pod that uses no opt-in claim, a claim or template not found, or an API server
 that cannot be read is admitted unchanged (logged), and kube-scheduler allocates its claims as it
 would without fgpu's controller. A pod already carrying the gate is left as it is.
+
+POST /place-pods: the configuration's second rule, which kube-apiserver sends only the pods of
+namespaces labelled `gpu.fgpu.dev/place-pods=fgpu` (its namespaceSelector: the label is the
+platform team's, checked there and again by the controller). A pod without claims gets the gate,
+and the controller places it (driver/controller/placed_pods.py); nothing is read from the API. A
+pod with claims, or one that is never placed so (driver/scheduling/opt_in.py, placement_exempt:
+bound already, a DaemonSet's, in kube-system, another scheduler's, in a PodGroup), is left as it
+came, whatever the configuration sends.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any, Protocol
 
 from driver.admission.review import REVIEW_API_VERSION, admission_request
 from driver.kube.errors import KubeError
-from driver.scheduling.opt_in import SCHEDULING_GATE, gated, opted_in
+from driver.scheduling.opt_in import SCHEDULING_GATE, claimless, gated, opted_in, placement_exempt
 
 LOG = logging.getLogger("fgpu.webhook")
 
@@ -67,28 +76,58 @@ def opt_in_reason(pod: dict[str, Any], namespace: str, reader: ClaimReader) -> t
     return None, "; ".join(why) or "no claim named"
 
 
-def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
-    """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
-    request = admission_request(document)
-    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
+def _created_pod(request: dict[str, Any]) -> tuple[dict[str, Any], str, str] | None:
+    """(the pod, its namespace, its name for the log) of a pod's CREATE not gated yet, else None."""
     pod = request.get("object")
     if not isinstance(pod, dict):
         pod = {}
     kind = (request.get("kind") or {}).get("kind", "")
+    if kind != "Pod" or request.get("operation", "CREATE") != "CREATE" or gated(pod):
+        return None
     meta = pod.get("metadata") or {}
     namespace = request.get("namespace") or meta.get("namespace") or ""
-    name = f"{namespace}/{meta.get('name') or meta.get('generateName', '') + '*'}"
-    if kind == "Pod" and request.get("operation", "CREATE") == "CREATE" and not gated(pod):
-        try:
-            source, why = opt_in_reason(pod, namespace, reader)
-        except KubeError as err:  # never a refusal for our own read failure: kube-scheduler allocates
-            LOG.warning("pod %s admitted without the scheduling gate: cannot read its claims: %s", name, err)
-            source, why = None, ""
-        if source is not None:
-            patch = gate_patch(pod)
-            response["patchType"] = "JSONPatch"
-            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-            LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, source)
-        elif why:
-            LOG.info("pod %s not gated: %s", name, why)
+    return pod, namespace, f"{namespace}/{meta.get('name') or meta.get('generateName', '') + '*'}"
+
+
+def _review(request: dict[str, Any], patch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
     return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
+    """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
+    request = admission_request(document)
+    if (created := _created_pod(request)) is None:
+        return _review(request)
+    pod, namespace, name = created
+    try:
+        source, why = opt_in_reason(pod, namespace, reader)
+    except KubeError as err:  # never a refusal for our own read failure: kube-scheduler allocates
+        LOG.warning("pod %s admitted without the scheduling gate: cannot read its claims: %s", name, err)
+        source, why = None, ""
+    if source is None:
+        if why:
+            LOG.info("pod %s not gated: %s", name, why)
+        return _review(request)
+    LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, source)
+    return _review(request, gate_patch(pod))
+
+
+def place_pods(document: Any) -> dict[str, Any]:
+    """The AdmissionReview answering a pod's CREATE in a namespace whose pods without claims the
+    controller places: allowed, with the gate's patch where the pod has no claims and is not exempt."""
+    request = admission_request(document)
+    if (created := _created_pod(request)) is None:
+        return _review(request)
+    pod, namespace, name = created
+    if not claimless(pod):
+        return _review(request)  # its claims decide (POST /mutate)
+    exempt = placement_exempt({**pod, "metadata": {**(pod.get("metadata") or {}), "namespace": namespace}})
+    if exempt is not None:
+        LOG.info("pod %s not gated for placement: %s", name, exempt)
+        return _review(request)
+    LOG.info("pod %s gated (%s): the controller places the pods of namespace %s", name, SCHEDULING_GATE, namespace)
+    return _review(request, gate_patch(pod))

@@ -1,7 +1,8 @@
 """`fgpu webhook`: the validating admission webhook over HTTPS (kube-apiserver calls only HTTPS).
 
 POST /validate answers an AdmissionReview (driver/admission/review.py); POST /mutate (with
---gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims (driver/admission/mutate.py);
+--gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims, POST /place-pods to pods
+without claims in the namespaces whose pods the controller places (driver/admission/mutate.py);
 GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
 driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
 while serving: new connections get the new one, without a restart. Its flags and settings are in
@@ -28,7 +29,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from driver.admission.mutate import ClaimReader, mutate
+from driver.admission.mutate import ClaimReader, mutate, place_pods
 from driver.admission.review import CONFIG_PATHS, review
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
 from driver.admission.settings import WebhookSettings
@@ -104,7 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         claims = self.server.claims
-        if path != "/validate" and (path != "/mutate" or claims is None):
+        # /place-pods reads nothing from the API: its answer says only what the request itself does.
+        if path not in ("/validate", "/place-pods") and (path != "/mutate" or claims is None):
             self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
             return
         length = content_length(self.headers.get("Content-Length"))
@@ -120,10 +122,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             document = json.loads(body)
-            if path == "/mutate" and claims is not None:  # (else /validate: the only other path served)
+            if path == "/mutate" and claims is not None:
                 answer = mutate(document, claims)
+            elif path == "/place-pods":
+                answer = place_pods(document)
             else:
-                answer = review(document, self.server.driver_name)
+                answer = review(document, self.server.driver_name)  # /validate: the only other path served
         except ValueError as err:  # ReviewError, and malformed JSON
             LOG.warning("bad admission request from %s: %s", self.client_address[0], err)
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")

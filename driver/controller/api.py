@@ -35,6 +35,8 @@ class ControllerApi(Protocol):
 
     def set_scheduling_gates(self, pod: JsonObject, gates: list[JsonObject]) -> JsonObject: ...
 
+    def place_pod(self, pod: JsonObject, affinity: JsonObject, gates: list[JsonObject]) -> JsonObject: ...
+
     def set_pod_condition(self, pod: JsonObject, condition: JsonObject) -> JsonObject: ...
 
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject: ...
@@ -75,6 +77,18 @@ class ClientControllerApi(ClientKubeApi):
         meta = pod["metadata"]
         patch = [
             {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+            {"op": "replace", "path": "/spec/schedulingGates", "value": gates},
+        ]
+        return self._call(self._core.patch_namespaced_pod, meta["name"], meta["namespace"], patch)
+
+    def place_pod(self, pod: JsonObject, affinity: JsonObject, gates: list[JsonObject]) -> JsonObject:
+        """Pin a gated pod to a node and release it, in one request: its new affinity (its node
+        affinity narrowed, which kube-apiserver allows while the pod is gated) and its gates, both
+        on the pod as read (its resourceVersion tested). placed_pods.py says why."""
+        meta = pod["metadata"]
+        patch = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+            {"op": "add", "path": "/spec/affinity", "value": affinity},  # add replaces a member that exists
             {"op": "replace", "path": "/spec/schedulingGates", "value": gates},
         ]
         return self._call(self._core.patch_namespaced_pod, meta["name"], meta["namespace"], patch)

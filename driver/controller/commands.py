@@ -23,7 +23,8 @@ def run_controller(settings: ControllerSettings) -> None:
         start_http_server(settings.metrics_port)
     controller = Controller(api, settings.identity, settings.policy, settings.lease_namespace, settings.timings,
                             settings.evictions_per_minute, settings.compact, from_environment(),
-                            settings.preempt_across_namespaces, stall_s=settings.stall_s)  # fmt: skip
+                            settings.preempt_across_namespaces, stall_s=settings.stall_s,
+                            place_pods=settings.place_pods)  # fmt: skip
     if settings.health_port > 0:
         from driver.controller.progress import serve_health
 

@@ -3,7 +3,8 @@
 Claims opt in with a label and their pods wait behind a scheduling gate (driver/scheduling/opt_in.py). A pass, run
 whenever a cache changes and this replica leads, places the waiting claims (placing.py), writes
 each unit ledger first, then status (writes.py), and lifts the gates of pods whose claims are all
-allocated (gates.py). The caches, the snapshot of the pools and the allocator are kept from
+allocated (gates.py); with `place_pods`, it also places the gated pods without claims of the
+namespaces that opt in (placed_pods.py). The caches, the snapshot of the pools and the allocator are kept from
 pass to pass and told only what changed (allocators.py); a standby keeps them current too, so that
 it places claims at once when it wins the lease. A write that fails ends the pass: the claims and
 ledgers are read afresh from the API server before anything else is allocated.
@@ -36,6 +37,7 @@ from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers
 from driver.controller.making_room import RoomMaker
 from driver.controller.pass_context import Pass
+from driver.controller.placed_pods import PodPlacer
 from driver.controller.placing import Placer
 from driver.controller.progress import STALL_S, Progress
 from driver.controller.refusals import RefusalTracker
@@ -48,6 +50,7 @@ from driver.controller.writes import ClaimWriter
 from driver.kube.errors import KubeError
 from driver.kube.informer import Informer
 from driver.scheduling.nodefit import NodeRoom
+from driver.scheduling.opt_in import PLACE_PODS_LABEL, PLACE_PODS_VALUE
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16  # units being written at once: enough to hide the API server's latency
@@ -69,6 +72,7 @@ class Controller:
         preempt_across_namespaces: bool = False,
         search_steps: int | None = None,
         stall_s: float = STALL_S,
+        place_pods: bool = False,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
         minute; 0 turns it off. `compact`: with it, also move pods while nothing waits. `hooks`:
@@ -76,7 +80,8 @@ class Controller:
         `preempt_across_namespaces`: making room may preempt lower-priority pods of any namespace,
         not only the pending claim's. `search_steps`: one unit's search budget (None: the
         allocator's SEARCH_STEPS). `stall_s`: seconds without progress after which this replica
-        is stalled (progress.py)."""
+        is stalled (progress.py). `place_pods`: also place the pods without claims of the
+        namespaces labelled gpu.fgpu.dev/place-pods=fgpu (placed_pods.py)."""
         wall_clock = WallClock(hooks.clock_offset_s)
         self.progress = Progress(stall_s)
         self.search_steps = search_steps or SEARCH_STEPS
@@ -86,6 +91,9 @@ class Controller:
         self.informers["slices"] = Informer(api, "slices", self.changed, transform=_readable_slice, long_lived=True)
         # Upstream gangs (groups.py); a cluster without the GenericWorkload API has none.
         self.informers["podgroups"] = Informer(api, "podgroups", self.changed, optional=True)
+        if place_pods:  # only the namespaces that opt in: the label is the platform team's
+            selector = f"{PLACE_PODS_LABEL}={PLACE_PODS_VALUE}"
+            self.informers["namespaces"] = Informer(api, "namespaces", self.changed, selector)
         self.informers["ledgers"] = Informer(
             api, "ledgers", self.changed, f"{LEDGER_LABEL}=true", namespace=lease_namespace
         )
@@ -115,7 +123,8 @@ class Controller:
         reporter = Reporter(api, self.informers["pods"], gated, wall_clock)
         self.allocators = AllocatorCache(self.informers, self.ledgers, policy)
         self.refusals = RefusalTracker(api, self.informers, reporter)
-        self.gates = GateLifter(replica, gated)
+        self.pod_placer = PodPlacer(replica, self.informers["namespaces"], reporter, self._room) if place_pods else None
+        self.gates = GateLifter(replica, gated, self.pod_placer.owns if self.pod_placer is not None else None)
         self.writer = ClaimWriter(replica, self.gates.lift_pods, self.refusals.placed, wall_clock, hooks)
         self.placer = Placer(replica, self.allocators, self.writer, reporter, self._room)
         self.room_maker = RoomMaker(replica, self.budget, reporter, self._room, preempt_across_namespaces)
@@ -196,6 +205,8 @@ class Controller:
         metrics.PENDING.set(len(waiting))
         if waiting and not self.stale.is_set():
             self.placer.place(current, waiting)
+        if self.pod_placer is not None and not self.stale.is_set():
+            self.pod_placer.place(current)  # after the claims: GPU pods choose first
         if current.unplaced and not self.stale.is_set():
             self.room_maker.make_room(current)
         elif self.compact and not waiting and not current.reserved and not self.replica.any_gated():

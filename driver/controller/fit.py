@@ -5,7 +5,9 @@ allocatable less what is on its way there or running:
 - pods bound to the node (not finished);
 - pods nominated to it (`status.nominatedNodeName`: kube-scheduler's preemption keeps room there);
 - pods released towards it and not bound yet: ungated pods whose claims are allocated on it (the
-  node their allocation's node selector names), which kube-scheduler is about to bind there.
+  node their allocation's node selector names), or whose required node affinity names it alone
+  (the pods without claims the controller placed, placed_pods.py, and a DaemonSet's), which
+  kube-scheduler is about to bind there.
 
 A claim's pods are those that name it (in `spec.resourceClaims`, or in
 `status.resourceClaimStatuses` for a claim made from a template) and the pod that owns it (a
@@ -91,8 +93,27 @@ def _where(pod: JsonObject, claims: list[JsonObject | None]) -> str:
         return status["nominatedNodeName"]
     if gated(pod):
         return ""
+    if node := pinned_node(pod):
+        return node
     nodes = {allocated_node(c) for c in claims if c is not None}
     return nodes.pop() if len(nodes) == 1 else ""
+
+
+def pinned_node(pod: JsonObject) -> str:
+    """The one node the pod's required node affinity admits by name ("" when it does not name one):
+    every term has `matchFields metadata.name In [node]`, the same node."""
+    affinity = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    terms = (affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or ()
+    named = {_named_node(term) for term in terms}
+    return named.pop() if len(named) == 1 else ""
+
+
+def _named_node(term: JsonObject) -> str:
+    for field in term.get("matchFields") or ():
+        values: list[Any] = field.get("values") or []
+        if field.get("key") == "metadata.name" and field.get("operator") == "In" and len(values) == 1:
+            return str(values[0])
+    return ""
 
 
 def allocated_node(claim: JsonObject) -> str:

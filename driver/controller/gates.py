@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from typing import Any
 
@@ -44,8 +44,13 @@ class GatedPods:
 
 
 class GateLifter:
-    def __init__(self, replica: Replica, gated_pods: GatedPods) -> None:
+    def __init__(
+        self, replica: Replica, gated_pods: GatedPods, placed: Callable[[dict[str, Any]], bool] | None = None
+    ) -> None:
+        """`placed`: whether a pod's gate is another's to lift (a pod without claims that the
+        controller places: placed_pods.py)."""
         self._replica, self._gated = replica, gated_pods
+        self._placed = placed or (lambda pod: False)
         self._informers = replica.informers
 
     def _whole_gangs(self) -> dict[str, bool]:
@@ -80,7 +85,7 @@ class GateLifter:
     def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool], groups: Groups | None) -> None:
         """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole (its
         labelled gang, and its PodGroup's: minCount pods with every opt-in claim allocated)."""
-        if not gated(pod) or (names := pod_claim_names(pod)) is None:
+        if not gated(pod) or self._placed(pod) or (names := pod_claim_names(pod)) is None:
             return
         if groups is not None and (group := groups.of_pod(pod)) is not None and not groups.state(group).whole:
             return

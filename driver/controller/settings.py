@@ -34,6 +34,7 @@ class ControllerSettings:
     health_port: int  # GET /healthz, the liveness probe; 0 or -1: off
     stall_s: float  # no progress this long: stalled (the probe fails, the Lease is left to expire)
     preempt_across_namespaces: bool  # making room may preempt lower-priority pods of any namespace
+    place_pods: bool = False  # also place the pods without claims of the namespaces that opt in
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,12 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         help="with --make-room: preempt lower-priority pods of any namespace, not only the pending claim's",
     )
 
+    parser.add_argument(
+        "--place-pods",
+        action="store_true",
+        help="also place the gated pods without claims of namespaces labelled gpu.fgpu.dev/place-pods=fgpu",
+    )
+
 
 def controller_settings(args: argparse.Namespace) -> ControllerSettings:
     try:
@@ -97,4 +104,5 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         health_port=args.health_port,
         stall_s=args.stalled_after,
         preempt_across_namespaces=args.preempt_across_namespaces,
+        place_pods=args.place_pods,
     )

@@ -130,6 +130,7 @@ KIND_PATHS = {
     "templates": RESOURCE_V1 + "/resourceclaimtemplates",
     "pods": CORE_V1 + "/pods",
     "nodes": CORE_V1 + "/nodes",
+    "namespaces": CORE_V1 + "/namespaces",  # those whose pods the controller places (--place-pods)
     "podgroups": "/apis/scheduling.k8s.io/v1beta1/podgroups",  # Kubernetes 1.37+
     "ledgers": CORE_V1 + "/namespaces/{namespace}/configmaps",
     "configmaps": CORE_V1 + "/namespaces/{namespace}/configmaps",  # the usage histories (driver/sizing/store.py)

@@ -8,6 +8,12 @@ allocation names. Gangs: claims labelled `gpu.fgpu.dev/gang=<name>` and `gpu.fgp
 are allocated together once all n exist, all or none (upstream PodGroups with a gang policy are
 gangs too: driver/controller/groups.py).
 
+Pods without claims opt in by namespace: the platform team labels a Namespace
+`gpu.fgpu.dev/place-pods=fgpu` (tenants cannot label namespaces under the usual RBAC), the webhook
+gates its claimless pods, and the controller places them with the policy it places claims with
+(driver/controller/placed_pods.py): it pins the pod to the node it chose (required node affinity)
+and lifts the gate. Some pods are never placed so (placement_exempt).
+
 Read by the controller, by the admission webhook (it gates the pods of opt-in claims) and by
 `fgpu plan`, which plans claims as the controller would: below all three."""
 
@@ -23,6 +29,10 @@ GANG_LABEL = "gpu.fgpu.dev/gang"
 GANG_SIZE_LABEL = "gpu.fgpu.dev/gang-size"
 SCHEDULING_GATE = "gpu.fgpu.dev/allocation"
 MOVABLE_ANNOTATION = "gpu.fgpu.dev/movable"  # on a pod: the controller may move it to make room
+PLACE_PODS_LABEL = "gpu.fgpu.dev/place-pods"  # on a Namespace: the controller places its pods without claims
+PLACE_PODS_VALUE = "fgpu"
+DEFAULT_SCHEDULER = "default-scheduler"
+SYSTEM_NAMESPACE = "kube-system"
 
 
 def opted_in(claim: dict[str, Any]) -> bool:
@@ -76,3 +86,31 @@ def gang_size(labels: dict[str, str]) -> int:
 
 def gated(pod: dict[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
+
+
+def claimless(pod: dict[str, Any]) -> bool:
+    return not (pod.get("spec") or {}).get("resourceClaims")
+
+
+def places_pods(namespace: dict[str, Any]) -> bool:
+    """Whether a Namespace opts its pods without claims in (PLACE_PODS_LABEL)."""
+    labels = (namespace.get("metadata") or {}).get("labels") or {}
+    return labels.get(PLACE_PODS_LABEL) == PLACE_PODS_VALUE
+
+
+def placement_exempt(pod: dict[str, Any]) -> str | None:
+    """Why a pod without claims is never placed by the controller, even in an opted-in namespace
+    (None: it may be): it is bound already, a DaemonSet's (pinned to its node by the DaemonSet
+    controller), in kube-system, for another scheduler, or in a PodGroup (kube-scheduler's gang)."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if spec.get("nodeName"):
+        return "spec.nodeName is set"
+    if any(isinstance(r, dict) and r.get("kind") == "DaemonSet" for r in meta.get("ownerReferences") or ()):
+        return "a DaemonSet's pod"
+    if meta.get("namespace") == SYSTEM_NAMESPACE:
+        return f"in {SYSTEM_NAMESPACE}"
+    if spec.get("schedulerName", DEFAULT_SCHEDULER) != DEFAULT_SCHEDULER:
+        return f"spec.schedulerName is {spec.get('schedulerName')!r}"
+    if spec.get("schedulingGroup"):
+        return "in a PodGroup (spec.schedulingGroup)"
+    return None

@@ -652,3 +652,34 @@ def test_the_rendered_manifests_carry_the_webhook_and_no_secret() -> None:
         assert "PRIVATE KEY" not in path.read_text()
     (configuration,) = [d for d in yaml.safe_load_all(webhook) if d and d["kind"] == "ValidatingWebhookConfiguration"]
     assert not [w for w in configuration["webhooks"] if "caBundle" in w["clientConfig"]]
+
+
+def test_pods_without_claims_of_opted_in_namespaces_are_gated_and_placed_only_when_enabled() -> None:
+    objects = render({"controller.placePods.enabled": True, "webhook.gatePods.failurePolicy": "Fail"}, namespace="gpus")
+    claims, placed = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert claims["name"] == "pods.gpu.fgpu.dev" and placed["name"] == "placed-pods.gpu.fgpu.dev"
+    assert (placed["failurePolicy"], placed["reinvocationPolicy"]) == ("Fail", "Never")  # as the claims' rule
+    assert placed["clientConfig"]["service"]["path"] == "/place-pods"
+    assert placed["namespaceSelector"] == {
+        "matchLabels": {"gpu.fgpu.dev/place-pods": "fgpu"},
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "gpus"]}
+        ],
+    }
+    assert [c["name"] for c in placed["matchConditions"]] == ["no-resource-claims", "not-bound", "not-a-daemonset-pod"]
+    args = find(objects, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--place-pods" in args
+    assert ("namespaces", "list") in {
+        (r, v) for rule in find(objects, "ClusterRole", "controller")["rules"] for r in rule["resources"]
+        for v in rule["verbs"]
+    }  # fmt: skip
+    # Without the rule for claims the configuration holds this one alone, its caBundle still written.
+    alone = render({"controller.placePods.enabled": True, "webhook.gatePods.enabled": False})
+    assert [w["name"] for w in find(alone, "MutatingWebhookConfiguration")["webhooks"]] == ["placed-pods.gpu.fgpu.dev"]
+    assert webhook_args(alone).mutating_webhook_configuration == "fgpu-webhook" and not webhook_args(alone).gate_pods
+    # Off by default: no rule, no flag, no Namespaces read.
+    default = render()
+    assert len(find(default, "MutatingWebhookConfiguration")["webhooks"]) == 1
+    controller = find(default, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--place-pods" not in controller
+    assert not [r for r in find(default, "ClusterRole", "controller")["rules"] if "namespaces" in r["resources"]]

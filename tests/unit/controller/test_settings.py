@@ -48,6 +48,7 @@ def test_flags_and_environment_reach_the_settings(monkeypatch):
     assert got.timings == LeaseTimings(30.0, 20.0, 2.0)
     got = settings("--make-room", "--preempt-across-namespaces", "--health-port=8081", "--stalled-after=60")
     assert (got.preempt_across_namespaces, got.health_port, got.stall_s) == (True, 8081, 60.0)
+    assert settings("--place-pods").place_pods and not got.place_pods
 
 
 def test_settings_that_do_not_go_together_name_their_flags():

@@ -101,6 +101,22 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* Whether the controller places the pods without claims of the namespaces that opt in (with the
+  webhook: it gates them). */}}
+{{- define "fgpu.controllerPlacesPods" -}}
+{{- if and .Values.controller.enabled .Values.controller.placePods.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the webhook has a MutatingWebhookConfiguration: it gates pods of opt-in claims, or pods
+  without claims for the controller to place. */}}
+{{- define "fgpu.webhookMutates" -}}
+{{- if or (include "fgpu.webhookGatesPods" .) (include "fgpu.controllerPlacesPods" .) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the webhook calls the API server: to write a caBundle, or to read claims and templates. */}}
 {{- define "fgpu.webhookUsesApi" -}}
 {{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookGatesPods" .) -}}
