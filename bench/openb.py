@@ -216,9 +216,11 @@ def machine_slices(model: str, gpus: int, node: str) -> list[dict[str, Any]]:
     return build_slices(DRIVER, node, inventory, generation=1, owner=None)
 
 
-def node_name(node: TraceNode, prefix: int) -> str:
-    """The simulator puts a random permutation's number before each node name (ties broken at random)."""
-    return f"p{prefix:04d}-{node.name}"
+def node_names(nodes: Sequence[TraceNode], seed: int) -> list[str]:
+    """The nodes' names in the run of `seed`: the simulator puts a random permutation's number
+    before each node name (ties broken at random)."""
+    prefixes = random.Random(seed).sample(range(len(nodes)), len(nodes))
+    return [f"p{prefix:04d}-{node.name}" for node, prefix in zip(nodes, prefixes, strict=True)]
 
 
 def cluster(
@@ -226,13 +228,10 @@ def cluster(
 ) -> tuple[ClusterAllocator, NodeRoom, list[str]]:
     """The allocator over every node's slices, and the nodes' room for pods (`pods_of`: each
     claim's pods, filled as they arrive)."""
-    prefixes = random.Random(seed).sample(range(len(nodes)), len(nodes))
+    names = node_names(nodes, seed)
     templates: dict[tuple[str, int], str] = {}
     slices = []
-    names = []
-    for serial, (node, prefix) in enumerate(zip(nodes, prefixes, strict=True)):
-        name = node_name(node, prefix)
-        names.append(name)
+    for serial, (node, name) in enumerate(zip(nodes, names, strict=True)):
         key = (node.model, node.gpus)
         if key not in templates:
             templates[key] = json.dumps(machine_slices(node.model, node.gpus, "openb-template"))
@@ -353,9 +352,9 @@ def replay(
         pods_of[claim.key] = [pod_needs(pod)]
         started = time.perf_counter()
         if pod.num_gpu == 0 and cpu_pods != "policy":
-            placed = by_kube_scheduler(allocator, room, names, claim, cpu_pods)
+            placed = by_kube_scheduler(allocator, room, names, claim, cpu_pods) is not None
         else:
-            placed = by_fgpu(allocator, room, claim)
+            placed = by_fgpu(allocator, room, claim) is not None
         if pod.num_gpu:
             latencies.append(time.perf_counter() - started)
         if placed:
@@ -367,31 +366,32 @@ def replay(
     return Run(seed, unallocated(buckets(events, capacity)), failed, len(latencies), sum(latencies), latencies, rounded)
 
 
-def by_fgpu(allocator: ClusterAllocator, room: NodeRoom, claim: Claim) -> bool:
-    """The claim placed by the allocator and committed, its pods counted in the room; False where
+def by_fgpu(allocator: ClusterAllocator, room: NodeRoom, claim: Claim) -> Placement | None:
+    """The claim placed by the allocator and committed, its pods counted in the room; None where
     it fits nowhere."""
     outcome = allocator.allocate(claim, room=room, why=False)  # failures are counted, not explained
     if isinstance(outcome, Failure):
-        return False
+        return None
     allocator.commit(outcome)
     room.take(outcome)
-    return True
+    return outcome
 
 
 def by_kube_scheduler(
     allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods
-) -> bool:
+) -> Placement | None:
     """A pod without claims placed as kube-scheduler would (kube_scheduler_node), as deployed: it
     runs there, so the room counts it, and the allocator, kept from pod to pod as the controller
     keeps it from pass to pass, learns only that the node's pods changed (what the controller tells
-    it, driver/controller/allocators.py follow): no allocation is committed, as none is made. False
+    it, driver/controller/allocators.py follow): no allocation is committed, as none is made. None
     where it fits nowhere."""
     node = kube_scheduler_node(allocator, room, names, claim, mode)
     if node is None:
-        return False
-    room.take(Placement(claim, node, {"devices": {"results": []}}))
+        return None
+    placement = Placement(claim, node, {"devices": {"results": []}})
+    room.take(placement)
     allocator.pods_changed([node])
-    return True
+    return placement
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -481,7 +481,19 @@ def main() -> None:
     parser = protocol_arguments(__doc__)
     parser.add_argument("--policy", choices=POLICIES, default="binpack")
     parser.add_argument("--cpu-pods", choices=get_args(CpuPods), default="policy")
-    print_result(run(parser.parse_args()), table)
+    timed = parser.add_argument_group("in time (bench/openb_timed.py)")
+    timed.add_argument("--timed", action="store_true", help="arrivals and departures in time, pods waiting")
+    timed.add_argument("--speedup", type=float, default=1.0, help="arrival times divided by this")
+    timed.add_argument(
+        "--make-room", type=float, default=0.0, help="also fgpu making room: evictions per 1,000 arrivals"
+    )
+    args = parser.parse_args()
+    if args.timed:
+        from bench import openb_timed  # it builds on this module: loaded only when asked
+
+        print_result(openb_timed.run(args), openb_timed.table)
+    else:
+        print_result(run(args), table)
 
 
 if __name__ == "__main__":

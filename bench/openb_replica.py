@@ -63,6 +63,7 @@ from bench.openb import (
     TraceNode,
     TracePod,
     buckets,
+    node_names,
     print_result,
     protocol_arguments,
     published,
@@ -339,10 +340,9 @@ class Result:
 def build_nodes(nodes: Sequence[TraceNode], seed: int) -> list[Node]:
     """The cluster in the simulator's node order: names prefixed by a random permutation, sorted
     (equal top scores go to the first)."""
-    prefixes = random.Random(seed).sample(range(len(nodes)), len(nodes))
     built = [
-        Node(f"p{p:04d}-{n.name}", n.model, n.cpu_milli, n.memory_mib, [MILLI] * n.gpus)
-        for n, p in zip(nodes, prefixes, strict=True)
+        Node(name, n.model, n.cpu_milli, n.memory_mib, [MILLI] * n.gpus)
+        for n, name in zip(nodes, node_names(nodes, seed), strict=True)
     ]
     return sorted(built, key=lambda n: n.name)
 

@@ -1,0 +1,602 @@
+"""The openb trace replayed in time (issue 43): pods arrive at their recorded creation times and
+leave their recorded run time after they are placed; a pod that fits nowhere waits, and is tried
+again when a pod leaves a node it might now fit (kube-scheduler's queueing hints: an event on a
+node that cannot help a pod does not wake it). Each policy runs on the same arrivals, in the same
+run: fgpu's allocator (over the slices the plugin publishes, `bench/openb.py`) and the FGD and
+BestFit replicas (`bench/openb_replica.py`); with `--make-room N` fgpu again, moving running pods
+(never killing them) to make room for a waiting one, at most N evictions per 1,000 arrivals.
+
+Where the protocol departs from the paper's (no departures, pods sent one at a time, tuned to 130%
+of capacity): the pods are the trace's own, untuned and unshuffled (the seed orders the nodes, as
+the simulator's name prefixes do, and nothing else); a pod's run time is its deletion time less
+its scheduled time (less its creation time when the trace never scheduled it), at least 1 s.
+Recorded times alone never fill the cluster: at most 56 pods (65.6 GPUs, 1.1% of 6,212) are alive
+at once, so nothing waits and every policy is the same. `--speedup k` divides the arrival times
+by k and keeps the run times: the busy month's arrivals come k times as fast, the load rises.
+
+  python -m bench.openb --timed --trace default --seeds 42 --speedup 30000
+  python -m bench.openb --timed --trace default --seeds 42 --speedup 30000 --make-room 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.allocator import percentile
+from bench.openb import (
+    CpuPods,
+    TraceNode,
+    TracePod,
+    by_fgpu,
+    by_kube_scheduler,
+    claim_object,
+    cluster,
+    node_names,
+    pod_needs,
+    read_nodes,
+    read_pods,
+    seeds,
+)
+from bench.openb_replica import MILLI, Node, Scorer, Spec, build_nodes, spec_of, typical_pods
+from bench.openb_replica import _choose as replica_choose
+from driver.allocator.cluster import Placement
+from driver.allocator.make_room import Holder, make_room
+from driver.allocator.model import Claim, claim_from_object
+from driver.allocator.policies import Policy
+from driver.scheduling.nodefit import PodNeeds
+
+SAMPLES = 400  # holes counted this many times over the arrival window
+
+
+@dataclass(frozen=True)
+class TimedPod:
+    pod: TracePod
+    arrival: float  # seconds from the trace's start, divided by the speedup
+    runtime: float  # seconds it runs once placed
+
+
+Times = dict[str, tuple[int, int, int | None]]  # pod name -> creation, deletion, scheduled (or None)
+
+
+def read_times(path: Path) -> Times:
+    """Pod name -> (creation, deletion, scheduled or None) in seconds from the trace's start."""
+    with path.open() as f:
+        return {
+            r["name"]: (
+                int(r["creation_time"]),
+                int(r["deletion_time"]),
+                int(r["scheduled_time"]) if r["scheduled_time"] else None,
+            )
+            for r in csv.DictReader(f)
+        }
+
+
+def timed_pods(
+    pods: Iterable[TracePod], times: dict[str, tuple[int, int, int | None]], speedup: float
+) -> list[TimedPod]:
+    """The pods in arrival order (ties by name), each with its run time."""
+    timed = []
+    for pod in pods:
+        created, deleted, scheduled = times[pod.name]
+        runtime = max(1.0, float(deleted - (scheduled if scheduled is not None else created)))
+        timed.append(TimedPod(pod, created / speedup, runtime))
+    return sorted(timed, key=lambda t: (t.arrival, t.pod.name))
+
+
+# --- where pods are, as every policy's run sees it -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spot:
+    node: str
+    gpus: tuple[int, ...]  # GPU indices on the node; empty for a CPU-only pod
+
+
+@dataclass
+class NodeLeft:
+    model: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: list[int]  # thousandths left per GPU
+
+
+class Ledger:
+    """What each node has left, kept from where the policies put pods: the queue's hints and the
+    holes read it, the same for every policy."""
+
+    def __init__(self, nodes: dict[str, TraceNode]) -> None:
+        self.nodes = {name: NodeLeft(n.model, n.cpu_milli, n.memory_mib, [MILLI] * n.gpus) for name, n in nodes.items()}
+        self.used_milli = 0  # GPU thousandths allocated, all nodes
+
+    def take(self, pod: TracePod, spot: Spot, sign: int = 1) -> None:
+        left = self.nodes[spot.node]
+        left.cpu_milli -= sign * pod.cpu_milli
+        left.memory_mib -= sign * pod.memory_mib
+        for gpu in spot.gpus:
+            left.gpus[gpu] -= sign * pod.gpu_milli
+        self.used_milli += sign * pod.gpu_milli * len(spot.gpus)
+
+    def give_back(self, pod: TracePod, spot: Spot) -> None:
+        self.take(pod, spot, -1)
+
+    def may_fit(self, pod: TracePod, node: str) -> bool:
+        """Whether the pod could run on the node (CPU, memory, model, GPUs): never False where it fits."""
+        left = self.nodes[node]
+        if left.cpu_milli < pod.cpu_milli or left.memory_mib < pod.memory_mib:
+            return False
+        if not pod.num_gpu:
+            return True
+        if pod.gpu_spec and left.model not in pod.gpu_spec:
+            return False
+        return sum(1 for g in left.gpus if g >= pod.gpu_milli) >= pod.num_gpu
+
+    def holes(self, waiting: Iterable[TracePod]) -> tuple[int, int]:
+        """(GPUs partly used, those of them no waiting GPU pod could use): a partly used GPU is a
+        hole while a GPU pod waits and none that accepts its model asks for no more than it has
+        left. Nothing waiting: no holes."""
+        smallest: dict[str, int] = {}  # model ('' any) -> the smallest share a waiting pod asks
+        for pod in waiting:
+            if pod.num_gpu == 1 and pod.gpu_milli < MILLI:
+                for model in pod.gpu_spec or ("",):
+                    smallest[model] = min(smallest.get(model, MILLI), pod.gpu_milli)
+            elif pod.num_gpu:
+                smallest.setdefault("", MILLI)
+        partly = holes = 0
+        for left in self.nodes.values():
+            usable = min(smallest.get(left.model, MILLI), smallest.get("", MILLI))
+            for g in left.gpus:
+                if 0 < g < MILLI:
+                    partly += 1
+                    holes += bool(smallest) and g < usable
+        return partly, holes
+
+
+# --- the policies --------------------------------------------------------------------------------
+
+
+class Placer(Protocol):
+    def place(self, pod: TracePod) -> Spot | None: ...
+    def remove(self, pod: TracePod) -> None: ...
+
+
+def _gpu_indices(allocation: dict[str, Any]) -> tuple[int, ...]:
+    """The GPUs an allocation's devices are on (`gpu-<i>` and `gpu-<i>-mps`)."""
+    return tuple(sorted({int(r["device"].split("-")[1]) for r in allocation["devices"]["results"]}))
+
+
+@dataclass
+class Moved:
+    pod: TracePod
+    was: Spot
+    now: Spot
+
+
+class FgpuPlacer:
+    """fgpu's allocator and the controller's room for pods, kept across the run; CPU-only pods by
+    the policy or kube-scheduler's stand-in (bench/openb.py, `--cpu-pods`)."""
+
+    def __init__(self, nodes: Sequence[TraceNode], seed: int, policy: Policy, cpu_pods: CpuPods) -> None:
+        self.pods_of: dict[str, list[PodNeeds]] = {}
+        self.allocator, self.room, self.names = cluster(nodes, seed, policy, self.pods_of)
+        self.cpu_pods = cpu_pods
+        self.placed: dict[str, tuple[Placement, float]] = {}  # pod name -> where, since when
+        self.claims: dict[str, Claim] = {}
+        self.pods: dict[str, TracePod] = {}
+
+    def _claim(self, pod: TracePod) -> Claim:
+        claim = self.claims.get(pod.name)
+        if claim is None:
+            claim = self.claims[pod.name] = claim_from_object(claim_object(pod))
+            self.pods_of[claim.key] = [pod_needs(pod)]
+            self.pods[pod.name] = pod
+        return claim
+
+    def place(self, pod: TracePod) -> Spot | None:
+        claim = self._claim(pod)
+        if pod.num_gpu == 0 and self.cpu_pods != "policy":
+            placement = by_kube_scheduler(self.allocator, self.room, self.names, claim, self.cpu_pods)
+        else:
+            placement = by_fgpu(self.allocator, self.room, claim)
+        return None if placement is None else self._record(pod, placement)
+
+    def _record(self, pod: TracePod, placement: Placement) -> Spot:
+        self.placed[pod.name] = (placement, time.monotonic())
+        return Spot(placement.node, _gpu_indices(placement.allocation))
+
+    def remove(self, pod: TracePod) -> None:
+        placement, _ = self.placed.pop(pod.name)
+        self.room.give_back(placement)
+        self.allocator.release(placement.node, placement.allocation, placement.claim)
+        self.allocator.pods_changed([placement.node])  # its CPU and memory back, as the controller hears
+
+    def make_room(self, pod: TracePod) -> tuple[Spot, list[Moved]] | None:
+        """Room made for a GPU pod by moving running GPU pods (each fits again elsewhere, its CPU
+        and memory too): the pod's spot and the moves, or None."""
+        claim = self._claim(pod)
+        holders = [
+            Holder(p.claim, p.node, p.allocation, True, started)
+            for p, started in self.placed.values()
+            if p.allocation["devices"]["results"]
+        ]
+        plans = make_room(self.allocator, claim, holders, limit=1)
+        if not plans or not plans[0].victims:
+            return None
+        plan = plans[0]
+        victims = [self.placed[v.claim.name][0] for v in plan.victims]
+        for victim in victims:
+            self.room.give_back(victim)
+        if not self._room_takes([*plan.moves, *plan.placements]):
+            for victim in victims:
+                self.room.take(victim)
+            return None
+        moved = []
+        for victim in victims:
+            self.allocator.release(victim.node, victim.allocation, victim.claim)
+        for victim, to in zip(victims, plan.moves, strict=True):
+            self.allocator.commit(to)
+            victim_pod = self.pods[victim.claim.name]
+            was = Spot(victim.node, _gpu_indices(victim.allocation))
+            moved.append(Moved(victim_pod, was, self._record(victim_pod, to)))
+        placement = plan.placements[0]
+        self.allocator.commit(placement)
+        return self._record(pod, placement), moved
+
+    def _room_takes(self, placements: Sequence[Placement]) -> bool:
+        """Counts each placement's pods in the room if all of them fit, in order; else none."""
+        taken: list[Placement] = []
+        for placement in placements:
+            if not self.room.fits(placement.claim, placement.node):
+                for done in taken:
+                    self.room.give_back(done)
+                return False
+            self.room.take(placement)
+            taken.append(placement)
+        return True
+
+
+class ReplicaPlacer:
+    """The FGD or BestFit replica (bench/openb_replica.py): its nodes, scores and memo."""
+
+    def __init__(self, nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, policy: str) -> None:
+        self.cluster: list[Node] = build_nodes(nodes, seed)
+        self.index = {node.name: i for i, node in enumerate(self.cluster)}
+        self.scorer = Scorer("fgd" if policy == "fgd" else "bestfit")
+        if policy == "fgd":
+            self.scorer.set_typical(typical_pods(map(spec_of, pods), nodes=nodes))
+        self.kept: list[dict[tuple[Spec, int], tuple[float, list[int]] | None]] = [{} for _ in self.cluster]
+        self.placed: dict[str, tuple[int, list[int]]] = {}
+
+    def place(self, pod: TracePod) -> Spot | None:
+        spec = spec_of(pod)
+        chosen = replica_choose(self.cluster, self.kept, self.scorer, pod, spec, "name", None)  # type: ignore[arg-type]
+        if chosen is None:
+            return None
+        index, gpus = chosen
+        self.cluster[index].take(pod, spec, gpus)
+        self.kept[index] = {}
+        self.placed[pod.name] = (index, gpus)
+        return Spot(self.cluster[index].name, tuple(gpus))
+
+    def remove(self, pod: TracePod) -> None:
+        index, gpus = self.placed.pop(pod.name)
+        node, spec = self.cluster[index], spec_of(pod)
+        node.cpu_left += spec.cpu
+        node.memory_left += pod.memory_mib
+        for gpu in gpus:
+            node.gpus[gpu] += spec.milli
+        self.kept[index] = {}
+
+
+# --- the replay ----------------------------------------------------------------------------------
+
+
+Step = tuple[float, int, int]  # from this time on: GPU thousandths allocated, waiting
+
+
+@dataclass
+class Clock:
+    """What changes over time: the GPUs allocated and waiting (a step function), the holes counted
+    every `step` seconds while the cluster is busy (pods arriving or waiting), and when it last was."""
+
+    start: float
+    step: float
+    steps: list[Step] = field(default_factory=list)
+    next_sample: float = 0.0
+    samples: int = 0
+    partly: int = 0
+    holes: int = 0
+    busy_until: float = 0.0
+    last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_sample = self.busy_until = self.last = self.start
+
+    def advance(
+        self, now: float, used_milli: int, waiting_milli: int, holes: Callable[[], tuple[int, int]] | None
+    ) -> None:
+        """The values from `now` on (its events done); the holes counted at the sample times passed
+        (`holes` None: the cluster was idle, nothing waited, the samples skip ahead)."""
+        if not self.steps or self.steps[-1][1:] != (used_milli, waiting_milli):
+            self.steps.append((now, used_milli, waiting_milli))
+        while self.step and self.next_sample <= now:
+            if holes is None:
+                self.next_sample += self.step * math.ceil((now - self.next_sample) / self.step + 1e-9)
+                break
+            partly, unusable = holes()
+            self.samples, self.partly, self.holes = self.samples + 1, self.partly + partly, self.holes + unusable
+            self.next_sample += self.step
+        if holes is not None:
+            self.busy_until = now
+        self.last = now
+
+
+def time_means(steps: Sequence[Step], start: float, end: float) -> tuple[float, float]:
+    """GPUs allocated and waiting, averaged over [start, end]."""
+    if end <= start:
+        return 0.0, 0.0
+    allocated = waiting = 0.0
+    for (since, used, queued), (until, _, _) in zip(steps, [*steps[1:], (end, 0, 0)], strict=True):
+        span = max(0.0, min(until, end) - max(since, start))
+        allocated, waiting = allocated + used * span, waiting + queued * span
+    return allocated / MILLI / (end - start), waiting / MILLI / (end - start)
+
+
+@dataclass
+class TimedRun:
+    label: str
+    seed: int
+    arrivals: int
+    clock: Clock
+    gpu_hours_waited: float
+    wait_p50_s: float
+    wait_p99_s: float
+    waited: int  # pods that waited at all
+    never_placed: int
+    evictions: int
+    attempts: int
+    seconds: float
+
+    def figures(self, end: float) -> dict[str, Any]:
+        """The run's figures, the time averages over [first arrival, end]: the same `end` for the
+        runs compared (the last busy time of any)."""
+        allocated, waiting = time_means(self.clock.steps, self.clock.start, end)
+        samples = max(self.clock.samples, 1)
+        return {
+            "policy": self.label,
+            "seed": self.seed,
+            "hours": round((end - self.clock.start) / 3600, 2),
+            "mean_gpus_allocated": round(allocated, 1),
+            "mean_gpus_waiting": round(waiting, 1),
+            "gpu_hours_waited": round(self.gpu_hours_waited, 1),
+            "wait_p50_s": round(self.wait_p50_s, 1),
+            "wait_p99_s": round(self.wait_p99_s, 1),
+            "pods_waited": self.waited,
+            "never_placed": self.never_placed,
+            "gpus_partly_used_while_busy": round(self.clock.partly / samples, 1),
+            "holes_while_busy": round(self.clock.holes / samples, 1),
+            "evictions_per_1000_arrivals": round(1000 * self.evictions / max(self.arrivals, 1), 1),
+            "placements_per_s": round(self.attempts / self.seconds, 1) if self.seconds else None,
+        }
+
+
+Event = tuple[float, int, int, int]  # (time, 0 departure | 1 arrival, order, pod index)
+
+
+@dataclass
+class Replay:
+    """One policy's run over the timed pods: the event loop, the queue and the figures."""
+
+    pods: Sequence[TimedPod]
+    placer: Placer
+    ledger: Ledger
+    make_room_per_1000: float = 0.0
+    samples: int = SAMPLES
+    waiting: dict[str, int] = field(default_factory=dict)  # pod name -> index, in arrival order
+    waiting_milli: int = 0  # their GPU thousandths
+    spots: dict[str, Spot] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    gpu_seconds_waited: float = 0.0
+    evictions: int = 0
+    attempts: int = 0
+    arrived: int = 0
+
+    def run(self, label: str, seed: int) -> TimedRun:
+        started = time.perf_counter()
+        start, last_arrival = self.pods[0].arrival, self.pods[-1].arrival
+        clock = Clock(start, (last_arrival - start) / self.samples)
+        self.events = [(t.arrival, 1, i, i) for i, t in enumerate(self.pods)]
+        heapq.heapify(self.events)
+        while self.events:
+            now = self.events[0][0]
+            busy = now <= last_arrival or bool(self.waiting)  # pods arrive, or wait until now
+            freed: set[str] = set()
+            while self.events and self.events[0][0] == now:
+                _, kind, _, index = heapq.heappop(self.events)
+                if kind == 0:
+                    freed.add(self._depart(self.pods[index].pod))
+                    continue
+                self.arrived += 1
+                if not self._try(index, now):
+                    self.waiting[self.pods[index].pod.name] = index
+                    self.waiting_milli += self.pods[index].pod.gpu_total
+            if freed:
+                self._retry(freed, now)
+            clock.advance(now, self.ledger.used_milli, self.waiting_milli, self._holes if busy else None)
+        for index in self.waiting.values():  # never placed: waited until the last event
+            timed = self.pods[index]
+            self.gpu_seconds_waited += timed.pod.gpu_total / MILLI * (clock.last - timed.arrival)
+        return TimedRun(
+            label,
+            seed,
+            self.arrived,
+            clock,
+            self.gpu_seconds_waited / 3600,
+            statistics.median(self.waits) if self.waits else 0.0,
+            percentile(self.waits, 0.99) if self.waits else 0.0,
+            sum(1 for w in self.waits if w > 0) + len(self.waiting),
+            len(self.waiting),
+            self.evictions,
+            self.attempts,
+            time.perf_counter() - started,
+        )
+
+    def _holes(self) -> tuple[int, int]:
+        return self.ledger.holes(self.pods[i].pod for i in self.waiting.values())
+
+    def _depart(self, pod: TracePod) -> str:
+        spot = self.spots.pop(pod.name)
+        self.placer.remove(pod)
+        self.ledger.give_back(pod, spot)
+        return spot.node
+
+    def _try(self, index: int, now: float) -> bool:
+        """Place the pod (making room where allowed), its departure scheduled; False: it waits."""
+        timed = self.pods[index]
+        self.attempts += 1
+        spot = self.placer.place(timed.pod)
+        if spot is None and timed.pod.num_gpu and self._may_evict():
+            spot = self._make_room(timed.pod)
+        if spot is None:
+            return False
+        self.ledger.take(timed.pod, spot)
+        self.spots[timed.pod.name] = spot
+        waited = now - timed.arrival
+        self.waits.append(waited)
+        self.gpu_seconds_waited += timed.pod.gpu_total / MILLI * waited
+        heapq.heappush(self.events, (now + timed.runtime, 0, len(self.waits), index))
+        return True
+
+    def _may_evict(self) -> bool:
+        return self.make_room_per_1000 * self.arrived / 1000 - self.evictions >= 1
+
+    def _make_room(self, pod: TracePod) -> Spot | None:
+        maker = getattr(self.placer, "make_room", None)
+        found = maker(pod) if maker else None
+        if found is None:
+            return None
+        spot, moved = found
+        for move in moved:
+            self.ledger.give_back(move.pod, move.was)
+            self.ledger.take(move.pod, move.now)
+            self.spots[move.pod.name] = move.now
+        self.evictions += len(moved)
+        return spot
+
+    def _retry(self, freed: set[str], now: float) -> None:
+        """The waiting pods, in arrival order, that may fit a node pods just left (one failure
+        per shape: the same pod shape fails again at the same instant)."""
+        failed: set[tuple[int, int, int, int, tuple[str, ...]]] = set()
+        for name, index in list(self.waiting.items()):
+            pod = self.pods[index].pod
+            shape = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.gpu_spec)
+            if shape in failed or not any(self.ledger.may_fit(pod, node) for node in freed):
+                continue
+            if self._try(index, now):
+                del self.waiting[name]
+                self.waiting_milli -= pod.gpu_total
+            else:
+                failed.add(shape)
+
+
+# --- the runs and the report ---------------------------------------------------------------------
+
+POLICY_ROWS = ("fragmentation", "fgd", "bestfit")
+
+
+def replay_seed(
+    nodes: Sequence[TraceNode],
+    pods: Sequence[TracePod],
+    timed: Sequence[TimedPod],
+    seed: int,
+    cpu_pods: CpuPods,
+    make_room_per_1000: float,
+) -> list[dict[str, Any]]:
+    """Every policy's figures on the same timed pods (fgpu's fragmentation, the FGD and BestFit
+    replicas, and fgpu making room when asked), their time averages over the same hours."""
+    named = dict(zip(node_names(nodes, seed), nodes, strict=True))
+    runs = []
+    placers: list[tuple[str, Callable[[], Placer], float]] = [
+        ("fgpu fragmentation", lambda: FgpuPlacer(nodes, seed, "fragmentation", cpu_pods), 0.0),
+        ("FGD (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "fgd"), 0.0),
+        ("BestFit (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "bestfit"), 0.0),
+    ]
+    if make_room_per_1000:
+        placers.append(
+            (
+                f"fgpu fragmentation, making room <= {make_room_per_1000:g}/1,000",
+                lambda: FgpuPlacer(nodes, seed, "fragmentation", cpu_pods),
+                make_room_per_1000,
+            )
+        )
+    for label, build, evictions in placers:
+        runs.append(Replay(timed, build(), Ledger(named), evictions).run(label, seed))
+    end = max(one.clock.busy_until for one in runs)
+    return [one.figures(end) for one in runs]
+
+
+def run(
+    args: argparse.Namespace, progress: Callable[[str], None] = lambda line: print(line, flush=True)
+) -> dict[str, Any]:
+    """Every seed's runs and their figures; the mean per policy over the seeds."""
+    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
+    path = args.traces / f"openb_pod_list_{args.trace}.csv"
+    pods = read_pods(path)
+    timed = timed_pods(pods, read_times(path), args.speedup)
+    runs: list[dict[str, Any]] = []
+    for seed in seeds(args.seeds):
+        for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room):
+            runs.append(figures)
+            progress(json.dumps(figures))
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for figures in runs:
+        by_policy.setdefault(figures["policy"], []).append(figures)
+    return {
+        "trace": args.trace,
+        "speedup": args.speedup,
+        "cpu_pods": args.cpu_pods,
+        "nodes": len(nodes),
+        "pods": len(timed),
+        "seeds": seeds(args.seeds),
+        "mean": {label: _mean(figures) for label, figures in by_policy.items()},
+        "runs": runs,
+    }
+
+
+def _mean(figures: Sequence[dict[str, Any]]) -> dict[str, float]:
+    return {
+        key: round(statistics.mean(f[key] for f in figures), 1)
+        for key, value in figures[0].items()
+        if isinstance(value, int | float) and key != "seed" and all(f[key] is not None for f in figures)
+    }
+
+
+COLUMNS = (
+    ("hours", "hours"),
+    ("mean_gpus_allocated", "GPUs allocated"),
+    ("mean_gpus_waiting", "GPUs waiting"),
+    ("gpu_hours_waited", "GPU-hours waited"),
+    ("wait_p50_s", "wait p50 s"),
+    ("wait_p99_s", "wait p99 s"),
+    ("gpus_partly_used_while_busy", "GPUs partly used (busy)"),
+    ("holes_while_busy", "holes (busy)"),
+    ("evictions_per_1000_arrivals", "evictions / 1,000"),
+)
+
+
+def table(result: dict[str, Any]) -> str:
+    """Per policy, the mean over the seeds of each figure."""
+    lines = ["| policy | " + " | ".join(title for _, title in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for label, mean in result["mean"].items():
+        lines.append(f"| {label} | " + " | ".join(str(mean.get(key, "-")) for key, _ in COLUMNS) + " |")
+    return "\n".join(lines)
