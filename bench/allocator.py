@@ -6,7 +6,9 @@ claim stream, allocated one claim at a time by ours and by the reference allocat
 
 packing: a trace of MIG and MPS requests arriving and leaving; GPUs still touched at each arrival
 under our binpack scoring vs first fit (our search in upstream's order: pool, slice, device, and
-nodes by name), against the lower bound (total demand / GPU size, rounded up).
+nodes by name), against the lower bound (total demand / GPU size, rounded up). With --lifetimes,
+claims leave when their lifetime is over and say how long they expect to run: binpack and
+fragmentation with the allocator reading those hints and not.
 
 hostile: how long one claim of n time-slice requests and one that cannot be met holds the
 allocator on one DGX H100 node (issue 38): 8^n orders to try, cut by the search budget.
@@ -15,6 +17,7 @@ allocator on one DGX H100 node (issue 38): 8^n orders to try, cut by the search 
   python -m bench.allocator throughput --nodes 5000 --claims 400 --no-reference
   python -m bench.allocator throughput --nodes 500 --claims 400 --mig-shares 3g.40gb
   python -m bench.allocator packing --nodes 16 --events 3000
+  python -m bench.allocator packing --nodes 16 --events 3000 --lifetimes --hint-noise 0.5
   python -m bench.allocator hostile
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import random
@@ -38,7 +42,8 @@ from typing import Any
 import yaml
 
 from driver.allocator.allocate import SEARCH_STEPS, SearchBudget
-from driver.allocator.cluster import ClusterAllocator, Failure, Snapshot
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
+from driver.allocator.lifetimes import EXPECTED_DURATION
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
 from driver.inventory.devices import MPS_DEFAULT_COMPUTE
@@ -286,7 +291,10 @@ def packing_trace(events: int, seed: int) -> list[tuple[str, dict[str, Any], Dem
 
 
 def packing(args: argparse.Namespace) -> dict[str, Any]:
-    """GPUs in use (any allocation on them) after each arrival, averaged over the trace."""
+    """GPUs in use (any allocation on them) after each arrival, averaged over the trace (with
+    --lifetimes: packing_lifetimes)."""
+    if args.lifetimes:
+        return packing_lifetimes(args)
     slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
     device_classes = {c.name: c for c in map(class_from_object, classes())}
     trace = packing_trace(args.events, args.seed)
@@ -326,6 +334,71 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     return {"nodes": args.nodes, "events": args.events, "departures": args.departures, **results}
 
 
+EVENT_S = 60.0  # --lifetimes: simulated seconds between arrivals
+EPOCH = 1_700_000_000.0  # --lifetimes: the simulated clock's start (seconds since the epoch)
+
+
+def lifetimes(events: int, seed: int) -> list[float]:
+    """--lifetimes: each arrival's lifetime in seconds, from the seed: half short (10-70 arrivals'
+    time: jobs, notebooks tried out), half long (250-750: training, services), so that about 60% of
+    16 nodes' GPUs are in use at steady load."""
+    rng = random.Random(seed + 2)
+    return [EVENT_S * (rng.uniform(10, 70) if rng.random() < 0.5 else rng.uniform(250, 750)) for _ in range(events)]
+
+
+def hinted_claim(name: str, request: dict[str, Any], created: float, hint_s: float | None) -> dict[str, Any]:
+    """claim() created at `created` (seconds since the epoch), annotated with its expected
+    duration where `hint_s` is given (driver/allocator/lifetimes.py reads both)."""
+    obj = claim(name, request)
+    obj["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    if hint_s is not None:
+        obj["metadata"]["annotations"] = {EXPECTED_DURATION: f"{max(1, round(hint_s))}s"}
+    return obj
+
+
+def packing_lifetimes(args: argparse.Namespace) -> dict[str, Any]:
+    """--lifetimes: the packing trace's arrivals, one every EVENT_S, each leaving when its lifetime
+    (lifetimes()) is over instead of at random; each claim says its expected duration (its
+    lifetime times e^(hint_noise x N(0, 1)), drawn from the seed). Per policy, GPUs in use and the
+    lower bound at each arrival, with the allocator reading the hints and not (lifetime_hints)."""
+    slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
+    device_classes = {c.name: c for c in map(class_from_object, classes())}
+    trace = packing_trace(args.events, args.seed)
+    lives = lifetimes(args.events, args.seed)
+    noise = random.Random(args.seed + 3)
+    hints = [life * math.exp(args.hint_noise * noise.gauss(0, 1)) for life in lives]
+    results: dict[str, Any] = {}
+    for policy, hinted in itertools.product(("binpack", "fragmentation"), (False, True)):
+        state = AllocatedState()
+        allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, state, policy, hinted)
+        live: dict[str, tuple[float, Placement, Demand]] = {}  # name -> when it ends, placement, demand
+        touched, bounds, failed = [], [], 0
+        for i, (name, request, demand) in enumerate(trace):
+            now = EPOCH + i * EVENT_S
+            for gone in [n for n, (end, _, _) in live.items() if end <= now]:
+                _, placement, _ = live.pop(gone)
+                allocator.release(placement.node, placement.allocation, placement.claim)
+            outcome = allocator.allocate(claim_from_object(hinted_claim(name, request, now, hints[i])))
+            if isinstance(outcome, Failure):
+                failed += 1
+                continue
+            allocator.commit(outcome)
+            live[name] = (now + lives[i], outcome, demand)
+            results_now = (r for _, p, _ in live.values() for r in p.allocation["devices"]["results"])
+            touched.append(len({(r["pool"], r["device"].split("-")[1]) for r in results_now}))
+            bounds.append(lower_bound([d for _, _, d in live.values()]))
+        over = [t - b for t, b in zip(touched, bounds, strict=True)]
+        results[f"{policy}, hints {'read' if hinted else 'off'}"] = {
+            "mean_gpus_used": round(statistics.mean(touched), 1),
+            "mean_lower_bound": round(statistics.mean(bounds), 1),
+            "mean_gpus_over_lower_bound": round(statistics.mean(over), 1),
+            "over_lower_bound_pct": round(100 * (statistics.mean(touched) / statistics.mean(bounds) - 1), 1),
+            "placed": len(touched),
+            "failed": failed,
+        }
+    return {"nodes": args.nodes, "events": args.events, "lifetimes": True, "hint_noise": args.hint_noise, **results}
+
+
 def hostile(args: argparse.Namespace) -> dict[str, Any]:
     """Per n, the seconds and steps one hostile claim takes: n time-slice requests then a request
     no order of them leaves room for (8 whole GPUs), and the same with one no device matches."""
@@ -358,6 +431,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--departures", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--lifetimes",
+        action="store_true",
+        help="packing: claims leave when their lifetime is over and say their expected duration (hints read and not)",
+    )
+    parser.add_argument(
+        "--hint-noise", type=float, default=0.0, help="--lifetimes: the hints' error, sigma of a log-normal factor"
+    )
     parser.add_argument(
         "--mig-shares", nargs="*", default=[], metavar="PROFILE", help="also MPS shares inside these MIG profiles"
     )

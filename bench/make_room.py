@@ -21,8 +21,9 @@ from typing import Any
 
 from bench.allocator import Demand, claim, classes, cluster_slices, lower_bound, packing_trace
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
-from driver.allocator.make_room import Holder, compaction, make_room
+from driver.allocator.make_room import PAYS, Holder, compaction, make_room
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
+from driver.allocator.policies import POLICIES, Policy
 from driver.allocator.state import AllocatedState
 
 MODES = ("binpack", "make-room", "compaction", "both")
@@ -56,22 +57,48 @@ def apply_moves(allocator: ClusterAllocator, live: list[Live], moves: dict[int, 
             entry.holder = moved(entry.holder, to)
 
 
-def run(mode: str, args: argparse.Namespace, arrivals: list[tuple[str, dict[str, Any], Demand]]) -> dict[str, Any]:
-    slices = [slice_from_object(s) for s in cluster_slices(args.nodes)]
+def cluster(nodes: int, policy: Policy = "binpack") -> ClusterAllocator:
+    slices = [slice_from_object(s) for s in cluster_slices(nodes)]
     device_classes = {c.name: c for c in map(class_from_object, classes())}
-    allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState(), "binpack")
-    live: list[Live] = []
+    return ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState(), policy)
+
+
+def depart(allocator: ClusterAllocator, live: list[Live], rng: random.Random) -> None:
+    """The departures before an arrival, as bench.allocator's packing draws them."""
+    while live and rng.random() < 0.45:
+        entry = live.pop(rng.randrange(len(live)))
+        allocator.release(entry.holder.node, entry.holder.allocation)
+
+
+def replay(
+    args: argparse.Namespace, arrivals: list[tuple[str, dict[str, Any], Demand]]
+) -> tuple[ClusterAllocator, list[Live]]:
+    """Plain placement's state after the arrivals and their departures (for tests to plan on)."""
+    allocator, live = cluster(args.nodes, getattr(args, "policy", "binpack")), []
+    event_rng = random.Random(args.seed + 1)
+    for arrival, (name, request, demand) in enumerate(arrivals):
+        depart(allocator, live, event_rng)
+        pending = claim_from_object(claim(name, request))
+        outcome = allocator.allocate(pending)
+        if isinstance(outcome, Placement):
+            allocator.commit(outcome)
+            live.append(Live(Holder(pending, outcome.node, outcome.allocation, True, arrival), demand))
+    return allocator, live
+
+
+def run(mode: str, args: argparse.Namespace, arrivals: list[tuple[str, dict[str, Any], Demand]]) -> dict[str, Any]:
+    allocator, live = cluster(args.nodes, getattr(args, "policy", "binpack")), []
+    pays = getattr(args, "pays", PAYS)
     touched, bounds, plan_seconds = [], [], []
     failed = evictions = made_room = emptied = 0
     event_rng = random.Random(args.seed + 1)
     for arrival, (name, request, demand) in enumerate(arrivals):
-        while live and event_rng.random() < 0.45:  # the departures of bench.allocator's packing
-            entry = live.pop(event_rng.randrange(len(live)))
-            allocator.release(entry.holder.node, entry.holder.allocation)
+        depart(allocator, live, event_rng)
         budget = args.budget * (arrival + 1) / 1000 - evictions
         if mode in ("compaction", "both") and budget >= 1:
             started = time.perf_counter()
-            moves = compaction(allocator, [e.holder for e in live], min(args.compaction_moves, int(budget)))
+            holders = [e.holder for e in live]
+            moves = compaction(allocator, holders, min(args.compaction_moves, int(budget)), pays=pays)
             plan_seconds.append(time.perf_counter() - started)
             apply_moves(allocator, live, {id(m.holder): m.to for m in moves})
             evictions += len(moves)
@@ -118,10 +145,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--budget", type=float, default=50, help="compaction's evictions per 1,000 arrivals")
     parser.add_argument("--compaction-moves", type=int, default=2, help="moves one compaction call may plan")
+    parser.add_argument(
+        "--pays", type=float, default=PAYS, help="GPUs a compaction plan must free per eviction (0: any plan)"
+    )
+    parser.add_argument("--policy", choices=POLICIES, default="binpack", help="placement of arrivals and moves")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     arrivals = packing_trace(args.events, args.seed)
-    report = {"nodes": args.nodes, "events": args.events, "budget": args.budget}
+    report = {
+        "nodes": args.nodes,
+        "events": args.events,
+        "policy": args.policy,
+        "budget": args.budget,
+        "pays": args.pays,
+    }
     report.update({mode: run(mode, args, arrivals) for mode in args.modes})
     print(json.dumps(report, indent=2))
 

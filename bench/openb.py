@@ -59,6 +59,7 @@ TUNE_RATIO = 1.3
 REPORTED = (95, 100, 110, 130)  # arrived % buckets printed
 PODS_PER_NODE = 1001  # the simulator's node pod capacity: never the limit
 SHARE_MEMORY = "256Mi"  # the trace has one scalar per GPU (compute); the smallest memory, so memory never binds
+TUNED = "-tuned-"  # a clone's name: the original's, this, its number
 CpuPods = Literal["policy", "least-allocated", "most-allocated", "most-allocated-gpu"]
 MiB = 2**20
 
@@ -147,7 +148,7 @@ def workload(pods: Sequence[TracePod], capacity_milli: int, seed: int, ratio: fl
         if total + pod.gpu_milli > target:
             return tuned
         total += pod.gpu_total
-        tuned.append(replace(pod, name=f"{pod.name}-tuned-{index}"))
+        tuned.append(replace(pod, name=f"{pod.name}{TUNED}{index}"))
         index += 1
 
 
@@ -484,6 +485,7 @@ def main() -> None:
     timed = parser.add_argument_group("in time (bench/openb_timed.py)")
     timed.add_argument("--timed", action="store_true", help="arrivals and departures in time, pods waiting")
     timed.add_argument("--speedup", type=float, default=1.0, help="arrival times divided by this")
+    timed.add_argument("--tune", type=float, default=0.0, help="the pods tuned to this x capacity (0: as recorded)")
     timed.add_argument(
         "--make-room", type=float, default=0.0, help="also fgpu making room: evictions per 1,000 arrivals"
     )

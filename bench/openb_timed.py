@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from bench.allocator import percentile
 from bench.openb import (
+    TUNED,
     CpuPods,
     TraceNode,
     TracePod,
@@ -46,6 +47,7 @@ from bench.openb import (
     read_nodes,
     read_pods,
     seeds,
+    workload,
 )
 from bench.openb_replica import MILLI, Node, Scorer, Spec, build_nodes, spec_of, typical_pods
 from bench.openb_replica import _choose as replica_choose
@@ -84,10 +86,11 @@ def read_times(path: Path) -> Times:
 def timed_pods(
     pods: Iterable[TracePod], times: dict[str, tuple[int, int, int | None]], speedup: float
 ) -> list[TimedPod]:
-    """The pods in arrival order (ties by name), each with its run time."""
+    """The pods in arrival order (ties by name), each with its run time; a clone the tuning added
+    (bench/openb.py, workload) arrives and runs as its original."""
     timed = []
     for pod in pods:
-        created, deleted, scheduled = times[pod.name]
+        created, deleted, scheduled = times[pod.name.split(TUNED)[0]]
         runtime = max(1.0, float(deleted - (scheduled if scheduled is not None else created)))
         timed.append(TimedPod(pod, created / speedup, runtime))
     return sorted(timed, key=lambda t: (t.arrival, t.pod.name))
@@ -552,9 +555,11 @@ def run(
     nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
     path = args.traces / f"openb_pod_list_{args.trace}.csv"
     pods = read_pods(path)
-    timed = timed_pods(pods, read_times(path), args.speedup)
+    times, capacity = read_times(path), MILLI * sum(n.gpus for n in nodes)
     runs: list[dict[str, Any]] = []
     for seed in seeds(args.seeds):
+        tuned = workload(pods, capacity, seed, args.tune) if args.tune else pods
+        timed = timed_pods(tuned, times, args.speedup)
         for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room):
             runs.append(figures)
             progress(json.dumps(figures))
@@ -564,9 +569,10 @@ def run(
     return {
         "trace": args.trace,
         "speedup": args.speedup,
+        "tune": args.tune,
         "cpu_pods": args.cpu_pods,
         "nodes": len(nodes),
-        "pods": len(timed),
+        "pods": len(pods),
         "seeds": seeds(args.seeds),
         "mean": {label: _mean(figures) for label, figures in by_policy.items()},
         "runs": runs,

@@ -49,6 +49,8 @@ def test_pods_arrive_in_recorded_order_sped_up_and_run_from_their_scheduled_time
     assert [t.arrival for t in timed] == [0.0, 10.0, 20.0, 30.0]
     # run time: deletion less scheduled time, less creation where never scheduled, at least 1 s
     assert [t.runtime for t in timed] == [995.0, 300.0, 700.0, 49.0]
+    clone = timed_pods([pod("c-tuned-0")], times, speedup=10)  # a clone the tuning added runs as its original
+    assert (clone[0].arrival, clone[0].runtime) == (20.0, 700.0)
 
 
 @pytest.mark.parametrize("kind", ["fgpu", "fgd", "bestfit"])
@@ -115,7 +117,7 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
     traces = write_tiny_traces(tmp_path)
     command = [
         *(sys.executable, "-m", "bench.openb", "--timed", "--traces", str(traces), "--seeds", "42,43"),
-        *("--speedup", "10", "--make-room", "50", "--cpu-pods", "least-allocated"),
+        *("--speedup", "10", "--tune", "1.3", "--make-room", "50", "--cpu-pods", "least-allocated"),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ")]
@@ -125,4 +127,4 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
         "| BestFit (replica)",
         "| fgpu fragmentation, making room <= 50/1,000",
     ]
-    assert '"speedup": 10.0' in done.stdout and '"pods": 4' in done.stdout
+    assert '"speedup": 10.0' in done.stdout and '"tune": 1.3' in done.stdout and '"pods": 4' in done.stdout
