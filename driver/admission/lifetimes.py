@@ -4,26 +4,18 @@ that say so. No cryptography here: `fgpu`'s parser imports it for every command.
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)")
-_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+from driver.common.durations import parse_duration
 
 
 def duration(value: str) -> float:
     """A duration as Go writes one (`8760h`, `30s`, `1h30m`, also `d` for days) or plain seconds,
     for argparse: seconds, more than 0."""
-    text = value.strip()
-    total = None
     try:
-        total = float(text)
-    except ValueError:
-        if text and _DURATION.sub("", text) == "":
-            total = sum(float(number) * _UNIT_S[unit] for number, unit in _DURATION.findall(text))
-    if total is None or not 0 < total < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a duration (e.g. 8760h, 720h, 30s; more than 0)")
-    return total
+        return parse_duration(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True)

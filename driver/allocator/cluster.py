@@ -7,6 +7,7 @@ import bisect
 import dataclasses
 import functools
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
@@ -33,6 +34,7 @@ from driver.allocator.fragmentation import (
     request_key,
     units_of,
 )
+from driver.allocator.lifetimes import distance, nearest_first
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node, Pool, gather_pools
@@ -168,8 +170,13 @@ class ClusterAllocator:
         classes: dict[str, DeviceClass],
         state: AllocatedState,
         policy: Policy = DEFAULT_POLICY,
+        lifetime_hints: bool = True,
     ) -> None:
+        """`lifetime_hints`: a share whose claim says when it is expected to end (lifetimes.py) goes,
+        among the placements the policy scores alike, to the GPU expected to empty nearest then
+        (docs/allocator.md, "Shares that end together"); off, the hints are not read."""
         self.snapshot, self.classes, self.state, self.policy = snapshot, classes, state, policy
+        self.lifetime_hints = lifetime_hints
         self._order = order_for(policy)
         self.nodes = snapshot.nodes  # shared: nodes the snapshot learns of are ours too
         self._usage: dict[str, Usage] = {}
@@ -316,6 +323,9 @@ class ClusterAllocator:
     def _search_in_order(self, node: str, claims: Sequence[Claim], budget: SearchBudget) -> list[dict[str, Any]] | None:
         order = self._order
         cache: dict[Any, Any] | None = self._candidates.setdefault(node, {})
+        end = self._end(claims)
+        if end is not None and order is not None:  # this claim's own order: not one to cache either
+            order, cache = order_for(self.policy, end), None
         units, positions = self._prefer.get(node, ((), ()))
         if positions:  # this claim's own order: not one to cache for the next
             order, cache = _preferring([units[i] for i in positions], order), None
@@ -375,6 +385,8 @@ class ClusterAllocator:
         errors: list[str] = []
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
+        end = self._end((claim,))
+        found: list[tuple[tuple[int, int, float], Placement]] = []  # with a hint: each node's placement
         scanned = 0
         order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
         while (node := next(order, None)) is not None:
@@ -405,7 +417,11 @@ class ClusterAllocator:
                 order = filter(self._partial.get, order)  # from here on only nodes with part-used GPUs
             if best is None or cost < best[0]:
                 best = (cost, placement)
+            if end is not None:
+                found.append((cost, placement))
             scanned += 1
+        if found:
+            return self._ending_nearest(found, end)
         if best is not None:
             return best[1]
         if not why:
@@ -418,6 +434,32 @@ class ClusterAllocator:
         if errors:
             return Failure(claim, errors[0])
         return Failure(claim, self._explain(claim))
+
+    def _end(self, claims: Sequence[Claim]) -> float | None:
+        """When the one claim being placed is expected to end, where hints are read; else None."""
+        return claims[0].expected_end if self.lifetime_hints and len(claims) == 1 else None
+
+    def _empties_in(self, devices: Iterable[Device], end: float) -> float:
+        """How far from `end` the GPU of these devices is expected to empty (inf: not known)."""
+        return distance(end, self.state.expected_empty(device.id for device in devices))
+
+    def _ending_nearest(self, found: list[tuple[tuple[int, int, float], Placement]], end: float | None) -> Placement:
+        """binpack across nodes, for a claim with a hint: of the placements costing as the cheapest
+        does (its free share within lifetimes.TOLERANCE), the one whose shares' GPUs empty nearest to
+        its end (first found among equals, as without a hint)."""
+        assert end is not None
+
+        def how_far(option: tuple[tuple[int, int, float], Placement]) -> float:
+            pools = {pool.id: pool for pool in self.snapshot.pools[option[1].node]}
+            shares = [
+                pools[r["driver"], r["pool"]].device_index().get(r["device"])
+                for r in option[1].allocation["devices"]["results"]
+                if r.get("shareID") is not None and (r["driver"], r["pool"]) in pools
+            ]
+            return max((self._empties_in((d,), end) for d in shares if d is not None), default=math.inf)
+
+        ranked = sorted(found, key=lambda option: option[0])
+        return nearest_first(ranked, lambda o: o[0][:2], lambda o: float(o[0][2]), how_far)[0][1]
 
     def _view(self, node: str) -> NodeView | None:
         """The node's GPUs and their states now, for the fragmentation policy (None: a device draws
@@ -456,6 +498,8 @@ class ClusterAllocator:
         learned.observe(claim, demand, needs, functools.partial(self._node_kinds, room))
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
+        end = self._end((claim,))
+        near: dict[str, tuple[tuple[int, float], ...]] = {}  # with a hint: a node's GPUs scoring alike
         hosting = self._hosting_nodes(claim, key) if key else None
         ask, version, views = learned.asked(key, needs), learned.version, self._views
         for position, node in enumerate(order):
@@ -475,8 +519,40 @@ class ClusterAllocator:
                 continue
             scored.append((choice.score, position, node))
             self._prefer[node] = (view.units, choice.units)  # type: ignore[union-attr]
+            if end is not None and len(choice.near) > 1:
+                near[node] = choice.near
         scored.sort()
+        if end is not None and scored:
+            scored = self._ending_units(scored, near, end)
         return [node for _, _, node in scored] + unscored
+
+    def _ending_units(
+        self, scored: list[tuple[float, int, str]], near: dict[str, tuple[tuple[int, float], ...]], end: float
+    ) -> list[tuple[float, int, str]]:
+        """fragmentation, for a claim with a hint: on each node, of the GPUs whose rise in F is within
+        lifetimes.TOLERANCE of the best (Choice.near), the one expected to empty nearest to its end
+        (the node then scores as that GPU does); across nodes, of those scoring within it of the
+        best, the node whose pick is nearest. Equals and unknowns keep the policy's order."""
+        how_far: dict[str, float] = {}
+        for i, (_, position, node) in enumerate(scored):
+            options = near.get(node)
+            if not options:
+                continue
+            units = self._prefer[node][0]
+            unit, rise, how_far[node] = self._nearest_unit(units, options, end)
+            self._prefer[node] = (units, (unit,))
+            scored[i] = (rise, position, node)
+        scored.sort()
+        return nearest_first(scored, _alike, lambda s: s[0], lambda s: how_far.get(s[2], math.inf))
+
+    def _nearest_unit(
+        self, units: Sequence[Unit], options: Sequence[tuple[int, float]], end: float
+    ) -> tuple[int, float, float]:
+        """Of a node's GPUs scoring alike (position, rise in F; best first), the one expected to
+        empty nearest to `end`: its position, rise and distance."""
+        far = {position: self._empties_in(units[position].devices, end) for position, _ in options}
+        position, rise = nearest_first(options, _alike, lambda o: o[1], lambda o: far[o[0]])[0]
+        return position, rise, far[position]
 
     def _hosting_nodes(self, claim: Claim, key: RequestKey) -> set[str]:
         """The nodes with as many GPUs of a kind the request selects as it asks for; kept until
@@ -524,13 +600,16 @@ class ClusterAllocator:
         self.state.remove_allocation(allocation, holder)
         self._changed(node, allocation)
 
-    def recount(self, gone: Sequence[HeldResult], new: Sequence[HeldResult]) -> None:
+    def recount(
+        self, gone: Sequence[HeldResult], new: Sequence[HeldResult], ends: Mapping[str, float] | None = None
+    ) -> None:
         """Results of any claims that are gone and that are new, each with its share's tenant (None:
-        none, or not known), as release and add count them; each node they touch re-measured once."""
+        none, or not known), as release and add count them; each node they touch re-measured once.
+        `ends`: when the new shares' claims are expected to end, by claim uid (lifetimes.py)."""
         for result, tenant in gone:
             self.state.remove_result(result, tenant)
         for result, tenant in new:
-            self.state.add_result(result, tenant)
+            self.state.add_result(result, tenant, (ends or {}).get(tenant.claim_uid) if tenant is not None else None)
         self._changed("", {"devices": {"results": [result for result, _ in (*gone, *new)]}})
 
     def _changed(self, node: str, allocation: dict[str, Any]) -> None:
@@ -579,3 +658,8 @@ def _preferring(units: Sequence[Unit], then: DeviceOrder | None) -> DeviceOrder:
 
 def _size(claim: Claim) -> int:
     return sum(alternatives[0].count or 1 for alternatives in claim.requests)
+
+
+def _alike(_: object) -> tuple[()]:
+    """What fragmentation's scores share exactly: nothing (only the rise in F counts)."""
+    return ()

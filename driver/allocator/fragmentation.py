@@ -48,6 +48,7 @@ from typing import Protocol
 
 from driver.allocator.allocate import NodeAllocator, compiled_selectors
 from driver.allocator.capacity import consumption, fits
+from driver.allocator.lifetimes import TOLERANCE
 from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
 from driver.allocator.state import AllocatedState
@@ -243,6 +244,9 @@ class NodeView:
 class Choice:
     score: float
     units: tuple[int, ...]  # positions in NodeView.units the placement should use
+    # One device asked: the units whose rise in F is within lifetimes.TOLERANCE of the best, best
+    # first (the claim's expected end picks among them, cluster.py); its own state's, not the claim's.
+    near: tuple[tuple[int, float], ...] = ()  # position, score
 
 
 @dataclass
@@ -605,7 +609,8 @@ class Fragmentation:
                     if count == 1
                     else self.amount(allocator, tuple(ids_after), copies_after) - before + scarcity
                 )
-                choice = Choice(score, chosen)
+                near = tuple((p, rise) for rise, p, _, _ in options if rise <= options[0][0] + TOLERANCE)
+                choice = Choice(score, chosen, near if count == 1 else ())
         self._choices[memo] = choice
         return choice
 

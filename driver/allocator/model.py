@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.cel import device_input
+from driver.allocator.lifetimes import expected_end
 from driver.claims.config import Tenancy
 from driver.claims.tenancy import class_tenancy
 from driver.common.quantity import Amount, QuantityError, parse_quantity
@@ -244,6 +245,8 @@ class Claim:
     configs: tuple[dict[str, Any], ...]
     labels: dict[str, str]
     allocation: dict[str, Any] | None = None
+    # When it is expected to end (seconds since the epoch; lifetimes.py): only ever a preference.
+    expected_end: float | None = None
 
     @property
     def key(self) -> str:
@@ -516,4 +519,5 @@ def claim_from_object(obj: dict[str, Any]) -> Claim:
         configs=tuple(devices.get("config") or ()),
         labels=dict(metadata.get("labels") or {}),
         allocation=(obj.get("status") or {}).get("allocation"),
+        expected_end=expected_end(metadata),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from driver.allocator.allocate import NodeAllocator
+from driver.allocator.lifetimes import distance, nearest_first
 from driver.allocator.model import Device
 from driver.allocator.policies import Policy
 from driver.allocator.pools import Pool
@@ -83,9 +84,11 @@ def _takeable(allocator: NodeAllocator, device: Device) -> bool:
     return counters_fit(device, allocator.available_counters(allocator.pool_of(device)))
 
 
-def order_for(policy: Policy):  # -> DeviceOrder | None
+def order_for(policy: Policy, end: float | None = None):  # -> DeviceOrder | None
     """Devices in the policy's order within a node (fragmentation: binpack's, behind the GPUs its
-    node choice picked, see fragmentation.py)."""
+    node choice picked, see fragmentation.py). With `end` (a claim's expected end, lifetimes.py;
+    not under spread), the devices that score as the best does (within lifetimes.TOLERANCE of its
+    free share) go by how near their shares' expected ends are to it."""
     if policy == "first-fit":
         return None  # upstream's order: pools by name, slices by name, devices as published
 
@@ -97,6 +100,13 @@ def order_for(policy: Policy):  # -> DeviceOrder | None
         scores = {id(d): device_score(allocator, d) for d in takeable}
         if policy != "spread":
             takeable.sort(key=lambda d: scores[id(d)])
+            if end is not None:
+                takeable = nearest_first(
+                    takeable,
+                    lambda d: scores[id(d)][:2],
+                    lambda d: float(scores[id(d)][2]),
+                    lambda d: distance(end, allocator.state.expected_empty((d.id,))),
+                )
         else:
             takeable.sort(key=lambda d: (-scores[id(d)][0], scores[id(d)][1], -scores[id(d)][2]))
         return takeable + rest

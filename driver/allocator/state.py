@@ -30,6 +30,10 @@ class AllocatedState:
     # `tenancy_driver`'s devices, whose plugin refuses another tenant's claim at prepare.
     tenants: dict[DeviceId, Counter[Tenant]] = field(default_factory=dict)
     tenancy_driver: str = DEFAULT_DRIVER_NAME
+    # When the claims holding shares are expected to end (claim uid -> seconds since the epoch), for
+    # those added with a holder that has a hint (lifetimes.py): read through `tenants`.
+    ends: dict[str, float] = field(default_factory=dict)
+    _end_holds: Counter[str] = field(default_factory=Counter)  # claim uid -> its shares counted with `ends`
 
     def is_allocated(self, device: DeviceId) -> bool:
         """Allocated at all: its counters are drawn (once, however many shares it has)."""
@@ -70,7 +74,19 @@ class AllocatedState:
             if not held:
                 del self.tenants[device]
 
-    def add_result(self, result: dict[str, Any], tenant: Tenant | None = None) -> None:
+    def _count_end(self, tenant: Tenant | None, end: float | None, sign: int) -> None:
+        """The share's claim's expected end, kept while it holds a share counted with one."""
+        if tenant is None or (sign > 0 and end is None) or (sign < 0 and tenant.claim_uid not in self._end_holds):
+            return
+        uid = tenant.claim_uid
+        if end is not None:
+            self.ends[uid] = end
+        self._end_holds[uid] += sign
+        if self._end_holds[uid] <= 0:  # its last share gone (a part may go alone)
+            del self._end_holds[uid], self.ends[uid]
+
+    def add_result(self, result: dict[str, Any], tenant: Tenant | None = None, end: float | None = None) -> None:
+        """`end`: when the share's claim is expected to end (lifetimes.py), counted with its tenant."""
         if result.get("adminAccess"):
             return  # admin access never takes a device from others
         device = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
@@ -80,6 +96,7 @@ class AllocatedState:
         consumed = self.shared.setdefault(device, {})
         self.share_count[device] += 1
         self._count_tenant(device, tenant, +1)
+        self._count_end(tenant, end, +1)
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
                 consumed[name] = consumed.get(name, 0) + parse_quantity(value)
@@ -97,6 +114,7 @@ class AllocatedState:
                 del self.exclusive[device]
             return
         self._count_tenant(device, tenant, -1)
+        self._count_end(tenant, None, -1)
         consumed = self.shared.get(device, {})
         for name, value in (result.get("consumedCapacity") or {}).items():
             try:
@@ -117,13 +135,35 @@ class AllocatedState:
         ]
 
     def add_allocation(self, allocation: dict[str, Any] | None, holder: Claim | None = None) -> None:
-        """The allocation's results; with the claim that holds it, its shares' tenants too."""
+        """The allocation's results; with the claim that holds it, its shares' tenants too (and when
+        it is expected to end, where it says)."""
         for result, tenant in self._tenants(allocation or {}, holder):
-            self.add_result(result, tenant)
+            self.add_result(result, tenant, holder.expected_end if holder is not None else None)
 
     def remove_allocation(self, allocation: dict[str, Any] | None, holder: Claim | None = None) -> None:
         for result, tenant in self._tenants(allocation or {}, holder):
             self.remove_result(result, tenant)
+
+    def expected_empty(self, devices: Iterable[DeviceId]) -> float | None:
+        """When these devices (one GPU's) are expected to hold nothing: the latest expected end of
+        their shares' claims. None where that is not known: nothing held (a free GPU), a device
+        taken whole, or a share whose claim is not known or gave no hint."""
+        latest: float | None = None
+        for device in devices:
+            if device in self.exclusive:
+                return None
+            count = self.share_count.get(device, 0)
+            if not count:
+                continue
+            held = self.tenants.get(device)
+            if held is None or sum(held.values()) != count:
+                return None  # a share counted without its claim (a ledger's, or no tenant)
+            for tenant in held:
+                end = self.ends.get(tenant.claim_uid)
+                if end is None:
+                    return None
+                latest = end if latest is None else max(latest, end)
+        return latest
 
     @classmethod
     def from_allocations(cls, allocations: Iterable[dict[str, Any] | None]) -> AllocatedState:

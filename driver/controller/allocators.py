@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator, HeldResult, Placement, Snapshot
+from driver.allocator.lifetimes import expected_end
 from driver.allocator.model import Slice, class_from_object
 from driver.allocator.policies import Policy
 from driver.allocator.pools import Node
@@ -73,8 +74,11 @@ class SetAside:
 
 
 class AllocatorCache:
-    def __init__(self, informers: dict[str, Informer], ledgers: Ledgers, policy: Policy) -> None:
+    def __init__(
+        self, informers: dict[str, Informer], ledgers: Ledgers, policy: Policy, lifetime_hints: bool = True
+    ) -> None:
         self._informers, self._ledgers, self._policy = informers, ledgers, policy
+        self._lifetime_hints = lifetime_hints
         self._snapshot: Snapshot | None = None
         self._counted: Counted | None = None
         self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
@@ -121,7 +125,8 @@ class AllocatorCache:
             for obj in self._informers["classes"].items():
                 cls = class_from_object(obj)
                 classes[cls.name] = cls
-            counted = Counted(ClusterAllocator(snapshot, classes, AllocatedState(), self._policy), key, {})
+            allocator = ClusterAllocator(snapshot, classes, AllocatedState(), self._policy, self._lifetime_hints)
+            counted = Counted(allocator, key, {})
             self._counted = counted
         # Shares first counted from a ledger, now in their claim's status: counted again, with a tenant.
         named = {k for k in counted.unnamed & results.keys() if "request" in results[k]}
@@ -130,7 +135,7 @@ class AllocatorCache:
         by_uid = {obj["metadata"].get("uid", ""): obj for obj in claims} if added else {}
         state = counted.allocator.state
         new = [counted.count(k, results[k], _tenant(state, k, results[k], by_uid)) for k in added]
-        counted.allocator.recount(gone, new)
+        counted.allocator.recount(gone, new, _ends(new, by_uid))
         counted.unnamed &= counted.results.keys()  # not those set aside since (set_aside)
         return counted.allocator
 
@@ -180,6 +185,13 @@ class AllocatorCache:
             for key in keys:
                 del counted[key]
         return SetAside(allocator, held, counted, keys)
+
+
+def _ends(new: Sequence[HeldResult], by_uid: dict[str, Any]) -> dict[str, float]:
+    """When the claims of the new shares counted with a tenant are expected to end, where they say."""
+    uids = {tenant.claim_uid for _, tenant in new if tenant is not None}
+    found = {uid: expected_end(by_uid[uid].get("metadata") or {}) for uid in uids if uid in by_uid}
+    return {uid: end for uid, end in found.items() if end is not None}
 
 
 def _tenant(state: AllocatedState, key: ResultKey, result: dict[str, Any], by_uid: dict[str, Any]) -> Tenant | None:

@@ -73,6 +73,7 @@ class Controller:
         search_steps: int | None = None,
         stall_s: float = STALL_S,
         place_pods: bool = False,
+        lifetime_hints: bool = True,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
         minute; 0 turns it off. `compact`: with it, also move pods while nothing waits. `hooks`:
@@ -81,7 +82,8 @@ class Controller:
         not only the pending claim's. `search_steps`: one unit's search budget (None: the
         allocator's SEARCH_STEPS). `stall_s`: seconds without progress after which this replica
         is stalled (progress.py). `place_pods`: also place the pods without claims of the
-        namespaces labelled gpu.fgpu.dev/place-pods=fgpu (placed_pods.py)."""
+        namespaces labelled gpu.fgpu.dev/place-pods=fgpu (placed_pods.py). `lifetime_hints`: shares
+        placed by when their claims say they end (ClusterAllocator)."""
         wall_clock = WallClock(hooks.clock_offset_s)
         self.progress = Progress(stall_s)
         self.search_steps = search_steps or SEARCH_STEPS
@@ -121,7 +123,7 @@ class Controller:
         )
         gated = GatedPods(self.informers["pods"])
         reporter = Reporter(api, self.informers["pods"], gated, wall_clock)
-        self.allocators = AllocatorCache(self.informers, self.ledgers, policy)
+        self.allocators = AllocatorCache(self.informers, self.ledgers, policy, lifetime_hints)
         self.refusals = RefusalTracker(api, self.informers, reporter)
         self.pod_placer = PodPlacer(replica, self.informers["namespaces"], reporter, self._room) if place_pods else None
         self.gates = GateLifter(replica, gated, self.pod_placer.owns if self.pod_placer is not None else None)

@@ -35,6 +35,7 @@ class ControllerSettings:
     stall_s: float  # no progress this long: stalled (the probe fails, the Lease is left to expire)
     preempt_across_namespaces: bool  # making room may preempt lower-priority pods of any namespace
     place_pods: bool = False  # also place the pods without claims of the namespaces that opt in
+    lifetime_hints: bool = True  # shares placed by when their claims say they end (docs/allocator.md)
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,12 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also place the gated pods without claims of namespaces labelled gpu.fgpu.dev/place-pods=fgpu",
     )
+    parser.add_argument(
+        "--no-lifetime-hints",
+        dest="lifetime_hints",
+        action="store_false",
+        help="do not read gpu.fgpu.dev/expected-duration: place shares without regard to when they end",
+    )
 
 
 def controller_settings(args: argparse.Namespace) -> ControllerSettings:
@@ -105,4 +112,5 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         stall_s=args.stalled_after,
         preempt_across_namespaces=args.preempt_across_namespaces,
         place_pods=args.place_pods,
+        lifetime_hints=args.lifetime_hints,
     )
