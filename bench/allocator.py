@@ -43,7 +43,7 @@ import yaml
 
 from driver.allocator.allocate import SEARCH_STEPS, SearchBudget
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
-from driver.allocator.lifetimes import EXPECTED_DURATION
+from driver.allocator.lifetimes import EXPECTED_DURATION, MAX_DURATION_S
 from driver.allocator.model import claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
 from driver.inventory.devices import MPS_DEFAULT_COMPUTE
@@ -349,10 +349,15 @@ def lifetimes(events: int, seed: int) -> list[float]:
 def hinted_claim(name: str, request: dict[str, Any], created: float, hint_s: float | None) -> dict[str, Any]:
     """claim() created at `created` (seconds since the epoch), annotated with its expected
     duration where `hint_s` is given (driver/allocator/lifetimes.py reads both)."""
-    obj = claim(name, request)
+    return with_lifetime(claim(name, request), created, hint_s)
+
+
+def with_lifetime(obj: dict[str, Any], created: float, hint_s: float | None) -> dict[str, Any]:
+    """The claim object created at `created` (seconds since the epoch) and annotated with its
+    expected duration where `hint_s` is given (at most the 30 days the annotation may say)."""
     obj["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
     if hint_s is not None:
-        obj["metadata"]["annotations"] = {EXPECTED_DURATION: f"{max(1, round(hint_s))}s"}
+        obj["metadata"]["annotations"] = {EXPECTED_DURATION: f"{max(1, min(round(hint_s), int(MAX_DURATION_S)))}s"}
     return obj
 
 

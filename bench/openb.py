@@ -486,6 +486,7 @@ def main() -> None:
     timed.add_argument("--timed", action="store_true", help="arrivals and departures in time, pods waiting")
     timed.add_argument("--speedup", type=float, default=1.0, help="arrival times divided by this")
     timed.add_argument("--tune", type=float, default=0.0, help="the pods tuned to this x capacity (0: as recorded)")
+    timed.add_argument("--lifetimes", action="store_true", help="fgpu too with claims saying their run time")
     timed.add_argument(
         "--make-room", type=float, default=0.0, help="also fgpu making room: evictions per 1,000 arrivals"
     )

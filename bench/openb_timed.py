@@ -27,12 +27,12 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.allocator import percentile
+from bench.allocator import EPOCH, percentile, with_lifetime
 from bench.openb import (
     TUNED,
     CpuPods,
@@ -188,10 +188,20 @@ class FgpuPlacer:
     """fgpu's allocator and the controller's room for pods, kept across the run; CPU-only pods by
     the policy or kube-scheduler's stand-in (bench/openb.py, `--cpu-pods`)."""
 
-    def __init__(self, nodes: Sequence[TraceNode], seed: int, policy: Policy, cpu_pods: CpuPods) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[TraceNode],
+        seed: int,
+        policy: Policy,
+        cpu_pods: CpuPods,
+        lifetimes: Mapping[str, TimedPod] | None = None,
+    ) -> None:
+        """`lifetimes`: each pod's claim says its run time (gpu.fgpu.dev/expected-duration, exact),
+        created at its arrival (docs/allocator.md, Shares that end together); None: no claim does."""
         self.pods_of: dict[str, list[PodNeeds]] = {}
         self.allocator, self.room, self.names = cluster(nodes, seed, policy, self.pods_of)
         self.cpu_pods = cpu_pods
+        self.lifetimes = lifetimes
         self.placed: dict[str, tuple[Placement, float]] = {}  # pod name -> where, since when
         self.claims: dict[str, Claim] = {}
         self.pods: dict[str, TracePod] = {}
@@ -199,7 +209,11 @@ class FgpuPlacer:
     def _claim(self, pod: TracePod) -> Claim:
         claim = self.claims.get(pod.name)
         if claim is None:
-            claim = self.claims[pod.name] = claim_from_object(claim_object(pod))
+            obj = claim_object(pod)
+            if self.lifetimes is not None:
+                timed = self.lifetimes[pod.name]
+                obj = with_lifetime(obj, EPOCH + timed.arrival, timed.runtime)
+            claim = self.claims[pod.name] = claim_from_object(obj)
             self.pods_of[claim.key] = [pod_needs(pod)]
             self.pods[pod.name] = pod
         return claim
@@ -524,9 +538,11 @@ def replay_seed(
     seed: int,
     cpu_pods: CpuPods,
     make_room_per_1000: float,
+    lifetimes: bool = False,
 ) -> list[dict[str, Any]]:
     """Every policy's figures on the same timed pods (fgpu's fragmentation, the FGD and BestFit
-    replicas, and fgpu making room when asked), their time averages over the same hours."""
+    replicas, fgpu with claims that say their run time and fgpu making room when asked), their
+    time averages over the same hours."""
     named = dict(zip(node_names(nodes, seed), nodes, strict=True))
     runs = []
     placers: list[tuple[str, Callable[[], Placer], float]] = [
@@ -534,6 +550,15 @@ def replay_seed(
         ("FGD (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "fgd"), 0.0),
         ("BestFit (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "bestfit"), 0.0),
     ]
+    if lifetimes:
+        by_name = {t.pod.name: t for t in timed}
+        placers.append(
+            (
+                "fgpu fragmentation, claims saying their run time",
+                lambda: FgpuPlacer(nodes, seed, "fragmentation", cpu_pods, by_name),
+                0.0,
+            )
+        )
     if make_room_per_1000:
         placers.append(
             (
@@ -560,7 +585,7 @@ def run(
     for seed in seeds(args.seeds):
         tuned = workload(pods, capacity, seed, args.tune) if args.tune else pods
         timed = timed_pods(tuned, times, args.speedup)
-        for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room):
+        for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room, args.lifetimes):
             runs.append(figures)
             progress(json.dumps(figures))
     by_policy: dict[str, list[dict[str, Any]]] = {}
