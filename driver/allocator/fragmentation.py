@@ -56,6 +56,7 @@ from driver.common.quantity import Amount
 
 MIX_SHARE = 0.99  # the heaviest shapes up to this share of the weight (FGD takes 95%)
 MIX_SHAPES = 48  # at most: a long tail costs scoring time and weighs little
+MAX_COUNTED = 100_000  # claims remembered as counted in the mix
 FIRST_LEARN = 16  # claims seen before the mix is first learned; then at each doubling
 # Scarcity against F: 16 on the openb gpuspec33 trace (a quarter of the cluster, seeds 42-43:
 # 2 gives 9.1/11.5% unallocated, 8 gives 6.1/7.9, 16 and 64 give 5.9/7.5; BENCHMARKS.md, openb).
@@ -271,6 +272,7 @@ class Fragmentation:
     _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
     _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
     _asks: dict[tuple[RequestKey, Needs], int] = field(default_factory=dict)
+    _counted: set[tuple[str, str]] = field(default_factory=set)  # claims counted in the mix: key, uid
 
     def asked(self, key: RequestKey, needs: Needs) -> int:
         """A request and its pods' needs as one small number (views keep scores by it)."""
@@ -279,11 +281,16 @@ class Fragmentation:
     def observe(
         self, claim: Claim, demand: Hashable, needs: Needs, kinds: Callable[[], Sequence[NodeKind]] = tuple
     ) -> None:
-        """Count a claim asked about; `needs`: what its pods request (sorted pairs, PodRoom.needs);
-        `kinds`: the cluster's nodes, read when the mix is learned."""
+        """Count a claim asked about, once: a claim that waits is asked about again each pass, and
+        making room asks about the claims it would move; counting those again would weigh the mix
+        towards what waits. `needs`: what its pods request (sorted pairs, PodRoom.needs); `kinds`:
+        the cluster's nodes, read when the mix is learned."""
         key = request_key(claim)
-        if key is None:
+        if key is None or (claim.key, claim.uid) in self._counted:
             return
+        if len(self._counted) >= MAX_COUNTED:  # bounded: a claim long gone may count again, no harm
+            self._counted.clear()
+        self._counted.add((claim.key, claim.uid))
         shape = (key, demand)
         self.seen[shape] += 1
         if shape not in self.examples:

@@ -242,3 +242,16 @@ def test_the_view_of_a_node_follows_a_pod_without_claims_that_comes_and_goes():
     room.give_back(placed_by_kube)
     cluster.pods_changed(["n1"])
     assert node_for_a_pod() == "n1"
+
+
+def test_a_claim_asked_about_again_counts_once_in_the_mix():
+    # A claim that waits is tried at every pass (and making room asks about the claims it would
+    # move): the mix counts each claim once, however often it is asked about.
+    learned = allocator(h100_slices("n1"), policy="fragmentation")
+    waiting = mps("waits", 90)
+    for _ in range(40):
+        learned.allocate(waiting)
+    learned.allocate(mps("other", 30))
+    fragmentation = learned._fragmentation
+    assert fragmentation is not None
+    assert sorted(fragmentation.seen.values()) == [1, 1] and fragmentation.observed == 2
