@@ -51,7 +51,7 @@ from bench.openb import (
 )
 from bench.openb_replica import MILLI, Node, Scorer, Spec, build_nodes, spec_of, typical_pods
 from bench.openb_replica import _choose as replica_choose
-from driver.allocator.cluster import Placement
+from driver.allocator.cluster import Failure, Placement
 from driver.allocator.make_room import Holder, make_room
 from driver.allocator.model import Claim, claim_from_object
 from driver.allocator.policies import Policy
@@ -169,6 +169,7 @@ class Ledger:
 
 class Placer(Protocol):
     def place(self, pod: TracePod) -> Spot | None: ...
+    def fits_on(self, pod: TracePod, nodes: Sequence[str]) -> bool: ...
     def remove(self, pod: TracePod) -> None: ...
 
 
@@ -225,6 +226,12 @@ class FgpuPlacer:
         else:
             placement = by_fgpu(self.allocator, self.room, claim)
         return None if placement is None else self._record(pod, placement)
+
+    def fits_on(self, pod: TracePod, nodes: Sequence[str]) -> bool:
+        claim = self._claim(pod)
+        if pod.num_gpu == 0 and self.cpu_pods != "policy":
+            return any(self.room.fits(claim, node) for node in nodes)
+        return not isinstance(self.allocator.allocate(claim, sorted(nodes), self.room, why=False), Failure)
 
     def _record(self, pod: TracePod, placement: Placement) -> Spot:
         self.placed[pod.name] = (placement, time.monotonic())
@@ -303,6 +310,10 @@ class ReplicaPlacer:
         self.kept[index] = {}
         self.placed[pod.name] = (index, gpus)
         return Spot(self.cluster[index].name, tuple(gpus))
+
+    def fits_on(self, pod: TracePod, nodes: Sequence[str]) -> bool:
+        spec = spec_of(pod)
+        return any(self.cluster[self.index[node]].fits(pod, spec) for node in nodes)
 
     def remove(self, pod: TracePod) -> None:
         index, gpus = self.placed.pop(pod.name)
@@ -482,8 +493,8 @@ class Replay:
         timed = self.pods[index]
         self.attempts += 1
         spot = self.placer.place(timed.pod)
-        if spot is None and timed.pod.num_gpu and self._may_evict():
-            spot = self._make_room(timed.pod)
+        if spot is None and timed.pod.num_gpu and now == timed.arrival and self._may_evict():
+            spot = self._make_room(timed.pod)  # at its arrival only: a plan is dear to look for
         if spot is None:
             return False
         self.ledger.take(timed.pod, spot)
@@ -511,13 +522,18 @@ class Replay:
         return spot
 
     def _retry(self, freed: set[str], now: float) -> None:
-        """The waiting pods, in arrival order, that may fit a node pods just left (one failure
-        per shape: the same pod shape fails again at the same instant)."""
+        """The waiting pods, in arrival order, that fit a node pods just left (every other node
+        only filled since they were last tried: a pod that fits none of these fits nowhere); one
+        failure per shape: the same pod shape fails again at the same instant."""
         failed: set[tuple[int, int, int, int, tuple[str, ...]]] = set()
         for name, index in list(self.waiting.items()):
             pod = self.pods[index].pod
             shape = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.gpu_spec)
-            if shape in failed or not any(self.ledger.may_fit(pod, node) for node in freed):
+            if shape in failed:
+                continue
+            nodes = [node for node in freed if self.ledger.may_fit(pod, node)]
+            if not nodes or not self.placer.fits_on(pod, nodes):
+                failed.add(shape)
                 continue
             if self._try(index, now):
                 del self.waiting[name]
