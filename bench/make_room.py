@@ -1,11 +1,14 @@
 """Making room on the packing trace with departures of `python -m bench.allocator packing`: GPUs in
 use over the lower bound, and evictions per 1,000 arrivals, for plain binpack and with the planner
 (driver/allocator/make_room.py) on: making room for claims that fail (their victims moved, never
-killed), compaction after departures (moves that empty a lightly used GPU, within an eviction
-budget), and both. Every allocation in the trace is movable.
+killed), compaction after departures (moves that empty GPUs, those that free the most GPUs per
+eviction first and none that frees fewer than --pays, within an eviction budget), and both. Every
+allocation in the trace is movable. --policy places arrivals and moves with another policy (the
+mode `binpack` is then that policy with no moves).
 
   python -m bench.make_room --nodes 16 --events 1500
   python -m bench.make_room --nodes 16 --events 1500 --budget 50 --compaction-moves 2
+  python -m bench.make_room --nodes 16 --events 1500 --modes compaction --budget 1000 --compaction-moves 4 --pays 0
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Making room: which movable allocations to evict so that a pending claim (or a whole gang) fits,
-and which to move so that lightly used GPUs empty (compaction). Pure: plans are made on the
-allocator's own state and every change is undone before returning (the state is left exactly as
-found); nothing here evicts, the caller does (docs/allocator.md, "Making room: the planner").
+and which to move so that GPUs empty (compaction: the plans that free the most GPUs per eviction
+first, none that frees fewer than PAYS). Pure: plans are made on the allocator's own state and
+every change is undone before returning (the state is left exactly as found); nothing here evicts,
+the caller does (docs/allocator.md, "Making room: the planner").
 
 Cost of a plan, lowest first: fewest victims, then least GPU given back, then youngest.
 
@@ -33,6 +34,7 @@ PLANS = 4  # plans returned: the next is tried when an eviction is refused (a Po
 SEEDS_PER_NODE = 8  # GPUs a node's greedy search starts from
 NODES_SEARCHED = 16  # nodes, fullest first, where the claim fits with movable allocations gone
 COMPACTION_MOVES = 4  # moves one compaction call may plan
+PAYS = 1.0  # GPUs a compaction plan must free per move: one GPU for each eviction
 
 GpuId = tuple[str, str, str]  # driver, pool, counter set: one GPU
 Cost = tuple[int, float, float]
@@ -330,56 +332,100 @@ def make_room(
     return plans
 
 
+@dataclass(frozen=True, eq=False)
+class _Emptying:
+    """Moving `holders` empties the GPUs `frees` (every holder on them goes): one compaction plan,
+    worth its GPUs freed per eviction."""
+
+    holders: tuple[Holder, ...]
+    frees: frozenset[GpuId]
+    size: float  # GPU given back: smaller plans take less of the holes later arrivals could use
+
+    @property
+    def pays(self) -> float:
+        return len(self.frees) / len(self.holders)
+
+
+def _emptyings(allocator: ClusterAllocator, holders: Sequence[Holder], pays: float) -> list[_Emptying]:
+    """For each GPU whose every holder may move, the plan that moves them, if it frees at least
+    `pays` GPUs per move; best paying first, then fewest moves, then smallest."""
+    gpus = {id(h): gpus_of(allocator, h.node, h.allocation) for h in holders}
+    on_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
+    for holder in holders:
+        for gpu in gpus[id(holder)]:
+            on_gpu[gpu].append(holder)
+    found: dict[frozenset[int], _Emptying] = {}
+    for group in on_gpu.values():
+        if not all(h.movable for h in group):
+            continue
+        ids = frozenset(map(id, group))
+        # A holder on several GPUs frees each of them that nothing outside the group holds.
+        frees = frozenset(g for h in group for g in gpus[id(h)] if ids.issuperset(map(id, on_gpu[g])))
+        plan = _Emptying(tuple(group), frees, sum(given_back(allocator, h) for h in group))
+        if plan.pays >= pays and ids not in found:
+            found[ids] = plan
+    return sorted(found.values(), key=lambda p: (-p.pays, len(p.holders), p.size, min(p.frees)))
+
+
 def compaction(
     allocator: ClusterAllocator,
     holders: Sequence[Holder],
     limit: int = COMPACTION_MOVES,
     budget: SearchBudget | None = None,
+    pays: float = PAYS,
 ) -> list[Move]:
-    """Moves, at most `limit`, that empty lightly used GPUs (fewest allocations, then least used,
-    first) into holes on GPUs already in use: never onto a GPU nothing used, never onto one being
-    emptied. A GPU is emptied whole or not at all; one holding anything not movable stays. Every
-    search spends one `budget` (default: SEARCH_STEPS); once it runs out, the moves found so far."""
+    """Moves, at most `limit`, that empty GPUs into holes on GPUs already in use, the plans that
+    free the most GPUs per move first (a GPU whose one holder moves before one whose three do),
+    and none that frees fewer than `pays` GPUs per move: a move that pays less waits, its eviction
+    kept for a plan that pays. Only the holders of a GPU that empties move (a GPU is emptied whole
+    or not at all; one holding anything not movable stays), never onto a GPU nothing used, never
+    onto one being emptied, and no GPU a move went to is emptied afterwards. Every search spends
+    one `budget` (default: SEARCH_STEPS); once it runs out, the moves found so far."""
     budget = budget or SearchBudget(SEARCH_STEPS)
-    on_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
-    for holder in holders:
-        for gpu in gpus_of(allocator, holder.node, holder.allocation):
-            on_gpu[gpu].append(holder)
-    movable = [gpu for gpu, group in on_gpu.items() if all(h.movable for h in group)]
-    movable.sort(key=lambda gpu: (len(on_gpu[gpu]), _cost(allocator, on_gpu[gpu])[1], gpu))
     moves: list[Move] = []
+    moved: set[int] = set()
     emptied: set[GpuId] = set()
     filled: set[GpuId] = set()  # GPUs moves went to: not emptied afterwards
     with _scratch(allocator) as scratch:
-        for gpu in movable:
+        for plan in _emptyings(allocator, holders, pays):
             if budget.exhausted:
                 break
-            group = on_gpu[gpu]
-            if gpu in filled or len(moves) + len(group) > limit or any(h in (m.holder for m in moves) for h in group):
+            if len(moves) + len(plan.holders) > limit or plan.frees & filled or moved & set(map(id, plan.holders)):
                 continue
-            mark, planned = scratch.mark(), []
-            for holder in sorted(group, key=lambda h: given_back(allocator, h), reverse=True):
-                outcome = allocator.allocate(holder.claim, budget=budget)
-                targets = (
-                    set() if isinstance(outcome, Failure) else gpus_of(allocator, outcome.node, outcome.allocation)
-                )
-                if (
-                    isinstance(outcome, Failure)
-                    or not targets
-                    or targets & (emptied | {gpu})
-                    or _opens(allocator, outcome)
-                ):
-                    break
-                scratch.add(outcome.node, outcome.allocation, outcome.claim)
-                planned.append(Move(holder, outcome))
-            else:
-                scratch.release_all(group)
-                moves.extend(planned)
-                emptied.add(gpu)
-                filled.update(t for m in planned for t in gpus_of(allocator, m.to.node, m.to.allocation))
+            planned = _empty(allocator, scratch, plan, emptied, budget)
+            if planned is None:
                 continue
-            scratch.undo(mark)
+            moves.extend(planned)
+            moved.update(id(m.holder) for m in planned)
+            emptied.update(plan.frees)
+            filled.update(g for m in planned for g in gpus_of(allocator, m.to.node, m.to.allocation))
     return moves
+
+
+def _empty(
+    allocator: ClusterAllocator, scratch: _Scratch, plan: _Emptying, emptied: set[GpuId], budget: SearchBudget
+) -> list[Move] | None:
+    """The plan's holders placed again, largest first, on GPUs in use other than those it and the
+    plans before it empty; None (and nothing changed) when one has nowhere to go. Each is placed
+    with its old place still held, so it goes only where the allocator would rather put it than
+    its own GPU (searched with its own GPU emptied first, moves paid less on the packing trace:
+    docs/benchmarks/make-room.md, "Compaction that pays")."""
+    mark = scratch.mark()
+    planned = []
+    for holder in sorted(plan.holders, key=lambda h: given_back(allocator, h), reverse=True):
+        outcome = allocator.allocate(holder.claim, budget=budget)
+        if isinstance(outcome, Failure) or _opens(allocator, outcome):
+            break
+        targets = gpus_of(allocator, outcome.node, outcome.allocation)
+        if not targets or targets & (emptied | plan.frees):
+            break
+        scratch.add(outcome.node, outcome.allocation, outcome.claim)
+        planned.append(Move(holder, outcome))
+    else:
+        scratch.release_all(plan.holders)
+        return planned
+    scratch.undo(mark)
+    return None
 
 
 def _opens(allocator: ClusterAllocator, placement: Placement) -> bool:

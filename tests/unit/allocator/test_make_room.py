@@ -220,7 +220,9 @@ def test_compaction_empties_the_lightest_gpu_into_a_hole_elsewhere():
 
 
 def test_the_bench_replays_bench_allocators_packing_trace_and_keeps_its_eviction_budget():
-    small = argparse.Namespace(nodes=2, events=120, seed=3, budget=50, compaction_moves=2, departures=True)
+    small = argparse.Namespace(
+        nodes=2, events=120, seed=3, budget=50, compaction_moves=2, departures=True, lifetimes=False
+    )
     arrivals = packing_trace(small.events, small.seed)
     # Same arrivals and departures as `python -m bench.allocator packing`: the same GPUs in use.
     assert (
