@@ -555,6 +555,7 @@ def replay_seed(
     cpu_pods: CpuPods,
     make_room_per_1000: float,
     lifetimes: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
     """Every policy's figures on the same timed pods (fgpu's fragmentation, the FGD and BestFit
     replicas, fgpu with claims that say their run time and fgpu making room when asked), their
@@ -585,6 +586,7 @@ def replay_seed(
         )
     for label, build, evictions in placers:
         runs.append(Replay(timed, build(), Ledger(named), evictions).run(label, seed))
+        progress(f"seed {seed}, {label}: {runs[-1].gpu_hours_waited:.1f} GPU-hours waited, {runs[-1].seconds:.0f} s")
     end = max(one.clock.busy_until for one in runs)
     return [one.figures(end) for one in runs]
 
@@ -601,7 +603,7 @@ def run(
     for seed in seeds(args.seeds):
         tuned = workload(pods, capacity, seed, args.tune) if args.tune else pods
         timed = timed_pods(tuned, times, args.speedup)
-        for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room, args.lifetimes):
+        for figures in replay_seed(nodes, pods, timed, seed, args.cpu_pods, args.make_room, args.lifetimes, progress):
             runs.append(figures)
             progress(json.dumps(figures))
     by_policy: dict[str, list[dict[str, Any]]] = {}

@@ -211,7 +211,7 @@ def _claim_options(
     allocator: ClusterAllocator, claim: Claim, movable: Sequence[Holder], budget: SearchBudget
 ) -> list[tuple[tuple[Holder, ...], Placement]]:
     """Every node's victim sets for one claim, cheapest first; no victims when it fits already."""
-    outcome = allocator.allocate(claim, budget=budget)
+    outcome = allocator.allocate(claim, why=False, budget=budget)  # only whether it fits
     if isinstance(outcome, Placement):
         return [((), outcome)]
     by_node: dict[str, list[Holder]] = defaultdict(list)
@@ -282,7 +282,7 @@ def _moves(
             scratch.add(victim.node, _rest_of_shared(allocator, victim), victim.claim)
         moves = []
         for victim in sorted(victims, key=lambda v: given_back(allocator, v), reverse=True):
-            outcome = allocator.allocate(victim.claim, budget=budget)
+            outcome = allocator.allocate(victim.claim, why=False, budget=budget)
             if isinstance(outcome, Failure):
                 return None
             scratch.add(outcome.node, outcome.allocation, outcome.claim)
@@ -413,7 +413,7 @@ def _empty(
     mark = scratch.mark()
     planned = []
     for holder in sorted(plan.holders, key=lambda h: given_back(allocator, h), reverse=True):
-        outcome = allocator.allocate(holder.claim, budget=budget)
+        outcome = allocator.allocate(holder.claim, why=False, budget=budget)
         if isinstance(outcome, Failure) or _opens(allocator, outcome):
             break
         targets = gpus_of(allocator, outcome.node, outcome.allocation)
