@@ -34,6 +34,7 @@ import kubernetes
 from driver.admission import certs
 from driver.kube.client import translated_errors
 from driver.kube.errors import ConflictError, KubeConfigError, KubeError, NotFoundError
+from driver.sizing import store
 
 LOG = logging.getLogger("fgpu.webhook")
 FIELD_MANAGER = "fgpu-webhook"
@@ -47,6 +48,8 @@ ROUNDS = 5
 Serve = Callable[[bytes, bytes], None]  # (certificate PEM, key PEM)
 
 
+HISTORY_PAGE = 8  # usage-history ConfigMaps a page (each up to 1 MiB)
+MAX_HISTORIES = 2000  # nodes' histories read for automatic sizing, at most
 VALIDATING = "ValidatingWebhookConfiguration"
 MUTATING = "MutatingWebhookConfiguration"
 
@@ -64,7 +67,8 @@ class CertApi(Protocol):
 
 class ClientCertApi:
     """CertApi over the official client: kubeconfig, or the pod's service account. Also the
-    ClaimReader of pod gating (driver/admission/mutate.py)."""
+    ClaimReader of pod gating (driver/admission/mutate.py) and the RightsizeApi of automatic sizing
+    (driver/admission/rightsize.py)."""
 
     def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0) -> None:
         configuration = kubernetes.client.Configuration()
@@ -111,6 +115,27 @@ class ClientCertApi:
 
     def read_claim_template(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._read(self._resource.read_namespaced_resource_claim_template, name, namespace)
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._read(self._core.read_namespaced_pod, name, namespace)
+
+    def read_namespace(self, name: str) -> dict[str, Any] | None:
+        return self._read(self._core.read_namespace, name)
+
+    def list_usage_histories(self, namespace: str) -> list[dict[str, Any]]:
+        """The node plugins' usage-history ConfigMaps (driver/sizing/store.py), a page of a few at a
+        time (each up to 1 MiB) and at most MAX_HISTORIES of them: a bounded read."""
+        items: list[dict[str, Any]] = []
+        token = ""
+        while len(items) < MAX_HISTORIES:
+            page = self._call(self._core.list_namespaced_config_map, namespace, limit=HISTORY_PAGE, _continue=token,
+                              label_selector=f"{store.COMPONENT_LABEL}={store.COMPONENT}")  # fmt: skip
+            items.extend(page.get("items") or ())
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return items
+        LOG.warning("usage history: more than %d ConfigMaps in %s; sizing reads the first", MAX_HISTORIES, namespace)
+        return items[:MAX_HISTORIES]
 
     def read_webhook_configuration(self, name: str, kind: str = VALIDATING) -> dict[str, Any] | None:
         if kind == MUTATING:

@@ -3,6 +3,7 @@
 POST /validate answers an AdmissionReview (driver/admission/review.py); POST /mutate (with
 --gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims, POST /place-pods to pods
 without claims in the namespaces whose pods the controller places (driver/admission/mutate.py);
+POST /rightsize (with --rightsize-history-namespace) sizes new claims (driver/admission/rightsize.py);
 GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
 driver/admission/rotation.py (a Secret the webhook manages itself, or mounted files) and is swapped
 while serving: new connections get the new one, without a restart. Its flags and settings are in
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from driver.admission.mutate import ClaimReader, mutate, place_pods
 from driver.admission.review import CONFIG_PATHS, review
+from driver.admission.rightsize import Rightsizer, rightsize
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
 from driver.admission.settings import WebhookSettings
 from driver.common.http_server import BoundedHTTPServer, ConnectionLimits
@@ -104,9 +106,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        claims = self.server.claims
+        claims, sizer = self.server.claims, self.server.rightsizer
         # /place-pods reads nothing from the API: its answer says only what the request itself does.
-        if path not in ("/validate", "/place-pods") and (path != "/mutate" or claims is None):
+        served = {
+            "/validate": True,
+            "/place-pods": True,
+            "/mutate": claims is not None,
+            "/rightsize": sizer is not None,
+        }
+        if not served.get(path):
             self._reply(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
             return
         length = content_length(self.headers.get("Content-Length"))
@@ -124,6 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
             document = json.loads(body)
             if path == "/mutate" and claims is not None:
                 answer = mutate(document, claims)
+            elif path == "/rightsize" and sizer is not None:
+                answer = rightsize(document, sizer)
             elif path == "/place-pods":
                 answer = place_pods(document)
             else:
@@ -133,7 +143,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")
             return
         response = answer["response"]
-        result = "gated" if "patch" in response else "allowed" if response["allowed"] else "denied"
+        patched = "sized" if path == "/rightsize" else "gated"
+        result = patched if "patch" in response else "allowed" if response["allowed"] else "denied"
         REVIEWS.labels(kind=metric_kind(document), result=result).inc()
         if not response["allowed"]:
             LOG.info("denied: %s", response["status"]["message"])
@@ -164,9 +175,11 @@ class WebhookServer(BoundedHTTPServer):
         claims: ClaimReader | None = None,
         client_ca: bytes = b"",
         limits: ConnectionLimits = LIMITS,
+        rightsizer: Rightsizer | None = None,
     ) -> None:
         self.driver_name = settings.driver_name
         self.claims = claims  # /mutate answers only with a reader (--gate-pods)
+        self.rightsizer = rightsizer  # /rightsize only with one (--rightsize-history-namespace)
         self.client_ca = client_ca  # reviews only for a client certificate of this CA, when given
         self._tls = (0, tls)  # (the certificate's number, its context): swapped as one
         self._connection = threading.local()  # each connection has a thread of its own
@@ -255,14 +268,20 @@ def run_webhook(settings: WebhookSettings) -> None:
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             flags = "--tls-cert-file/--tls-private-key-file"
             raise ValueError(f"{flags}: cannot load {settings.cert_file}: {err}") from err
-    claims = ClientCertApi(settings.kubeconfig) if settings.gate_pods else None
-    server = WebhookServer(settings, tls[0], claims, client_ca)
+    api = ClientCertApi(settings.kubeconfig) if settings.gate_pods or settings.rightsize_history_namespace else None
+    claims = api if settings.gate_pods else None
+    sizer = (
+        Rightsizer(api, settings.rightsize_history_namespace) if api and settings.rightsize_history_namespace else None
+    )
+    server = WebhookServer(settings, tls[0], claims, client_ca, rightsizer=sizer)
     if rotator.stopped.is_set():
         return
     rotator.start()
     LOG.info("validating %s configs on https://%s:%d/validate", settings.driver_name, *server.server_address[:2])
     if claims is not None:
         LOG.info("gating pods of opt-in claims on https://%s:%d/mutate", *server.server_address[:2])
+    if sizer is not None:
+        LOG.info("sizing new claims that opt in on https://%s:%d/rightsize", *server.server_address[:2])
     try:
         server.serve_forever()
     finally:

@@ -30,6 +30,7 @@ class WebhookSettings:
     kubeconfig: str | None = None
     check_interval_s: float = 10.0
     client_ca_file: Path | None = None  # reviews answered only for a client certificate of these CAs
+    rightsize_history_namespace: str = ""  # POST /rightsize: new claims sized from the histories here
 
     def check(self) -> None:
         """Raises ValueError naming the flags that do not go together."""
@@ -88,6 +89,12 @@ def add_webhook_flags(parser: argparse.ArgumentParser) -> None:
         "(reads claims and templates)",
     )
     parser.add_argument(
+        "--rightsize-history-namespace",
+        default="",
+        help="POST /rightsize: size new claims of opted-in namespaces and templates to their workload's "
+        "recommendation, from the usage histories in this namespace (reads pods, namespaces, those ConfigMaps)",
+    )
+    parser.add_argument(
         "--mutating-webhook-configuration",
         default="",
         help="the MutatingWebhookConfiguration whose caBundle this webhook writes too (with --webhook-configuration)",
@@ -132,6 +139,7 @@ def webhook_settings(args: argparse.Namespace) -> WebhookSettings:
         mutating_configuration=args.mutating_webhook_configuration,
         kubeconfig=args.kubeconfig,
         client_ca_file=args.client_ca_file,
+        rightsize_history_namespace=args.rightsize_history_namespace,
         # Often enough to renew in time with a margin of seconds (tests); a GET of the Secret and
         # of the configuration every 10 s at most otherwise.
         check_interval_s=max(0.5, min(10.0, lifetimes.renew_before_s / 4)),

@@ -34,6 +34,7 @@ from driver.sizing.history import (
     merge,
     record,
 )
+from driver.sizing.initial import original_size
 from driver.sizing.owner import request_index, template_of, workload_of
 from driver.sizing.recommend import PIN_ANNOTATION
 
@@ -174,6 +175,8 @@ class UsageRecorder(BackgroundWorker):
             gpu=o.gpu_product,
             size=o.use.size,
             pinned=annotations.get(PIN_ANNOTATION) == "off",
+            # Sized at create (the webhook's Initial mode): after an out-of-memory, back to this.
+            original=original_size(annotations, o.request, o.use.size),
         )
         self._records[o.claim_uid] = made
         return made

@@ -76,6 +76,9 @@ class Recommendation:
     confidence: float  # 0 to 1, from the sample count
     gpu_hours_freed_per_day: float  # negative when it grows
     observed: Observed
+    # False where the history does not decide the size (a pinned template, a history too short):
+    # `recommended` is then the size last seen, which automatic sizing must not copy to new claims.
+    decided: bool = True
 
     @property
     def changed(self) -> bool:
@@ -99,7 +102,7 @@ def recommend_workload(
     gpu, current = gpu_model(latest.gpu), latest.size
     observed = observe(claims, sample_seconds)
     need = _need(claims, observed, current, gpu, policy)
-    recommended, reason = _decide(claims, current, need, observed, gpu, now, policy)
+    recommended, reason, decided = _decide(claims, current, need, observed, gpu, now, policy)
     held_per_day = observed.held_hours * DAY_S / max(observed.span_s, DAY_S)
     return Recommendation(
         key=key,
@@ -111,6 +114,7 @@ def recommend_workload(
         confidence=min(1.0, observed.samples * sample_seconds / policy.confident_s),
         gpu_hours_freed_per_day=(gpu_fraction(current, gpu) - gpu_fraction(recommended, gpu)) * held_per_day,
         observed=observed,
+        decided=decided,
     )
 
 
@@ -132,15 +136,22 @@ def observe(claims: Sequence[ClaimHistory], sample_seconds: int) -> Observed:
 
 def _decide(
     claims: Sequence[ClaimHistory], current: Size, need: Need, observed: Observed, gpu: GpuModel, now: float, p: Policy
-) -> tuple[Size, str]:
+) -> tuple[Size, str, bool]:
+    """(the size, why, whether the history decided it)."""
     if max(claims, key=lambda c: c.last_seen).record.pinned:
-        return current, f'pinned ({PIN_ANNOTATION}: "off")'
-    if observed.last_oom is not None and now - observed.last_oom < p.cooldown_s:
-        return _after_oom(claims, current, need, gpu, now, p)
+        return current, f'pinned ({PIN_ANNOTATION}: "off")', False
+    if in_cooldown(observed, now, p):
+        return *_after_oom(claims, current, need, gpu, now, p), True
     if observed.span_s < p.min_history_s or observed.samples < p.min_samples:
-        return current, f"history too short ({observed.span_s / HOUR_S:.0f} h, {observed.samples} samples)"
+        hours = observed.span_s / HOUR_S
+        return current, f"history too short ({hours:.0f} h, {observed.samples} samples)", False
     recommended = fit(current, need, gpu)
-    return recommended, "fits the observed use" if recommended != current else "already the right size"
+    return recommended, "fits the observed use" if recommended != current else "already the right size", True
+
+
+def in_cooldown(observed: Observed, now: float, p: Policy) -> bool:
+    """Whether an out-of-memory is recent enough that the workload must not shrink."""
+    return observed.last_oom is not None and now - observed.last_oom < p.cooldown_s
 
 
 def _after_oom(

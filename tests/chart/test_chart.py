@@ -683,3 +683,40 @@ def test_pods_without_claims_of_opted_in_namespaces_are_gated_and_placed_only_wh
     controller = find(default, "Deployment", "controller")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--place-pods" not in controller
     assert not [r for r in find(default, "ClusterRole", "controller")["rules"] if "namespaces" in r["resources"]]
+
+
+def test_automatic_sizing_is_off_by_default_and_when_enabled_sends_only_new_claims_made_from_templates() -> None:
+    default = render()
+    assert not [w for w in find(default, "MutatingWebhookConfiguration")["webhooks"] if "rightsize" in w["name"]]
+    assert not webhook_args(default).rightsize_history_namespace
+    assert not [r for r in find(default, "ClusterRole", "webhook")["rules"] if "pods" in r["resources"]]
+
+    objects = render({"webhook.rightsize.enabled": True, "webhook.gatePods.enabled": False}, namespace="gpus")
+    by_namespace, by_template = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert (by_namespace["name"], by_template["name"]) == ("rightsize-namespaces.gpu.fgpu.dev",
+                                                           "rightsize-templates.gpu.fgpu.dev")  # fmt: skip
+    for entry in (by_namespace, by_template):
+        assert (entry["failurePolicy"], entry["reinvocationPolicy"], entry["sideEffects"]) == (
+            "Ignore",
+            "Never",
+            "None",
+        )
+        assert entry["clientConfig"]["service"]["path"] == "/rightsize"
+        assert entry["rules"] == [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                                   "resources": ["resourceclaims"]}]  # fmt: skip
+        assert "resource.kubernetes.io/pod-claim-name" in entry["matchConditions"][0]["expression"]
+    assert by_namespace["namespaceSelector"] == {"matchLabels": {"gpu.fgpu.dev/rightsize": "initial"}}
+    assert '["off", "initial"]' in by_namespace["matchConditions"][1]["expression"]  # pinned: never sent
+    assert "namespaceSelector" not in by_template
+    assert by_template["matchConditions"][1]["expression"].endswith('== "initial"')
+    args = webhook_args(objects)
+    assert args.rightsize_history_namespace == "gpus" and args.mutating_webhook_configuration == "fgpu-webhook"
+    rules = {(r, v) for rule in find(objects, "ClusterRole", "webhook")["rules"] for r in rule["resources"]
+             for v in rule["verbs"]}  # fmt: skip
+    assert {("pods", "get"), ("namespaces", "get")} <= rules and ("pods", "list") not in rules
+    history = find(objects, "Role", "webhook-usage-history")
+    assert (history["metadata"]["namespace"], history["rules"]) == (
+        "gpus", [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]
+    )  # fmt: skip
+    spec = find(objects, "Deployment", "webhook")["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is True

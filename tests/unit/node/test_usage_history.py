@@ -132,6 +132,23 @@ def test_a_share_using_2gi_of_10gi_is_kept_with_its_workload_and_written(sampled
     assert again.history == stored
 
 
+def test_a_claim_sized_at_create_is_recorded_with_its_original_request(sampled):
+    """The webhook's annotation (Initial mode) is the record's `original`: after an out-of-memory the
+    recommendation goes back to it (driver/sizing/recommend.py)."""
+    api, env, recorder, collector, _ = sampled
+    ref = mps_claim(api, "web", "web-7d4b9c-x2x")
+    original = '{"gpu":{"compute":"50","memory":"20Gi"}}'
+    api.claims[("team", "web")]["metadata"]["annotations"]["gpu.fgpu.dev/rightsize-original"] = original
+    assert not any(prepare(DraV1Service(env.preparer, lambda uids, answered: None), [ref]).values())
+    env.session.nvml.set_process(3, MockProcess(4242, sm_percent=8, memory_mib=2048))
+    collector.sample_usage()
+    recorder.flush()
+    stored = store.history_of(api.configmaps[("fgpu-system", "fgpu-usage-node-a")])
+    assert stored is not None
+    record = stored.claims["uid-web"].record
+    assert (record.size, record.original) == (Size("mps", 10240, 25), Size("mps", 20480, 50))
+
+
 def test_an_unreachable_api_server_writes_nothing_and_keeps_the_samples(sampled):
     api, env, recorder, collector, now = sampled
     ref = mps_claim(api, "web", "web-7d4b9c-x2x")

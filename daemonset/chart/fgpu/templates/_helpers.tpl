@@ -112,14 +112,15 @@ true
 {{/* Whether the webhook has a MutatingWebhookConfiguration: it gates pods of opt-in claims, or pods
   without claims for the controller to place. */}}
 {{- define "fgpu.webhookMutates" -}}
-{{- if or (include "fgpu.webhookGatesPods" .) (include "fgpu.controllerPlacesPods" .) -}}
+{{- if or (include "fgpu.webhookGatesPods" .) (include "fgpu.controllerPlacesPods" .) .Values.webhook.rightsize.enabled -}}
 true
 {{- end -}}
 {{- end -}}
 
-{{/* Whether the webhook calls the API server: to write a caBundle, or to read claims and templates. */}}
+{{/* Whether the webhook calls the API server: to write a caBundle, to read claims and templates, or
+  (automatic sizing) pods, namespaces and the usage histories. */}}
 {{- define "fgpu.webhookUsesApi" -}}
-{{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookGatesPods" .) -}}
+{{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookGatesPods" .) .Values.webhook.rightsize.enabled -}}
 true
 {{- end -}}
 {{- end -}}
