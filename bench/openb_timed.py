@@ -388,6 +388,7 @@ class TimedRun:
     gpu_hours_waited: float
     wait_p50_s: float
     wait_p99_s: float
+    waited_by_kind: dict[str, float]  # GPU-hours
     waited: int  # pods that waited at all
     never_placed: int
     evictions: int
@@ -406,6 +407,7 @@ class TimedRun:
             "mean_gpus_allocated": round(allocated, 1),
             "mean_gpus_waiting": round(waiting, 1),
             "gpu_hours_waited": round(self.gpu_hours_waited, 1),
+            "gpu_hours_waited_by_kind": self.waited_by_kind,
             "wait_p50_s": round(self.wait_p50_s, 1),
             "wait_p99_s": round(self.wait_p99_s, 1),
             "pods_waited": self.waited,
@@ -415,6 +417,12 @@ class TimedRun:
             "evictions_per_1000_arrivals": round(1000 * self.evictions / max(self.arrivals, 1), 1),
             "placements_per_s": round(self.attempts / self.seconds, 1) if self.seconds else None,
         }
+
+
+def pod_kind(pod: TracePod) -> str:
+    if pod.num_gpu > 1:
+        return "multi-GPU"
+    return "one GPU" if pod.gpu_milli >= MILLI else "share"
 
 
 Event = tuple[float, int, int, int]  # (time, 0 departure | 1 arrival, order, pod index)
@@ -435,6 +443,7 @@ class Replay:
     events: list[Event] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
     gpu_seconds_waited: float = 0.0
+    waited_by_kind: dict[str, float] = field(default_factory=dict)  # GPU-seconds by pod_kind
     evictions: int = 0
     attempts: int = 0
     arrived: int = 0
@@ -463,20 +472,21 @@ class Replay:
             clock.advance(now, self.ledger.used_milli, self.waiting_milli, self._holes if busy else None)
         for index in self.waiting.values():  # never placed: waited until the last event
             timed = self.pods[index]
-            self.gpu_seconds_waited += timed.pod.gpu_total / MILLI * (clock.last - timed.arrival)
+            self._waited(timed.pod, clock.last - timed.arrival)
         return TimedRun(
-            label,
-            seed,
-            self.arrived,
-            clock,
-            self.gpu_seconds_waited / 3600,
-            statistics.median(self.waits) if self.waits else 0.0,
-            percentile(self.waits, 0.99) if self.waits else 0.0,
-            sum(1 for w in self.waits if w > 0) + len(self.waiting),
-            len(self.waiting),
-            self.evictions,
-            self.attempts,
-            time.perf_counter() - started,
+            label=label,
+            seed=seed,
+            arrivals=self.arrived,
+            clock=clock,
+            gpu_hours_waited=self.gpu_seconds_waited / 3600,
+            waited_by_kind={kind: round(seconds / 3600, 1) for kind, seconds in sorted(self.waited_by_kind.items())},
+            wait_p50_s=statistics.median(self.waits) if self.waits else 0.0,
+            wait_p99_s=percentile(self.waits, 0.99) if self.waits else 0.0,
+            waited=sum(1 for w in self.waits if w > 0) + len(self.waiting),
+            never_placed=len(self.waiting),
+            evictions=self.evictions,
+            attempts=self.attempts,
+            seconds=time.perf_counter() - started,
         )
 
     def _holes(self) -> tuple[int, int]:
@@ -501,9 +511,16 @@ class Replay:
         self.spots[timed.pod.name] = spot
         waited = now - timed.arrival
         self.waits.append(waited)
-        self.gpu_seconds_waited += timed.pod.gpu_total / MILLI * waited
+        self._waited(timed.pod, waited)
         heapq.heappush(self.events, (now + timed.runtime, 0, len(self.waits), index))
         return True
+
+    def _waited(self, pod: TracePod, seconds: float) -> None:
+        gpu_seconds = pod.gpu_total / MILLI * seconds
+        self.gpu_seconds_waited += gpu_seconds
+        if gpu_seconds:
+            kind = pod_kind(pod)
+            self.waited_by_kind[kind] = self.waited_by_kind.get(kind, 0.0) + gpu_seconds
 
     def _may_evict(self) -> bool:
         return self.make_room_per_1000 * self.arrived / 1000 - self.evictions >= 1

@@ -129,3 +129,14 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
         "| fgpu fragmentation, making room <= 50/1,000",
     ]
     assert '"speedup": 10.0' in done.stdout and '"tune": 1.3' in done.stdout and '"pods": 4' in done.stdout
+
+
+def test_gpu_hours_waited_are_told_by_the_kind_of_pod_that_waited():
+    timed = [
+        TimedPod(pod("whole"), 0.0, 7200.0),
+        TimedPod(pod("share", 1, 500), 0.0, 3600.0),
+        TimedPod(pod("pair", 2), 0.0, 10.0),
+    ]
+    result = replay("fgd", ONE_T4, timed).run("fgd", 42)
+    # the share waits 2 h for the GPU; the pair fits no node: it waits to the last event, at 3 h
+    assert result.waited_by_kind == {"multi-GPU": 6.0, "share": 1.0} and result.gpu_hours_waited == 7.0
