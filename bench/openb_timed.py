@@ -58,6 +58,7 @@ from driver.allocator.policies import Policy
 from driver.scheduling.nodefit import PodNeeds
 
 SAMPLES = 400  # holes counted this many times over the arrival window
+SEARCHES_PER_EVICTION = 4  # plans looked for, at most, for each eviction the budget allows
 
 
 @dataclass(frozen=True)
@@ -445,6 +446,7 @@ class Replay:
     gpu_seconds_waited: float = 0.0
     waited_by_kind: dict[str, float] = field(default_factory=dict)  # GPU-seconds by pod_kind
     evictions: int = 0
+    searches: int = 0  # for room to make
     attempts: int = 0
     arrived: int = 0
 
@@ -523,9 +525,13 @@ class Replay:
             self.waited_by_kind[kind] = self.waited_by_kind.get(kind, 0.0) + gpu_seconds
 
     def _may_evict(self) -> bool:
-        return self.make_room_per_1000 * self.arrived / 1000 - self.evictions >= 1
+        """Evictions left in the budget, and plan searches: a search is dear at 1,000 nodes, and
+        most find nothing, so at most SEARCHES_PER_EVICTION for each eviction the budget allows."""
+        allowed = self.make_room_per_1000 * self.arrived / 1000
+        return allowed - self.evictions >= 1 and self.searches < SEARCHES_PER_EVICTION * allowed
 
     def _make_room(self, pod: TracePod) -> Spot | None:
+        self.searches += 1
         maker = getattr(self.placer, "make_room", None)
         found = maker(pod) if maker else None
         if found is None:
