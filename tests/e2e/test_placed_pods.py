@@ -12,11 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import shutil
-import ssl
 import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,10 +27,10 @@ from testbed.cluster.harness import Cluster, free_port
 from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
-from tests.support import ROOT
 from tests.support.chart import find, render
 from tests.support.controller import running_controller
 from tests.support.pools import complete_pool
+from tests.support.webhook import serve_webhook
 
 pytestmark = pytest.mark.cluster
 NODES = ("node-a", "node-b")
@@ -46,28 +42,6 @@ class Placing:
     opted_in: str  # a namespace labelled gpu.fgpu.dev/place-pods=fgpu
     plain: str  # one without the label
     kubelets: dict[str, KubeletStandIn]
-
-
-def serve_webhook(cluster: Cluster, port: int) -> subprocess.Popen[bytes]:
-    """`fgpu webhook` on this host with a certificate of the cluster's CA (no --gate-pods: the
-    rule for pods without claims reads nothing from the API)."""
-    assert cluster.pki is not None
-    cluster.pki.sign_server("placing-webhook", "fgpu-webhook", "IP:127.0.0.1")
-    command = [sys.executable, "-m", "driver.cli", "webhook", "--bind-address=127.0.0.1", f"--port={port}",
-               f"--tls-cert-file={cluster.pki.path('placing-webhook.crt')}",
-               f"--tls-private-key-file={cluster.pki.path('placing-webhook.key')}"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=ROOT)
-    context = ssl.create_default_context(cafile=cluster.pki.path("ca.crt"))
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2):
-                return process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise AssertionError(f"fgpu webhook did not serve (exit {process.poll()})") from None
-            time.sleep(0.2)
 
 
 def configuration(cluster: Cluster, port: int, name: str) -> dict[str, Any]:
@@ -102,7 +76,7 @@ def placing(cluster: Cluster) -> Iterator[Placing]:
             core.create_namespace({"metadata": {"name": opted_in, "labels": {"gpu.fgpu.dev/place-pods": "fgpu"}}})
             core.create_namespace({"metadata": {"name": plain}})
             port = free_port()
-            webhook = serve_webhook(cluster, port)
+            webhook = serve_webhook(cluster, port, "placing-webhook")
             admission.create_mutating_webhook_configuration(configuration(cluster, port, config))
             flags = ("--lease-namespace=default", "--policy=first-fit", "--place-pods")
             stack.enter_context(running_controller(cluster.kubeconfig, *flags))

@@ -18,7 +18,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
 from tests.support import ROOT
 from tests.support.chart import find, render
+from tests.support.webhook import serve_webhook, wait_serving
 
 pytestmark = pytest.mark.cluster
 
@@ -77,27 +77,6 @@ def refusal(create: Callable[[], Any]) -> str:
     return json.loads(refused.value.body)["message"]
 
 
-def serve(cluster: Cluster, port: int) -> subprocess.Popen[bytes]:
-    assert cluster.pki is not None
-    cluster.pki.sign_server("webhook", "fgpu-webhook", "IP:127.0.0.1")
-    command = [sys.executable, "-m", "driver.cli", "webhook", "--bind-address=127.0.0.1", f"--port={port}",
-               f"--tls-cert-file={cluster.pki.path('webhook.crt')}",
-               f"--tls-private-key-file={cluster.pki.path('webhook.key')}"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=ROOT)
-    context = ssl.create_default_context(cafile=cluster.pki.path("ca.crt"))
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2) as answer:
-                assert answer.read() == b"ok\n"
-                return process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise AssertionError(f"fgpu webhook did not serve (exit {process.poll()})") from None
-            time.sleep(0.2)
-
-
 def chart_configuration(cluster: Cluster, port: int, name: str) -> dict[str, Any]:
     """The chart's ValidatingWebhookConfiguration, pointed at this host's webhook."""
     assert cluster.pki is not None
@@ -112,7 +91,7 @@ def chart_configuration(cluster: Cluster, port: int, name: str) -> dict[str, Any
 @pytest.fixture(scope="module")
 def webhook(cluster: Cluster) -> Iterator[Webhook]:
     port = free_port()
-    process = serve(cluster, port)
+    process = serve_webhook(cluster, port, "webhook")
     admission = AdmissionregistrationV1Api(cluster.api_client())
     name = unique("fgpu-webhook-test")
     try:
@@ -246,21 +225,6 @@ def served_certificate(port: int, ca_bundle: bytes) -> bytes:
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return ssl.DER_cert_to_PEM_cert(der).encode()
-
-
-def wait_serving(process: subprocess.Popen[bytes], port: int) -> None:
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # its CA is in a Secret not read yet
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2) as answer:
-                assert answer.read() == b"ok\n"
-                return
-        except OSError:
-            assert process.poll() is None, f"fgpu webhook exited {process.returncode}"
-            assert time.monotonic() < deadline, "fgpu webhook did not serve"
-            time.sleep(0.2)
 
 
 def self_managed_configuration(port: int, name: str) -> dict[str, Any]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +27,8 @@ from driver.sizing.owner import POD_CLAIM_NAME
 from driver.sizing.sizes import Size
 from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
-from tests.integration.test_admission_webhook import wait_serving
-from tests.support import ROOT
 from tests.support.chart import find, render
+from tests.support.webhook import serve_webhook
 
 pytestmark = pytest.mark.cluster
 
@@ -80,15 +77,9 @@ def webhook(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     core, admission = CoreV1Api(cluster.api_client()), AdmissionregistrationV1Api(cluster.api_client())
     history_ns, port, name = unique("fgpu-history"), free_port(), unique("fgpu-rightsize")
     core.create_namespace({"metadata": {"name": history_ns}})
-    cluster.pki.sign_server("rightsize-webhook", "fgpu-webhook", "IP:127.0.0.1")
     log = tmp_path / "webhook.log"
-    command = [sys.executable, "-m", "driver.cli", "webhook", "--bind-address=127.0.0.1", f"--port={port}",
-               f"--tls-cert-file={cluster.pki.path('rightsize-webhook.crt')}",
-               f"--tls-private-key-file={cluster.pki.path('rightsize-webhook.key')}",
-               f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}"]  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    wait_serving(process, port)
+    flags = (f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}")
+    process = serve_webhook(cluster, port, "rightsize-webhook", *flags, log=log)
     config = find(render({"webhook.rightsize.enabled": "true"}), "MutatingWebhookConfiguration")
     config["metadata"] = {"name": name}
     config["webhooks"] = [w for w in config["webhooks"] if w["name"].startswith("rightsize-")]

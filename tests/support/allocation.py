@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -22,6 +23,18 @@ DRIVER = "gpu.fgpu.dev"
 def h100_slices(*nodes: str) -> list[dict[str, Any]]:
     inventory = node_inventory(discover_gpus(NvmlSession.open("mock:dgx-h100")), SharingConfig())
     return [s for node in nodes for s in build_slices(DRIVER, node, inventory, generation=1, owner=None)]
+
+
+def first_gpus(count: int, node: str = "n1") -> list[dict[str, Any]]:
+    """A node with the first `count` GPUs of a DGX H100: their devices and counter sets only."""
+    mine = re.compile(rf"gpu-({'|'.join(map(str, range(count)))})(-|$)")
+    kept = []
+    for slice_ in h100_slices(node):
+        spec = slice_["spec"]
+        spec["devices"] = [d for d in spec.get("devices", ()) if mine.match(d["name"])]
+        spec["sharedCounters"] = [c for c in spec.get("sharedCounters", ()) if mine.match(c["name"])]
+        kept.append(slice_)
+    return kept
 
 
 CLASSES = [d for d in yaml.safe_load_all((ROOT / "daemonset" / "deviceclasses.yaml").read_text()) if d]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import random
-import re
 import uuid
 from typing import Any
 
@@ -26,7 +25,7 @@ from driver.allocator.model import Claim, claim_from_object, class_from_object, 
 from driver.allocator.state import AllocatedState
 from driver.common.flags import FlagParser
 from driver.controller.settings import ControllerSettings, add_controller_flags, controller_settings
-from tests.support.allocation import CLASSES, devices, exactly, h100_slices
+from tests.support.allocation import CLASSES, devices, exactly, first_gpus
 
 MPS = "mps.gpu.fgpu.dev"
 CREATED = "2024-05-01T12:00:00Z"
@@ -80,18 +79,6 @@ def test_nearest_first_reorders_only_what_scores_as_the_best_does():
 # --- placing -----------------------------------------------------------------------------------
 
 
-def gpus(count: int, node: str = "n1") -> list[dict[str, Any]]:
-    """A node with the first `count` GPUs of a DGX H100: their devices and counter sets only."""
-    mine = re.compile(rf"gpu-({'|'.join(map(str, range(count)))})(-|$)")
-    kept = []
-    for slice_ in h100_slices(node):
-        spec = slice_["spec"]
-        spec["devices"] = [d for d in spec.get("devices", ()) if mine.match(d["name"])]
-        spec["sharedCounters"] = [c for c in spec.get("sharedCounters", ()) if mine.match(c["name"])]
-        kept.append(slice_)
-    return kept
-
-
 def cluster(slices: list[dict[str, Any]], policy: str = "binpack", hints: bool = True) -> ClusterAllocator:
     snapshot = Snapshot.from_slices([slice_from_object(s) for s in slices])
     classes = {c["metadata"]["name"]: class_from_object(c) for c in CLASSES}
@@ -122,7 +109,7 @@ def hold(allocator: ClusterAllocator, claim: Claim, device: str, node: str = "n1
 
 def two_gpus_ending_apart(policy: str, hints: bool = True) -> ClusterAllocator:
     """GPU 0's share ends in 10 minutes, GPU 1's in 10 hours; otherwise alike."""
-    allocator = cluster(gpus(2), policy, hints)
+    allocator = cluster(first_gpus(2), policy, hints)
     hold(allocator, share("soon", 600), "gpu-0-mps")
     hold(allocator, share("late", 36000), "gpu-1-mps")
     return allocator
@@ -143,7 +130,7 @@ def test_without_a_hint_or_with_hints_off_the_policy_s_choice_stands(policy: str
 
 
 def test_a_gpu_with_a_share_of_unknown_end_is_not_matched():
-    allocator = cluster(gpus(2))
+    allocator = cluster(first_gpus(2))
     hold(allocator, share("unknown"), "gpu-0-mps")  # no hint
     hold(allocator, share("late", 36000), "gpu-1-mps")
     hold(allocator, share("later", 36000), "gpu-1-mps")  # one less share of room than GPU 0: within tolerance
@@ -153,7 +140,7 @@ def test_a_gpu_with_a_share_of_unknown_end_is_not_matched():
 
 
 def test_the_fit_the_policy_prefers_beyond_the_tolerance_wins():
-    allocator = cluster(gpus(2))
+    allocator = cluster(first_gpus(2))
     hold(allocator, share("soon", 600), "gpu-0-mps")
     for i in range(5):  # GPU 1 has half its compute left, GPU 0 nine tenths: far from alike
         hold(allocator, share(f"late-{i}", 900), "gpu-1-mps")
@@ -161,7 +148,7 @@ def test_the_fit_the_policy_prefers_beyond_the_tolerance_wins():
 
 
 def test_binpack_across_nodes_takes_the_node_whose_shares_end_nearest():
-    allocator = cluster([*gpus(1, "n1"), *gpus(1, "n2")])
+    allocator = cluster([*first_gpus(1, "n1"), *first_gpus(1, "n2")])
     hold(allocator, share("soon", 600), "gpu-0-mps", "n1")
     hold(allocator, share("late", 36000), "gpu-0-mps", "n2")
     assert allocator.allocate(share("long", 30000)).node == "n2"  # type: ignore[union-attr]
@@ -170,7 +157,7 @@ def test_binpack_across_nodes_takes_the_node_whose_shares_end_nearest():
 
 
 def test_ends_are_forgotten_with_the_claim_s_last_share():
-    allocator = cluster(gpus(1))
+    allocator = cluster(first_gpus(1))
     claim = share("soon", 600)
     allocation = hold(allocator, claim, "gpu-0-mps")
     placement = allocator.allocate(share("other", 600))
@@ -190,7 +177,7 @@ def test_hints_read_or_not_place_unhinted_claims_alike(policy: str):
     hint by an allocator that does not read them, the same claims without one by one that does."""
     rng = random.Random(7)
     stream = [(f"c{i}", rng.choice(["5", "10", "20", "40"]), rng.uniform(60, 36000)) for i in range(120)]
-    slices = [*gpus(2, "n1"), *gpus(2, "n2")]
+    slices = [*first_gpus(2, "n1"), *first_gpus(2, "n2")]
     runs = []
     for hints, hinted in ((False, True), (True, False)):
         allocator, live, chosen = cluster(copy.deepcopy(slices), policy, hints), [], []
@@ -222,7 +209,7 @@ def test_the_controller_reads_hints_unless_told_not_to():
 
 def test_the_controller_counts_the_ends_of_shares_it_learns_from_claims():
     """A share counted from a claim's status (the controller's recount) keeps its claim's end."""
-    allocator = cluster(gpus(1))
+    allocator = cluster(first_gpus(1))
     result = {"request": "r", "driver": "gpu.fgpu.dev", "pool": "n1", "device": "gpu-0-mps", "shareID": "s1"}
     tenant = allocator.state.share_tenant(result, (), "a", "uid-soon")
     allocator.recount([], [(result, tenant)], {"uid-soon": T0 + 600})

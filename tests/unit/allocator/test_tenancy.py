@@ -4,27 +4,14 @@ and its pod wait until the other tenant leaves."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from driver.allocator.cluster import ClusterAllocator, Failure, Placement, Snapshot
 from driver.allocator.model import Claim, claim_from_object, class_from_object, slice_from_object
 from driver.allocator.state import AllocatedState
-from tests.support.allocation import CLASSES, DRIVER, devices, exactly, h100_slices, place
+from tests.support.allocation import CLASSES, DRIVER, devices, exactly, first_gpus, place
 
 MPS = "mps.gpu.fgpu.dev"
-
-
-def gpus(count: int, node: str = "n1") -> list[dict[str, Any]]:
-    """A node with the first `count` GPUs of a DGX H100: their devices and counter sets only."""
-    mine = re.compile(rf"gpu-({'|'.join(map(str, range(count)))})(-|$)")
-    kept = []
-    for slice_ in h100_slices(node):
-        spec = slice_["spec"]
-        spec["devices"] = [d for d in spec.get("devices", ()) if mine.match(d["name"])]
-        spec["sharedCounters"] = [c for c in spec.get("sharedCounters", ()) if mine.match(c["name"])]
-        kept.append(slice_)
-    return kept
 
 
 def with_tenancy(name: str, tenancy: str) -> dict[str, Any]:
@@ -57,7 +44,7 @@ def mps(namespace: str, name: str, admin: bool = False) -> Claim:
 
 
 def test_a_second_namespace_is_not_placed_on_a_gpu_whose_shares_another_namespace_holds():
-    one = cluster(gpus(1))
+    one = cluster(first_gpus(1))
     assert devices(place(one, mps("a", "first"))) == ["gpu-0-mps"]
     place(one, mps("a", "second"))  # the same namespace joins it
     outcome = one.allocate(mps("b", "other"))
@@ -67,25 +54,25 @@ def test_a_second_namespace_is_not_placed_on_a_gpu_whose_shares_another_namespac
 
 
 def test_a_second_namespace_goes_to_another_gpu():
-    two = cluster(gpus(2))
+    two = cluster(first_gpus(2))
     first = devices(place(two, mps("a", "first")))
     assert devices(place(two, mps("b", "other"))) != first
     assert devices(place(two, mps("a", "again"))) == first  # binpack: with its own namespace
 
 
 def test_a_shared_class_lets_any_claims_meet():
-    one = cluster(gpus(1), with_tenancy(MPS, "Shared"))
+    one = cluster(first_gpus(1), with_tenancy(MPS, "Shared"))
     place(one, mps("a", "first"))
     assert devices(place(one, mps("b", "other"))) == ["gpu-0-mps"]
     # A claim of a class of the default tenancy does not join them: the stricter of two wins.
     default = {**next(c for c in CLASSES if c["metadata"]["name"] == MPS), "metadata": {"name": "default-mps"}}
-    strict = cluster(gpus(1), with_tenancy(MPS, "Shared"), default)
+    strict = cluster(first_gpus(1), with_tenancy(MPS, "Shared"), default)
     place(strict, mps("a", "first"))
     assert isinstance(strict.allocate(of_class("default-mps", "c", "strict")), Failure)
 
 
 def test_a_claim_class_keeps_even_one_namespace_apart():
-    two = cluster(gpus(2), with_tenancy(MPS, "Claim"))
+    two = cluster(first_gpus(2), with_tenancy(MPS, "Claim"))
     first = devices(place(two, mps("a", "first")))
     assert devices(place(two, mps("a", "second"))) != first
     outcome = two.allocate(mps("a", "third"))
@@ -95,13 +82,13 @@ def test_a_claim_class_keeps_even_one_namespace_apart():
 def test_the_stricter_class_wins():
     """Claims of one namespace, one of a Claim class: it does not join the other's shares."""
     claim_class = {**with_tenancy(MPS, "Claim"), "metadata": {"name": "own-mps"}}
-    one = cluster(gpus(1), claim_class)
+    one = cluster(first_gpus(1), claim_class)
     place(one, mps("a", "first"))
     assert isinstance(one.allocate(of_class("own-mps", "a", "own")), Failure)
 
 
 def test_admin_access_is_no_tenant_and_joins_any():
-    one = cluster(gpus(1))
+    one = cluster(first_gpus(1))
     place(one, mps("monitoring", "watch", admin=True))
     place(one, mps("a", "first"))  # the admin-access claim holds nothing
     assert isinstance(one.allocate(mps("b", "other")), Failure)  # a does
@@ -109,7 +96,7 @@ def test_admin_access_is_no_tenant_and_joins_any():
 
 
 def test_a_released_tenant_frees_the_gpu_for_another():
-    one = cluster(gpus(1))
+    one = cluster(first_gpus(1))
     first = place(one, mps("a", "first"))
     second = place(one, mps("a", "second"))
     assert isinstance(one.allocate(mps("b", "other")), Failure)  # remembered as not fitting for b
@@ -121,7 +108,7 @@ def test_a_released_tenant_frees_the_gpu_for_another():
 
 
 def test_what_does_not_fit_one_namespace_is_not_remembered_for_another():
-    two = cluster(gpus(2))
+    two = cluster(first_gpus(2))
     place(two, mps("a", "first"))
     place(two, mps("b", "other"))
     assert isinstance(two.allocate(mps("c", "third")), Failure)
@@ -130,7 +117,7 @@ def test_what_does_not_fit_one_namespace_is_not_remembered_for_another():
 
 def test_allocations_of_claims_given_count_their_tenants():
     """As `fgpu plan` builds its state: from claims allocated already, their namespaces known."""
-    held = place(cluster(gpus(1)), mps("a", "first"))
+    held = place(cluster(first_gpus(1)), mps("a", "first"))
     allocated = claim_from_object(
         {
             "metadata": {"name": "first", "namespace": "a", "uid": held.claim.uid},
@@ -138,7 +125,7 @@ def test_allocations_of_claims_given_count_their_tenants():
             "status": {"allocation": held.allocation},
         }
     )
-    fresh = cluster(gpus(1))
+    fresh = cluster(first_gpus(1))
     one = ClusterAllocator(fresh.snapshot, fresh.classes, AllocatedState.from_claims([allocated]))
     assert isinstance(one.allocate(mps("b", "other")), Failure)
     assert AllocatedState.from_allocations([held.allocation]).tenants == {}  # claims unknown: no tenants

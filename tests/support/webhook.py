@@ -1,0 +1,56 @@
+"""`fgpu webhook` as a process on this host, for the tests that call the real one: started with a
+certificate the test cluster's CA signed, and waited for until it serves."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from testbed.cluster.harness import Cluster
+from tests.support import ROOT
+
+
+def wait_serving(process: subprocess.Popen[bytes], port: int, cafile: str | None = None) -> None:
+    """Until /healthz answers ok over TLS (`cafile`: the CA to trust; none: its certificate is not
+    checked, for a webhook whose CA is in a Secret not read yet)."""
+    context = ssl.create_default_context(cafile=cafile)
+    if cafile is None:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2) as answer:
+                assert answer.read() == b"ok\n"
+                return
+        except OSError:
+            assert process.poll() is None, f"fgpu webhook exited {process.returncode}"
+            assert time.monotonic() < deadline, "fgpu webhook did not serve"
+            time.sleep(0.2)
+
+
+def serve_webhook(
+    cluster: Cluster, port: int, name: str, *flags: str, log: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`fgpu webhook` on 127.0.0.1:`port` with a serving certificate `name` of the cluster's CA and
+    `flags`, its output to `log` (else inherited), once it serves; killed if it does not."""
+    assert cluster.pki is not None
+    cluster.pki.sign_server(name, "fgpu-webhook", "IP:127.0.0.1")
+    command = [sys.executable, "-m", "driver.cli", "webhook", "--bind-address=127.0.0.1", f"--port={port}",
+               f"--tls-cert-file={cluster.pki.path(f'{name}.crt')}",
+               f"--tls-private-key-file={cluster.pki.path(f'{name}.key')}", *flags]  # fmt: skip
+    if log is None:
+        process = subprocess.Popen(command, cwd=ROOT)
+    else:
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(process, port, cluster.pki.path("ca.crt"))
+    except AssertionError:
+        process.kill()
+        process.wait()
+        raise
+    return process
