@@ -9,14 +9,12 @@ gated."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import kubernetes
@@ -30,7 +28,7 @@ from testbed.workloads import wait_for
 from tests.support.chart import find, render
 from tests.support.controller import running_controller
 from tests.support.pools import complete_pool
-from tests.support.webhook import serve_webhook
+from tests.support.webhook import pointed_at_host, serve_webhook
 
 pytestmark = pytest.mark.cluster
 NODES = ("node-a", "node-b")
@@ -50,12 +48,7 @@ def configuration(cluster: Cluster, port: int, name: str) -> dict[str, Any]:
     assert cluster.pki is not None
     values = {"controller.placePods.enabled": True, "webhook.gatePods.enabled": False,
               "webhook.gatePods.failurePolicy": "Fail"}  # fmt: skip
-    config = find(render(values), "MutatingWebhookConfiguration")
-    config["metadata"] = {"name": name}
-    ca_bundle = base64.b64encode(Path(cluster.pki.path("ca.crt")).read_bytes()).decode()
-    for webhook in config["webhooks"]:
-        webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/place-pods", "caBundle": ca_bundle}
-    return config
+    return pointed_at_host(find(render(values), "MutatingWebhookConfiguration"), cluster, port, "/place-pods", name)
 
 
 @pytest.fixture(scope="module")

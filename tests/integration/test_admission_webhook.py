@@ -31,7 +31,7 @@ from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
 from tests.support import ROOT
 from tests.support.chart import find, render
-from tests.support.webhook import serve_webhook, wait_serving
+from tests.support.webhook import pointed_at_host, serve_webhook, wait_serving
 
 pytestmark = pytest.mark.cluster
 
@@ -79,13 +79,7 @@ def refusal(create: Callable[[], Any]) -> str:
 
 def chart_configuration(cluster: Cluster, port: int, name: str) -> dict[str, Any]:
     """The chart's ValidatingWebhookConfiguration, pointed at this host's webhook."""
-    assert cluster.pki is not None
-    config = find(render(), "ValidatingWebhookConfiguration")
-    config["metadata"] = {"name": name}
-    ca_bundle = base64.b64encode(Path(cluster.pki.path("ca.crt")).read_bytes()).decode()
-    for webhook in config["webhooks"]:
-        webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/validate", "caBundle": ca_bundle}
-    return config
+    return pointed_at_host(find(render(), "ValidatingWebhookConfiguration"), cluster, port, "/validate", name)
 
 
 @pytest.fixture(scope="module")

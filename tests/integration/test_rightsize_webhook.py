@@ -9,7 +9,6 @@ template's claim keeps its 10Gi."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import time
@@ -28,7 +27,7 @@ from driver.sizing.sizes import Size
 from testbed.cluster.harness import Cluster, free_port
 from testbed.workloads import unique
 from tests.support.chart import find, render
-from tests.support.webhook import serve_webhook
+from tests.support.webhook import pointed_at_host, serve_webhook
 
 pytestmark = pytest.mark.cluster
 
@@ -81,16 +80,12 @@ def webhook(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     flags = (f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}")
     process = serve_webhook(cluster, port, "rightsize-webhook", *flags, log=log)
     config = find(render({"webhook.rightsize.enabled": "true"}), "MutatingWebhookConfiguration")
-    config["metadata"] = {"name": name}
     config["webhooks"] = [w for w in config["webhooks"] if w["name"].startswith("rightsize-")]
     assert [w["name"] for w in config["webhooks"]] == [
         "rightsize-namespaces.gpu.fgpu.dev",
         "rightsize-templates.gpu.fgpu.dev",
     ]
-    ca_bundle = base64.b64encode(Path(cluster.pki.path("ca.crt")).read_bytes()).decode()
-    for entry in config["webhooks"]:
-        entry["clientConfig"] = {"url": f"https://127.0.0.1:{port}/rightsize", "caBundle": ca_bundle}
-    admission.create_mutating_webhook_configuration(config)
+    admission.create_mutating_webhook_configuration(pointed_at_host(config, cluster, port, "/rightsize", name))
     try:
         yield history_ns, log
     finally:

@@ -3,12 +3,14 @@ certificate the test cluster's CA signed, and waited for until it serves."""
 
 from __future__ import annotations
 
+import base64
 import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from testbed.cluster.harness import Cluster
 from tests.support import ROOT
@@ -54,3 +56,14 @@ def serve_webhook(
         process.wait()
         raise
     return process
+
+
+def pointed_at_host(config: dict[str, Any], cluster: Cluster, port: int, path: str, name: str) -> dict[str, Any]:
+    """A webhook configuration the chart renders, renamed `name`, each of its webhooks calling
+    this host's webhook at `path` and trusting the cluster's CA."""
+    assert cluster.pki is not None
+    config["metadata"] = {"name": name}
+    ca_bundle = base64.b64encode(Path(cluster.pki.path("ca.crt")).read_bytes()).decode()
+    for webhook in config["webhooks"]:
+        webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+    return config
