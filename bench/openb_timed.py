@@ -58,7 +58,7 @@ from driver.allocator.policies import Policy
 from driver.scheduling.nodefit import PodNeeds
 
 SAMPLES = 400  # holes counted this many times over the arrival window
-SEARCHES_PER_EVICTION = 4  # plans looked for, at most, for each eviction the budget allows
+SEARCHES_PER_EVICTION = 1  # plans looked for, at most, for each eviction the budget allows
 
 
 @dataclass(frozen=True)
@@ -580,13 +580,14 @@ def replay_seed(
     lifetimes: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
-    """Every policy's figures on the same timed pods (fgpu's fragmentation, the FGD and BestFit
-    replicas, fgpu with claims that say their run time and fgpu making room when asked), their
+    """Every policy's figures on the same timed pods (fgpu's fragmentation and binpack, the FGD and
+    BestFit replicas, fgpu with claims that say their run time and fgpu making room when asked), their
     time averages over the same hours."""
     named = dict(zip(node_names(nodes, seed), nodes, strict=True))
     runs = []
     placers: list[tuple[str, Callable[[], Placer], float]] = [
         ("fgpu fragmentation", lambda: FgpuPlacer(nodes, seed, "fragmentation", cpu_pods), 0.0),
+        ("fgpu binpack", lambda: FgpuPlacer(nodes, seed, "binpack", cpu_pods), 0.0),
         ("FGD (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "fgd"), 0.0),
         ("BestFit (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "bestfit"), 0.0),
     ]

@@ -123,6 +123,7 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == [
         "| fgpu fragmentation",
+        "| fgpu binpack",
         "| FGD (replica)",
         "| BestFit (replica)",
         "| fgpu fragmentation, claims saying their run time",
