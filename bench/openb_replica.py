@@ -237,11 +237,15 @@ class Node:
             return False
         return not spec.num or (accessible(self.model, spec.gpu_type) and _hosts(self.gpus, spec))
 
-    def take(self, pod: TracePod, spec: Spec, gpu_ids: Sequence[int]) -> None:
-        self.cpu_left -= spec.cpu
-        self.memory_left -= pod.memory_mib
+    def take(self, pod: TracePod, spec: Spec, gpu_ids: Sequence[int], sign: int = 1) -> None:
+        self.cpu_left -= sign * spec.cpu
+        self.memory_left -= sign * pod.memory_mib
         for i in gpu_ids:
-            self.gpus[i] -= spec.milli
+            self.gpus[i] -= sign * spec.milli
+
+    def give_back(self, pod: TracePod, spec: Spec, gpu_ids: Sequence[int]) -> None:
+        """The reverse of take (a pod leaving: bench/openb_timed.py)."""
+        self.take(pod, spec, gpu_ids, -1)
 
 
 def exclusive_gpus(gpus: Sequence[int], spec: Spec) -> list[int]:

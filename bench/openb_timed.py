@@ -84,9 +84,7 @@ def read_times(path: Path) -> Times:
         }
 
 
-def timed_pods(
-    pods: Iterable[TracePod], times: dict[str, tuple[int, int, int | None]], speedup: float
-) -> list[TimedPod]:
+def timed_pods(pods: Iterable[TracePod], times: Times, speedup: float) -> list[TimedPod]:
     """The pods in arrival order (ties by name), each with its run time; a clone the tuning added
     (bench/openb.py, workload) arrives and runs as its original."""
     timed = []
@@ -204,7 +202,8 @@ class FgpuPlacer:
         self.allocator, self.room, self.names = cluster(nodes, seed, policy, self.pods_of)
         self.cpu_pods = cpu_pods
         self.lifetimes = lifetimes
-        self.placed: dict[str, tuple[Placement, float]] = {}  # pod name -> where, since when
+        self.placed: dict[str, tuple[Placement, int]] = {}  # pod name -> where, its placement's number
+        self.placements = 0  # placed so far: a holder's start order for making room (younger moves first)
         self.claims: dict[str, Claim] = {}
         self.pods: dict[str, TracePod] = {}
 
@@ -235,7 +234,8 @@ class FgpuPlacer:
         return not isinstance(self.allocator.allocate(claim, sorted(nodes), self.room, why=False), Failure)
 
     def _record(self, pod: TracePod, placement: Placement) -> Spot:
-        self.placed[pod.name] = (placement, time.monotonic())
+        self.placements += 1
+        self.placed[pod.name] = (placement, self.placements)
         return Spot(placement.node, _gpu_indices(placement.allocation))
 
     def remove(self, pod: TracePod) -> None:
@@ -318,11 +318,7 @@ class ReplicaPlacer:
 
     def remove(self, pod: TracePod) -> None:
         index, gpus = self.placed.pop(pod.name)
-        node, spec = self.cluster[index], spec_of(pod)
-        node.cpu_left += spec.cpu
-        node.memory_left += pod.memory_mib
-        for gpu in gpus:
-            node.gpus[gpu] += spec.milli
+        self.cluster[index].give_back(pod, spec_of(pod), gpus)
         self.kept[index] = {}
 
 

@@ -22,12 +22,10 @@ came, whatever the configuration sends.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 from typing import Any, Protocol
 
-from driver.admission.review import REVIEW_API_VERSION, admission_request
+from driver.admission.review import admission_request, allowed
 from driver.kube.errors import KubeError
 from driver.scheduling.opt_in import SCHEDULING_GATE, claimless, gated, opted_in, placement_exempt
 
@@ -89,19 +87,11 @@ def _created_pod(request: dict[str, Any]) -> tuple[dict[str, Any], str, str] | N
     return pod, namespace, f"{namespace}/{meta.get('name') or meta.get('generateName', '') + '*'}"
 
 
-def _review(request: dict[str, Any], patch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
-    if patch:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-    return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}
-
-
 def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
     """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
     request = admission_request(document)
     if (created := _created_pod(request)) is None:
-        return _review(request)
+        return allowed(request)
     pod, namespace, name = created
     try:
         source, why = opt_in_reason(pod, namespace, reader)
@@ -111,9 +101,9 @@ def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
     if source is None:
         if why:
             LOG.info("pod %s not gated: %s", name, why)
-        return _review(request)
+        return allowed(request)
     LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, source)
-    return _review(request, gate_patch(pod))
+    return allowed(request, gate_patch(pod))
 
 
 def place_pods(document: Any) -> dict[str, Any]:
@@ -121,13 +111,13 @@ def place_pods(document: Any) -> dict[str, Any]:
     controller places: allowed, with the gate's patch where the pod has no claims and is not exempt."""
     request = admission_request(document)
     if (created := _created_pod(request)) is None:
-        return _review(request)
+        return allowed(request)
     pod, namespace, name = created
     if not claimless(pod):
-        return _review(request)  # its claims decide (POST /mutate)
+        return allowed(request)  # its claims decide (POST /mutate)
     exempt = placement_exempt({**pod, "metadata": {**(pod.get("metadata") or {}), "namespace": namespace}})
     if exempt is not None:
         LOG.info("pod %s not gated for placement: %s", name, exempt)
-        return _review(request)
+        return allowed(request)
     LOG.info("pod %s gated (%s): the controller places the pods of namespace %s", name, SCHEDULING_GATE, namespace)
-    return _review(request, gate_patch(pod))
+    return allowed(request, gate_patch(pod))

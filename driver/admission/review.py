@@ -11,6 +11,8 @@ there.
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 from driver.claims.config import DeviceConfig, parse_device_config
@@ -99,4 +101,18 @@ def review(document: Any, driver: str) -> dict[str, Any]:
             "reason": "Invalid",
             "message": f"{kind} {name}: " + "; ".join(errors),
         }
+    return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def allowed(
+    request: dict[str, Any], patch: list[dict[str, Any]] | None = None, warnings: list[str] | None = None
+) -> dict[str, Any]:
+    """The AdmissionReview that admits the request, with a JSON patch and warnings where given (the
+    mutating webhooks' answer)."""
+    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    if warnings:
+        response["warnings"] = warnings
     return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}

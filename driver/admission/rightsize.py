@@ -15,15 +15,13 @@ or uid yet, docs/rightsizing.md says why).
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from driver.admission.review import REVIEW_API_VERSION, admission_request
+from driver.admission.review import admission_request, allowed
 from driver.sizing import store
 from driver.sizing.initial import INITIAL, OFF, ORIGINAL_ANNOTATION, RIGHTSIZE, mode, size_claim
 from driver.sizing.owner import POD_CLAIM_NAME, template_of, workload_of
@@ -100,21 +98,21 @@ def rightsize(document: Any, sizer: Rightsizer) -> dict[str, Any]:
     claim = request.get("object")
     kind = (request.get("kind") or {}).get("kind", "")
     if kind != "ResourceClaim" or request.get("operation") != "CREATE" or not isinstance(claim, dict):
-        return answer(request)
+        return allowed(request)
     metadata = claim.get("metadata") or {}
     annotations = metadata.get("annotations") or {}
     namespace = str(request.get("namespace") or metadata.get("namespace") or "")
     name = f"{namespace}/{metadata.get('name') or str(metadata.get('generateName', '')) + '*'}"
     if not annotations.get(POD_CLAIM_NAME) or ORIGINAL_ANNOTATION in annotations:
-        return answer(request)  # not made from a template, or sized already (a reinvocation)
+        return allowed(request)  # not made from a template, or sized already (a reinvocation)
     try:
         patch, warnings = _sized(claim, namespace, annotations, sizer)
     except Exception as err:  # never a refusal for our own failure: the claim keeps its template's size
         LOG.warning("claim %s admitted unsized: %s", name, err)
-        return answer(request)
+        return allowed(request)
     if patch:
         LOG.info("claim %s sized: %s", name, "; ".join(warnings))
-    return answer(request, patch, warnings)
+    return allowed(request, patch, warnings)
 
 
 def _sized(
@@ -152,13 +150,3 @@ def _pod(claim: JsonObject, namespace: str, sizer: Rightsizer) -> JsonObject:
     if pod is None or (pod.get("metadata") or {}).get("uid") != owner.get("uid"):
         raise ValueError(f"its pod {owner.get('name')} is gone")
     return pod
-
-
-def answer(request: JsonObject, patch: list[JsonObject] | None = None, warnings: list[str] | None = None) -> JsonObject:
-    response: JsonObject = {"uid": request["uid"], "allowed": True}
-    if patch:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-    if warnings:
-        response["warnings"] = warnings
-    return {"apiVersion": REVIEW_API_VERSION, "kind": "AdmissionReview", "response": response}

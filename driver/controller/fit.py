@@ -109,6 +109,7 @@ def pinned_node(pod: JsonObject) -> str:
 
 
 def _named_node(term: JsonObject) -> str:
+    """The node a node selector term names alone (`matchFields metadata.name In [node]`), or ""."""
     for field in term.get("matchFields") or ():
         values: list[Any] = field.get("values") or []
         if field.get("key") == "metadata.name" and field.get("operator") == "In" and len(values) == 1:
@@ -119,8 +120,4 @@ def _named_node(term: JsonObject) -> str:
 def allocated_node(claim: JsonObject) -> str:
     """The one node an allocation's node selector names (matchFields metadata.name In [node])."""
     selector = ((claim.get("status") or {}).get("allocation") or {}).get("nodeSelector") or {}
-    for term in selector.get("nodeSelectorTerms") or ():
-        for field in term.get("matchFields") or ():
-            if field.get("key") == "metadata.name" and field.get("operator") == "In" and len(field["values"]) == 1:
-                return field["values"][0]
-    return ""
+    return next((node for term in selector.get("nodeSelectorTerms") or () if (node := _named_node(term))), "")
