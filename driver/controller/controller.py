@@ -32,6 +32,7 @@ from driver.controller import metrics
 from driver.controller.allocators import AllocatorCache
 from driver.controller.api import ControllerApi
 from driver.controller.clock import WallClock
+from driver.controller.fit import RoomReader
 from driver.controller.gates import GatedPods, GateLifter
 from driver.controller.leader import LeaderElector, LeaseTimings
 from driver.controller.ledger import LEDGER_LABEL, Ledgers
@@ -119,7 +120,7 @@ class Controller:
         # The collaborators, each given what it uses: callables where one tells another (written
         # units lift their pods' gates, and are watched for kube-scheduler's refusals).
         self.replica = replica = Replica(
-            api, self.informers, self.ledgers, self.stale, self.writers, self.acting, self.progress
+            api, self.informers, self.ledgers, self.stale, self.writers, self.acting, self.progress, RoomReader()
         )
         gated = GatedPods(self.informers["pods"])
         reporter = Reporter(api, self.informers["pods"], gated, wall_clock)

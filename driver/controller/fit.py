@@ -16,9 +16,9 @@ template's claim exists before its pod's status names it)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from driver.kube.informer import object_key
 from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
@@ -26,6 +26,73 @@ from driver.scheduling.opt_in import gated, pod_claim_names
 
 JsonObject = dict[str, Any]
 FINISHED = ("Succeeded", "Failed")
+Parsed_T = TypeVar("Parsed_T")
+
+
+class Parsed(Generic[Parsed_T]):
+    """What was read of each object (a pod's needs, a node's facts), kept by its uid or name and
+    read again only when its resourceVersion changes: a pass builds its room from every pod and
+    node, and parsing each one's quantities again was most of that at thousands of pods."""
+
+    def __init__(self, read: Callable[[JsonObject], Parsed_T], key: str) -> None:
+        """`key`: the metadata field an object is kept by (uid, or a node's name)."""
+        self._read, self._key = read, key
+        self._kept: dict[str, tuple[str, Parsed_T]] = {}  # key -> resourceVersion, what was read
+
+    def of(self, obj: JsonObject) -> Parsed_T:
+        return self._of(obj, self._kept, self._kept)
+
+    def all_of(self, objects: Iterable[JsonObject]) -> list[Parsed_T]:
+        """Each object's, keeping only these: what is gone from the caches is forgotten."""
+        before, self._kept = self._kept, {}
+        return [self._of(obj, before, self._kept) for obj in objects]
+
+    def _of(
+        self, obj: JsonObject, before: dict[str, tuple[str, Parsed_T]], keep: dict[str, tuple[str, Parsed_T]]
+    ) -> Parsed_T:
+        metadata = obj.get("metadata") or {}
+        key, version = metadata.get(self._key), metadata.get("resourceVersion")
+        if not key or not version:  # nothing to tell a change by: read it
+            return self._read(obj)
+        kept = before.get(key)
+        if kept is None or kept[0] != version:
+            kept = (version, self._read(obj))
+        keep[key] = kept
+        return kept[1]
+
+
+class RoomReader:
+    """Builds a pass's room for pods from the caches (node_room), reading again only the pods and
+    nodes that changed since the last pass."""
+
+    def __init__(self) -> None:
+        self._pods: Parsed[PodNeeds] = Parsed(PodNeeds.from_object, "uid")
+        self._nodes: Parsed[NodeFacts] = Parsed(NodeFacts.from_object, "name")
+
+    def room(
+        self,
+        nodes: Iterable[JsonObject],
+        pods: Iterable[JsonObject],
+        claims: Iterable[JsonObject],
+        refused: Mapping[str, AbstractSet[str]] | None = None,
+    ) -> NodeRoom:
+        """`refused`: pod key -> nodes kube-scheduler refused for it (refusals.py)."""
+        live = live_pods(pods)
+        claims_by_key = {object_key(c): c for c in claims}
+        needs = dict(zip((pod["metadata"].get("uid") for pod in live), self._pods.all_of(live), strict=True))
+        running = []
+        for pod in live:
+            used = [claims_by_key.get(f"{pod['metadata']['namespace']}/{name}") for name in _claim_names(pod)]
+            if node := _where(pod, used):
+                running.append((node, needs[pod["metadata"].get("uid")]))
+        return NodeRoom(self._nodes.all_of(nodes), _pods_of(live, needs, claims_by_key), running, refused)
+
+    def claim_pods(self, pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> dict[str, list[PodNeeds]]:
+        """Claim key -> the pods that use it (what a room's `pods_of` holds), for claims that
+        arrive while a pass's room is in use."""
+        live = live_pods(pods)
+        needs = {pod["metadata"].get("uid"): self._pods.of(pod) for pod in live}
+        return _pods_of(live, needs, {object_key(c): c for c in claims})
 
 
 def node_room(
@@ -34,24 +101,8 @@ def node_room(
     claims: Iterable[JsonObject],
     refused: Mapping[str, AbstractSet[str]] | None = None,
 ) -> NodeRoom:
-    """`refused`: pod key -> nodes kube-scheduler refused for it (refusals.py)."""
-    live = live_pods(pods)
-    claims_by_key = {object_key(c): c for c in claims}
-    needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
-    running = []
-    for pod in live:
-        used = [claims_by_key.get(f"{pod['metadata']['namespace']}/{name}") for name in _claim_names(pod)]
-        if node := _where(pod, used):
-            running.append((node, needs[pod["metadata"].get("uid")]))
-    return NodeRoom((NodeFacts.from_object(n) for n in nodes), _pods_of(live, needs, claims_by_key), running, refused)
-
-
-def claim_pods(pods: Iterable[JsonObject], claims: Iterable[JsonObject]) -> dict[str, list[PodNeeds]]:
-    """Claim key -> the pods that use it (what a room's `pods_of` holds), for claims that arrive
-    while a pass's room is in use."""
-    live = live_pods(pods)
-    needs = {pod["metadata"].get("uid"): PodNeeds.from_object(pod) for pod in live}
-    return _pods_of(live, needs, {object_key(c): c for c in claims})
+    """The room read afresh, nothing kept (RoomReader.room)."""
+    return RoomReader().room(nodes, pods, claims, refused)
 
 
 def live_pods(pods: Iterable[JsonObject]) -> list[JsonObject]:

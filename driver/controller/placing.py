@@ -23,7 +23,6 @@ from driver.allocator.cluster import Failure, Placement
 from driver.allocator.model import Claim, ObjectError, claim_from_object
 from driver.controller import metrics
 from driver.controller.allocators import AllocatorCache
-from driver.controller.fit import claim_pods
 from driver.controller.groups import Groups
 from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim, released
@@ -91,7 +90,9 @@ class Placer:
                 continue
             handled.update(object_key(c) for c in arrived)
             # The pods that came with the claims; what this pass took of the nodes stays.
-            room.pods_of = claim_pods(self._informers["pods"].items(), self._informers["claims"].items())
+            room.pods_of = self._replica.rooms.claim_pods(
+                self._informers["pods"].items(), self._informers["claims"].items()
+            )
             in_flight += self._submit(current, arrived, room)
         wait(in_flight)
         log.debug("pass: %d claims placed and written in %.3f s", len(handled), time.perf_counter() - started)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.controller.api import ControllerApi
-from driver.controller.fit import node_room
+from driver.controller.fit import RoomReader
 from driver.controller.groups import Groups
 from driver.controller.ledger import Ledgers
 from driver.controller.progress import Progress
@@ -30,6 +30,7 @@ class Replica:
     writers: ThreadPoolExecutor
     acting: Callable[[], bool]  # checked before every write: this replica leads and is not stopping
     progress: Progress  # beaten by the loop and after each unit a pass handles (the liveness probe)
+    rooms: RoomReader  # the pods and nodes read for the last pass's room, kept until they change
 
     def stopped(self) -> bool:
         """Whether a pass stops here: a write failed, or this replica no longer acts."""
@@ -54,7 +55,7 @@ class Replica:
     def room(self, refused: Mapping[str, AbstractSet[str]]) -> NodeRoom:
         """What the nodes have left for the pods of the claims a pass places (fit.py); `refused`:
         pod key -> nodes kube-scheduler refused for it (refusals.py)."""
-        return node_room(
+        return self.rooms.room(
             self.informers["nodes"].items(),
             self.informers["pods"].items(),
             self.informers["claims"].items(),
