@@ -253,7 +253,7 @@ class FgpuPlacer:
             for p, started in self.placed.values()
             if p.allocation["devices"]["results"]
         ]
-        plans = make_room(self.allocator, claim, holders, limit=1)
+        plans = make_room(self.allocator, claim, holders, limit=1, room=self.room)
         if not plans or not plans[0].victims:
             return None
         plan = plans[0]

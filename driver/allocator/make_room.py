@@ -15,19 +15,25 @@ NODES_SEARCHED nodes where room can be made at all (fullest first; any other nod
 search): O(min(N, NODES_SEARCHED) G (G + V) + N) node searches. A gang: its members largest first,
 each planned so on the state the members before it leave, starting from each of the first
 member's cheapest plans. Victims that are moved (not killed) must fit again elsewhere with the
-pending placements and their own old places both counted: never back into the room they made."""
+pending placements and their own old places both counted: never back into the room they made.
+
+With the nodes' room for pods (a PodRoom: CPU, memory, pod count, what each node admits), "fits"
+means by devices and by room: a claim whose devices fit a node but whose pods do not gets victims
+whose pods, given back, make the room, and moved victims must find room for their pods too. The
+planner counts that on its own copy (planned_room.py): the caller's room is never changed."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from driver.allocator.allocate import SEARCH_STEPS, AllocationError, SearchBudget, SearchBudgetExceeded
-from driver.allocator.cluster import ClusterAllocator, Failure, Placement
+from driver.allocator.cluster import ClusterAllocator, Failure, Placement, PodRoom
 from driver.allocator.model import Claim
+from driver.allocator.planned_room import PlannedRoom
 from driver.common.quantity import QuantityError, format_amount, parse_quantity
 
 PLANS = 4  # plans returned: the next is tried when an eviction is refused (a PodDisruptionBudget)
@@ -72,19 +78,28 @@ class Move:
 class _Scratch:
     """Adds and releases made while planning, undone in reverse order: an add and a release are
     exact inverses on the allocator's state (whole numbers and fractions, counted shares and their
-    tenants: each allocation with the claim that holds it)."""
+    tenants: each allocation with the claim that holds it). With a room, the holder's pods are
+    taken and given back with its devices (`pods`: unless the allocation is no claim's own)."""
 
-    def __init__(self, allocator: ClusterAllocator) -> None:
-        self.allocator = allocator
-        self._undo: list[tuple[Callable[[str, dict[str, Any], Claim], None], str, dict[str, Any], Claim]] = []
+    def __init__(self, allocator: ClusterAllocator, room: PlannedRoom | None = None) -> None:
+        self.allocator, self.room = allocator, room
+        self._undo: list[tuple[Placement, bool, bool]] = []  # what changed, whether added, with its pods
 
-    def add(self, node: str, allocation: dict[str, Any], holder: Claim) -> None:
-        self.allocator.add(node, allocation, holder)
-        self._undo.append((self.allocator.release, node, allocation, holder))
+    def add(self, node: str, allocation: dict[str, Any], holder: Claim, pods: bool = True) -> None:
+        self._step(Placement(holder, node, allocation), True, pods)
 
     def release(self, node: str, allocation: dict[str, Any], holder: Claim) -> None:
-        self.allocator.release(node, allocation, holder)
-        self._undo.append((self.allocator.add, node, allocation, holder))
+        self._step(Placement(holder, node, allocation), False, True)
+
+    def _step(self, placement: Placement, add: bool, pods: bool) -> None:
+        self._change(placement, add, pods)
+        self._undo.append((placement, add, pods))
+
+    def _change(self, placement: Placement, add: bool, pods: bool) -> None:
+        change = self.allocator.add if add else self.allocator.release
+        change(placement.node, placement.allocation, placement.claim)
+        if pods and self.room is not None:
+            (self.room.take if add else self.room.give_back)(placement)
 
     def release_all(self, holders: Sequence[Holder]) -> None:
         for holder in holders:
@@ -95,13 +110,13 @@ class _Scratch:
 
     def undo(self, mark: int = 0) -> None:
         while len(self._undo) > mark:
-            step, node, allocation, holder = self._undo.pop()
-            step(node, allocation, holder)
+            placement, added, pods = self._undo.pop()
+            self._change(placement, not added, pods)
 
 
 @contextmanager
-def _scratch(allocator: ClusterAllocator) -> Iterator[_Scratch]:
-    scratch = _Scratch(allocator)
+def _scratch(allocator: ClusterAllocator, room: PlannedRoom | None = None) -> Iterator[_Scratch]:
+    scratch = _Scratch(allocator, room)
     try:
         yield scratch
     finally:
@@ -158,8 +173,13 @@ def _size(claim: Claim) -> int:
     return sum(alternatives[0].count or 1 for alternatives in claim.requests)
 
 
-def _fits_on(allocator: ClusterAllocator, node: str, claim: Claim, budget: SearchBudget) -> dict[str, Any] | None:
-    """The claim's allocation on the node, if it fits; the budget running out ends the planning."""
+def _fits_on(
+    allocator: ClusterAllocator, node: str, claim: Claim, budget: SearchBudget, room: PlannedRoom | None
+) -> dict[str, Any] | None:
+    """The claim's allocation on the node, if it fits (its pods too, with a room); the budget
+    running out ends the planning."""
+    if room is not None and not room.fits(claim, node):
+        return None
     try:
         result = allocator.allocate_on(node, [claim], budget)
     except SearchBudgetExceeded:
@@ -170,12 +190,21 @@ def _fits_on(allocator: ClusterAllocator, node: str, claim: Claim, budget: Searc
 
 
 def _node_options(
-    allocator: ClusterAllocator, node: str, claim: Claim, movable: Sequence[Holder], budget: SearchBudget
+    allocator: ClusterAllocator,
+    node: str,
+    claim: Claim,
+    movable: Sequence[Holder],
+    budget: SearchBudget,
+    room: PlannedRoom | None,
 ) -> list[tuple[tuple[Holder, ...], Placement]]:
     """Victim sets on one node after which the claim fits there, each with no victim to spare."""
-    with _scratch(allocator) as scratch:
+
+    def fits() -> dict[str, Any] | None:
+        return _fits_on(allocator, node, claim, budget, room)
+
+    with _scratch(allocator, room) as scratch:
         scratch.release_all(movable)
-        if _fits_on(allocator, node, claim, budget) is None:
+        if fits() is None:
             return []  # not even with every movable allocation gone
     by_gpu: dict[GpuId, list[Holder]] = defaultdict(list)
     for holder in movable:
@@ -184,34 +213,39 @@ def _node_options(
     ordered = sorted(by_gpu, key=lambda gpu: (_cost(allocator, by_gpu[gpu]), gpu))
     options: dict[frozenset[int], tuple[tuple[Holder, ...], Placement]] = {}
     for seed in ordered[:SEEDS_PER_NODE]:
-        with _scratch(allocator) as scratch:
+        with _scratch(allocator, room) as scratch:
             released: list[Holder] = []
             for gpu in [seed, *(g for g in ordered if g != seed)]:
                 group = [h for h in by_gpu[gpu] if h not in released]
                 scratch.release_all(group)
                 released.extend(group)
-                if _fits_on(allocator, node, claim, budget) is not None:
+                if fits() is not None:
                     break
             else:
                 continue
             for holder in sorted(released, key=lambda h: _cost(allocator, [h]), reverse=True):
                 mark = scratch.mark()
                 scratch.add(holder.node, holder.allocation, holder.claim)
-                if _fits_on(allocator, node, claim, budget) is None:
+                if fits() is None:
                     scratch.undo(mark)  # needed: it goes
                 else:
                     released.remove(holder)
-            allocation = _fits_on(allocator, node, claim, budget)
+            allocation = fits()
             if allocation is not None:
                 options.setdefault(frozenset(map(id, released)), (tuple(released), Placement(claim, node, allocation)))
     return list(options.values())
 
 
 def _claim_options(
-    allocator: ClusterAllocator, claim: Claim, movable: Sequence[Holder], budget: SearchBudget
+    allocator: ClusterAllocator,
+    claim: Claim,
+    movable: Sequence[Holder],
+    budget: SearchBudget,
+    room: PlannedRoom | None,
 ) -> list[tuple[tuple[Holder, ...], Placement]]:
-    """Every node's victim sets for one claim, cheapest first; no victims when it fits already."""
-    outcome = allocator.allocate(claim, why=False, budget=budget)  # only whether it fits
+    """Every node's victim sets for one claim, cheapest first; no victims when it fits already.
+    With a room, only nodes that admit the claim's pods are searched."""
+    outcome = allocator.allocate(claim, room=room, why=False, budget=budget)  # only whether it fits
     if isinstance(outcome, Placement):
         return [((), outcome)]
     by_node: dict[str, list[Holder]] = defaultdict(list)
@@ -219,8 +253,9 @@ def _claim_options(
         by_node[holder.node].append(holder)
     options = []
     searched = 0
-    for node in (name for name in allocator.node_order() if name in by_node):
-        found = _node_options(allocator, node, claim, by_node[node], budget)
+    admitted = (name for name in allocator.node_order() if room is None or room.admits(claim, name))
+    for node in (name for name in admitted if name in by_node):
+        found = _node_options(allocator, node, claim, by_node[node], budget, room)
         options.extend(found)
         searched += bool(found)
         if searched >= NODES_SEARCHED:
@@ -229,19 +264,24 @@ def _claim_options(
 
 
 def _gang_options(
-    allocator: ClusterAllocator, claims: Sequence[Claim], movable: Sequence[Holder], limit: int, budget: SearchBudget
+    allocator: ClusterAllocator,
+    claims: Sequence[Claim],
+    movable: Sequence[Holder],
+    limit: int,
+    budget: SearchBudget,
+    room: PlannedRoom | None,
 ) -> list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]:
     """Victims and placements for every member, largest first, from each of the first member's
     `limit` cheapest options; each later member takes its cheapest option on what is left."""
     first, *rest = sorted(claims, key=_size, reverse=True)
     found: dict[frozenset[int], tuple[tuple[Holder, ...], tuple[Placement, ...]]] = {}
-    for victims, placement in _claim_options(allocator, first, movable, budget)[:limit]:
-        with _scratch(allocator) as scratch:
+    for victims, placement in _claim_options(allocator, first, movable, budget, room)[:limit]:
+        with _scratch(allocator, room) as scratch:
             scratch.release_all(victims)
             scratch.add(placement.node, placement.allocation, placement.claim)
             chosen, placed = list(victims), [placement]
             for claim in rest:
-                options = _claim_options(allocator, claim, [h for h in movable if h not in chosen], budget)
+                options = _claim_options(allocator, claim, [h for h in movable if h not in chosen], budget, room)
                 if not options:
                     break
                 more, where = options[0]
@@ -271,18 +311,23 @@ def _rest_of_shared(allocator: ClusterAllocator, holder: Holder) -> dict[str, An
 
 
 def _moves(
-    allocator: ClusterAllocator, victims: Sequence[Holder], placements: Sequence[Placement], budget: SearchBudget
+    allocator: ClusterAllocator,
+    victims: Sequence[Holder],
+    placements: Sequence[Placement],
+    budget: SearchBudget,
+    room: PlannedRoom | None,
 ) -> tuple[Placement, ...] | None:
     """Where the victims fit again, largest first, with the pending placements on top of the
-    state as it is (victims still in their old places): never into the room they made."""
-    with _scratch(allocator) as scratch:
+    state as it is (victims still in their old places, their pods still counted there): never
+    into the room they made."""
+    with _scratch(allocator, room) as scratch:
         for placement in placements:
             scratch.add(placement.node, placement.allocation, placement.claim)
         for victim in victims:
-            scratch.add(victim.node, _rest_of_shared(allocator, victim), victim.claim)
+            scratch.add(victim.node, _rest_of_shared(allocator, victim), victim.claim, pods=False)
         moves = []
         for victim in sorted(victims, key=lambda v: given_back(allocator, v), reverse=True):
-            outcome = allocator.allocate(victim.claim, why=False, budget=budget)
+            outcome = allocator.allocate(victim.claim, room=room, why=False, budget=budget)
             if isinstance(outcome, Failure):
                 return None
             scratch.add(outcome.node, outcome.allocation, outcome.claim)
@@ -297,6 +342,7 @@ def make_room(
     move: bool = True,
     limit: int = PLANS,
     budget: SearchBudget | None = None,
+    room: PodRoom | None = None,
 ) -> list[Plan]:
     """Up to `limit` plans, cheapest first, after each of which the pending claim (or every
     member of a gang) fits; with `move`, only plans whose victims fit again elsewhere. None when
@@ -304,24 +350,27 @@ def make_room(
     eviction of a victim is refused takes the next plan that does not name it, or plans again with
     that victim not movable. Every search of the planning spends one `budget` (default:
     SEARCH_STEPS); none when it runs out (budget.exhausted): a plan of an unfinished search may
-    evict more than the claim needs."""
+    evict more than the claim needs. With `room` (what the nodes have left for pods), the pending
+    pods and the moved victims' pods must fit there too, and victims whose pods' room lets the
+    pending pods fit are chosen as victims whose devices do; `room` is read, never changed."""
     claims = [pending] if isinstance(pending, Claim) else list(pending)
     movable = [h for h in holders if h.movable]
     if not claims:
         return []
     budget = budget or SearchBudget(SEARCH_STEPS)
+    planned = PlannedRoom(room) if room is not None else None
     options: list[tuple[tuple[Holder, ...], tuple[Placement, ...]]]
     try:
         if len(claims) == 1:
-            found = _claim_options(allocator, claims[0], movable, budget)
+            found = _claim_options(allocator, claims[0], movable, budget, planned)
             options = [(victims, (placement,)) for victims, placement in found]
         else:
-            options = _gang_options(allocator, claims, movable, limit, budget)
+            options = _gang_options(allocator, claims, movable, limit, budget, planned)
     except SearchBudgetExceeded:
         return []
     plans = []
     for victims, placements in sorted(options, key=lambda option: _cost(allocator, option[0])):
-        moves = _moves(allocator, victims, placements, budget) if move and victims else ()
+        moves = _moves(allocator, victims, placements, budget, planned) if move and victims else ()
         if budget.exhausted:
             return []
         if moves is None:

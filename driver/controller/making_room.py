@@ -4,8 +4,10 @@ can be placed, and hold the freed devices for it (docs/allocator.md, "Making roo
 Opt-in (`--make-room`). After a pass, each unit that could not be placed (a claim, or a gang's
 waiting members) is planned for on the pass's allocator (driver/allocator/make_room.py: fewest
 victims, then least GPU given back, then youngest; victims that are moved must fit again
-elsewhere). A plan whose pending pods would not run on its node, or that needs more evictions
-than the budget has left this minute, is not carried out. Carrying one out: first the freed
+elsewhere), with what the nodes have left for pods (the pass's room: CPU, memory, pod count): a
+claim that fits a node by its devices but not by its pods' CPU or memory gets victims whose pods
+give that room back, and moved victims need room for their pods too. A plan that needs more
+evictions than the budget has left this minute is not carried out. Carrying one out: first the freed
 devices are reserved for the pending claim in the pools' ledgers (the fence: a replica whose view
 is stale fails that write, and no eviction follows), then each victim's pods are evicted through
 the Eviction API. A PodDisruptionBudget that refuses an eviction fails the plan: its reservation
@@ -124,10 +126,12 @@ class RoomMaker:
             found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared), within=within)
             by_holder = {id(c.holder): c for c in found}
             holders = [c.holder for c in found]
+            # The room is the planner's to read: a plan's pending pods run where it places them,
+            # on room its victims' pods give back if need be, and moved victims' pods fit too.
             plans = [
                 plan
-                for plan in make_room(allocator, claims, holders, move=not preempt, budget=search)
-                if plan.victims and all(room.fits(p.claim, p.node) for p in plan.placements)
+                for plan in make_room(allocator, claims, holders, move=not preempt, budget=search, room=room)
+                if plan.victims
             ]
             if search.exhausted:
                 self._tell(objects, f"no room made: {search.reason(claims)}", warning=True)

@@ -6,20 +6,24 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import replace
+from fractions import Fraction
 from typing import Any
+
+import pytest
 
 from bench import make_room as make_room_bench
 from bench.allocator import packing, packing_trace
-from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.make_room import Holder, Plan, compaction, make_room
+from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds
 from tests.support.allocation import DRIVER, allocator, claim, exactly, h100_slices
 
 
 class Cluster:
     """An allocator with allocations put on named devices by hand, each kept as a Holder."""
 
-    def __init__(self, *nodes: str) -> None:
-        self.allocator: ClusterAllocator = allocator(h100_slices(*nodes))
+    def __init__(self, *nodes: str, policy: str = "binpack") -> None:
+        self.allocator: ClusterAllocator = allocator(h100_slices(*nodes), policy)
         self.holders: list[Holder] = []
 
     def whole(self, node: str, gpu: int, movable: bool = False, started: float = 0) -> Holder:
@@ -233,3 +237,88 @@ def test_the_bench_replays_bench_allocators_packing_trace_and_keeps_its_eviction
     crowded = argparse.Namespace(**{**vars(small), "nodes": 1, "seed": 1})  # claims fail: room is made
     made = make_room_bench.run("make-room", crowded, packing_trace(small.events, 1))
     assert made["made_room"] > 0 and made["evictions"] >= made["made_room"]
+
+
+# --- with the nodes' room for pods: CPU, memory, pod count ------------------------------------------
+
+ROOMY = {"cpu": 64, "memory": 512, "pods": 110}  # memory in GiB: only the sums matter here
+
+
+class Pods:
+    """The claims' pods (one each) and the nodes' room for them, as NodeRoom is built from them."""
+
+    def __init__(self, **allocatable: dict[str, int]) -> None:
+        self.nodes = [
+            NodeFacts(node, allocatable={k: Fraction(v) for k, v in a.items()}) for node, a in allocatable.items()
+        ]
+        self.pods_of: dict[str, list[PodNeeds]] = {}
+        self.running: list[tuple[str, PodNeeds]] = []
+
+    def of(self, owner: Holder | Any, **requests: int) -> None:
+        """The claim's pod and its requests; running on the holder's node if `owner` is a Holder."""
+        c = owner.claim if isinstance(owner, Holder) else owner
+        pod = PodNeeds(f"ns/{c.name}-pod", {k: Fraction(v) for k, v in requests.items()})
+        self.pods_of[c.key] = [pod]
+        if isinstance(owner, Holder):
+            self.running.append((owner.node, pod))
+
+    def room(self) -> NodeRoom:
+        return NodeRoom(self.nodes, self.pods_of, self.running)
+
+
+def crowded(policy: str = "binpack", n1: dict[str, int] = ROOMY, n3_cpu: int = 64) -> tuple[Cluster, Pods]:
+    """n1: GPUs free for the holders a test puts there; n2: every GPU taken for good; n3: room for
+    shares only, with `n3_cpu` CPUs. The holders the test adds on n1 need their pods too."""
+    cluster = Cluster("n1", "n2", "n3", policy=policy)
+    for gpu in range(8):
+        cluster.whole("n2", gpu)
+    cluster.landing("n3")
+    pods = Pods(n1=n1, n2=ROOMY, n3={**ROOMY, "cpu": n3_cpu})
+    for holder in cluster.holders:
+        pods.of(holder)
+    return cluster, pods
+
+
+def pending_pod(pods: Pods) -> Any:
+    pending = whole_gpus()
+    pods.of(pending, cpu=16, memory=64)
+    return pending
+
+
+@pytest.mark.parametrize("lacks", ["cpu", "memory", "pods"])
+@pytest.mark.parametrize("policy", ["binpack", "fragmentation"])
+def test_a_claim_that_fits_by_its_devices_gets_victims_whose_pods_give_the_room_back(lacks, policy):
+    cluster, pods = crowded(policy, n1={**ROOMY, "pods": 2} if lacks == "pods" else ROOMY)
+    hog = cluster.share("n1", 0, 10)  # seven GPUs stay free: what n1 lacks is what its pod takes
+    pods.of(hog, **{"cpu": {"cpu": 60}, "memory": {"memory": 500}, "pods": {}}[lacks])
+    if lacks == "pods":
+        pods.running.append(("n1", PodNeeds("ns/daemon")))  # the node's other pod slot
+    pending = pending_pod(pods)
+    room = pods.room()
+    left = {node: room.left(node) for node in ("n1", "n2", "n3")}
+    assert [p.victims for p in make_room(cluster.allocator, pending, cluster.holders)] == [()]  # by devices alone
+    (plan,) = make_room(cluster.allocator, pending, cluster.holders, room=room)
+    assert plan.victims == (hog,) and plan.placements[0].node == "n1"
+    assert [m.node for m in plan.moves] == ["n3"]  # where its pod has room too
+    assert {node: room.left(node) for node in left} == left  # the caller's room is read, never changed
+    apply(cluster, plan)
+    room.give_back(Placement(hog.claim, hog.node, hog.allocation))
+    for placement in (*plan.placements, *plan.moves):
+        assert room.fits(placement.claim, placement.node)
+        room.take(placement)
+    assert overdrawn(cluster) == []
+
+
+@pytest.mark.parametrize("n3_cpu, victims", [(32, ["smaller"]), (16, [])], ids=["one fits", "none fits"])
+def test_a_victim_whose_pod_would_not_fit_elsewhere_is_not_chosen(n3_cpu, victims):
+    cluster, pods = crowded(n1={**ROOMY, "cpu": 80}, n3_cpu=n3_cpu)
+    # Either holder's CPU makes room for the pending pod's 16; the younger one goes first by cost,
+    # but its pod's 40 CPUs fit on no other node.
+    younger, smaller = cluster.share("n1", 0, 10, started=2), cluster.share("n1", 1, 10, started=1)
+    pods.of(younger, cpu=40)
+    pods.of(smaller, cpu=30)
+    pending = pending_pod(pods)
+    plans = make_room(cluster.allocator, pending, cluster.holders, room=pods.room())
+    named = {id(younger): "younger", id(smaller): "smaller"}
+    assert [named[id(v)] for p in plans for v in p.victims] == victims
+    assert all(m.node == "n3" for p in plans for m in p.moves)

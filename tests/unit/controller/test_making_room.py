@@ -23,15 +23,19 @@ from tests.support.controller_cluster import (
     sync,
 )
 
-N1 = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}
+
+def on_node(node: str) -> dict[str, Any]:
+    return {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+
+
 SHARE = {"clients": "1", "compute": "10", "memory": "10Gi"}
 
 
-def held(name: str, device: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
-    """A claim allocated earlier on n1: a whole GPU, or (device gpu-N-mps) a 10Gi MPS share."""
+def held(name: str, device: str, created: str = "2026-01-01T00:00:00Z", node: str = "n1") -> dict[str, Any]:
+    """A claim allocated earlier on the node: a whole GPU, or (device gpu-N-mps) a 10Gi MPS share."""
     share = device.endswith("-mps")
     exactly: dict[str, Any] = {"deviceClassName": "mps.gpu.fgpu.dev" if share else "gpu.fgpu.dev", "count": 1}
-    result: dict[str, Any] = {"request": "r", "driver": "gpu.fgpu.dev", "pool": "n1", "device": device}
+    result: dict[str, Any] = {"request": "r", "driver": "gpu.fgpu.dev", "pool": node, "device": device}
     if share:
         exactly["capacity"] = {"requests": {"memory": "10Gi"}}
         result |= {"shareID": f"share-{name}", "consumedCapacity": SHARE}
@@ -40,18 +44,18 @@ def held(name: str, device: str, created: str = "2026-01-01T00:00:00Z") -> dict[
     return {
         "metadata": meta,
         "spec": spec,
-        "status": {"allocation": {"devices": {"results": [result]}, "nodeSelector": N1}},
+        "status": {"allocation": {"devices": {"results": [result]}, "nodeSelector": on_node(node)}},
     }
 
 
 def running(name: str, claim: str, movable: bool = False, owned: bool = True, priority: int = 0,
-            created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:  # fmt: skip
+            created: str = "2026-01-01T00:00:00Z", node: str = "n1") -> dict[str, Any]:  # fmt: skip
     meta: dict[str, Any] = {"name": name, "namespace": "ml", "creationTimestamp": created}
     if movable:
         meta["annotations"] = {"gpu.fgpu.dev/movable": "true"}
     if owned:
         meta["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": "rs-1", "controller": True}]
-    spec = {"nodeName": "n1", "priority": priority, "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}
+    spec = {"nodeName": node, "priority": priority, "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}
     return {"metadata": meta, "spec": spec, "status": {"phase": "Running"}}
 
 
@@ -291,3 +295,30 @@ def test_compaction_waits_while_anything_waits_and_leaves_a_gpu_something_holds(
             api.put("pods", running(f"stays-{i}", f"stays-{i}"))
     replicas(api, evictions_per_minute=10, compact=True).run_pass()
     assert api.evicted == []
+
+
+def cpus(pod: dict[str, Any], count: int) -> dict[str, Any]:
+    pod["spec"]["containers"] = [{"name": "c", "resources": {"requests": {"cpu": str(count)}}}]
+    return pod
+
+
+def test_a_claim_that_fits_by_its_devices_but_waits_for_cpu_gets_room_made(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    for node in ("n1", "n2"):
+        api.store["nodes"][f"/{node}"]["status"] = {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110"}}
+    # n1: seven GPUs free, but a movable share's pod takes 60 of its 64 CPUs; n2: no GPU free, room
+    # beside a share that stays for another share, and CPUs to spare.
+    api.put("claims", held("infer", "gpu-0-mps"))
+    api.put("pods", cpus(running("infer", "infer", movable=True), 60))
+    for i in range(7):
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}", node="n2"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}", node="n2"))
+    api.put("claims", held("stays", "gpu-7-mps", node="n2"))
+    api.put("pods", running("stays", "stays", node="n2"))
+    pending_gpu(api)
+    cpus(api.store["pods"]["ml/train-pod"], 16)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer"]
+    (reservation,) = ledger_entries(api).values()
+    assert reservation.claim == "ml/train" and reservation.reservation
