@@ -377,6 +377,21 @@ class ClusterAllocator:
         Under binpack the cheapest placement (see _cost) among the first feasible node and up to
         SCAN_LIMIT more with part-used GPUs: best fit across nodes, not only within one. Under
         fragmentation, nodes in the order of the rise in fragmentation (fragmentation.py)."""
+        result = self._allocate(claim, nodes, room, why, budget)
+        if isinstance(result, Failure) and nodes is None and self._fragmentation is not None:
+            # fits nowhere: a rare shape the mix has not learned yet enters it now (fragmentation.py)
+            demand = room.demand(claim) if room is not None else None
+            self._fragmentation.waits(claim, demand, functools.partial(self._node_kinds, room))
+        return result
+
+    def _allocate(
+        self,
+        claim: Claim,
+        nodes: Sequence[str] | None,
+        room: PodRoom | None,
+        why: bool,
+        budget: SearchBudget | None,
+    ) -> Placement | Failure:
         # Whether the claim's pods fit a node, asked once a node: the room stays as it is meanwhile.
         pods_fit = functools.cache(functools.partial(room.fits, claim)) if room is not None else None
         budget = budget or SearchBudget(SEARCH_STEPS)

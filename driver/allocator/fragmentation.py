@@ -11,9 +11,16 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
   (PodRoom.demand, PodRoom.needs) its claims have most often; a less common demand is a shape of
   its own where the nodes that could run it (free GPUs for the request, room for the pods when
   empty) hold under SCARCE_SUPPLY of the GPUs those running the common one hold (a CPU size only
-  the largest nodes have); the mix is the shapes seen, each weighed by its count of claims, the
-  heaviest up to MIX_SHARE of the weight (FGD's "typical pods", to 95%); learned again at 16, 32,
-  64, ... claims;
+  the largest nodes have); the mix is the shapes seen, each weighed by its count of claims times
+  its supply weight (below), the heaviest up to MIX_SHARE of that weight (FGD's "typical pods", to
+  95%); learned again at 16, 32, 64, ... claims, and at once when a claim of a shape not in it
+  fits no node (Fragmentation.waits: a rare shape is often first seen waiting);
+- a prior for shapes not seen yet: per kind of node with several GPUs, a claim for all of them
+  whose pods take WHOLE_NODE_SHARE of its CPU and memory, counted as WHOLE_NODE_PRIOR claims and
+  weighed by its supply. Where a few nodes are larger than the rest, their own whole-node claim
+  fits them alone and weighs most, so they are filled last until the claims seen outweigh the
+  prior; the largest pods, however late they first come, find them empty (openb in time: 8-GPU
+  pods asking 120 CPUs, which only the 39 G3 nodes run, arrive after the cluster filled);
 - supply: a shape whose pods fit nodes holding under SCARCE_SUPPLY of the GPUs its request could
   use weighs (those GPUs / the GPUs of the nodes its pods fit) times more: its nodes are few, so
   ruling one out costs more than its count says;
@@ -39,6 +46,7 @@ claim costs a look-up per node where nothing changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -66,6 +74,14 @@ COPIES_LIMIT = 1024  # pods of one shape a node's room is asked to take at most
 # under this share of the GPUs that can run its most common one (openb multigpu50: 8-GPU pods of
 # 120 cores, which only 128-core nodes run, beside the 64-core ones; BENCHMARKS.md, openb).
 SCARCE_SUPPLY = 0.5
+# The prior for shapes not seen yet (see the module's doc): a claim for each kind of node's GPUs and
+# this share of its CPU and memory, counted as this many claims (openb in time, a quarter of the
+# cluster, seeds 42-51: GPU-hours waited 9.7 with it and the mix by weight, 25.6 before both, FGD 12.7;
+# docs/benchmarks/openb.md).
+WHOLE_NODE_SHARE = 0.9
+WHOLE_NODE_PRIOR = 1.0
+SIZED = ("cpu", "memory")  # what a whole-node claim's pods ask of the node (PodRoom's names)
+PODS = "pods"
 
 # request_key: () for a claim without requests, else (class, selectors, count, capacity asked, sorted).
 RequestKey = tuple[()] | tuple[str, tuple[str, ...], int, tuple[tuple[str, Amount], ...]]
@@ -273,6 +289,7 @@ class Fragmentation:
     _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
     _asks: dict[tuple[RequestKey, Needs], int] = field(default_factory=dict)
     _counted: set[tuple[str, str]] = field(default_factory=set)  # claims counted in the mix: key, uid
+    _waited: set[tuple[RequestKey | None, Hashable]] = field(default_factory=set)  # shapes waits() asked about
 
     def asked(self, key: RequestKey, needs: Needs) -> int:
         """A request and its pods' needs as one small number (views keep scores by it)."""
@@ -301,15 +318,33 @@ class Fragmentation:
             self._learn_at *= 2
             self.learn(kinds())
 
+    def waits(self, claim: Claim, demand: Hashable, kinds: Callable[[], Sequence[NodeKind]] = tuple) -> None:
+        """A claim (observed) fits no node: where its shape is not in the mix but would be, learned
+        now, the mix is learned at once rather than at the next doubling. A rare shape that only a
+        few nodes run is first seen when it waits, and until it weighs in the mix other claims keep
+        filling the nodes it needs as they empty. Asked once per shape."""
+        shape = (request_key(claim), demand)
+        if shape[0] is None or shape not in self.seen or shape in self._waited:
+            return
+        self._waited.add(shape)
+        if any((s.key, s.demand) == shape for s in self.mix):
+            return
+        mix = self._mix_from(kinds())
+        if any((s.key, s.demand) == shape for s in mix):
+            self._adopt(mix)
+
     def learn(self, kinds: Sequence[NodeKind] = ()) -> None:
         """The mix from the counts so far (`kinds`: the cluster's nodes, for scarce demands and
         supply, see the module's doc; none: each request with its most common demand, weighed by
         its count); what was kept for the old mix goes."""
+        self._adopt(self._mix_from(kinds))
+
+    def _mix_from(self, kinds: Sequence[NodeKind]) -> list[Shape]:
         demands: dict[RequestKey, Counter[Hashable]] = {}
         for (key, demand), count in self.seen.items():
             if key:
                 demands.setdefault(key, Counter())[demand] += count
-        counted: list[tuple[int, Shape, float]] = []  # claims, shape, supply weight
+        counted: list[tuple[float, Shape, float]] = []  # claims, shape, supply weight
         for key, by_demand in demands.items():
             main = self._shape(key, by_demand.most_common(1)[0][0])  # the pods such claims most often have
             hosts = self._kinds_taking(kinds, main)
@@ -324,21 +359,56 @@ class Fragmentation:
                     counted.append((count, self._shape(key, demand), supply_weight(fit[demand], usable)))
                     rest -= count
             counted.append((rest, main, supply_weight(fit[main.demand], usable)))
-        total = sum(count for count, _, _ in counted)
-        counted.sort(key=lambda c: -c[0])
-        self.mix, covered = [], 0
-        for count, shape, weight in counted[:MIX_SHAPES]:
-            if covered >= MIX_SHARE * total:
+        counted.extend(self._whole_nodes(kinds))
+        total = sum(claims for claims, _, _ in counted)
+        weighed = sum(claims * weight for claims, _, weight in counted)
+        counted.sort(key=lambda c: -c[0] * c[2])  # by weight: a scarce shape of few claims weighs in
+        mix: list[Shape] = []
+        covered = 0.0
+        for claims, shape, weight in counted[:MIX_SHAPES]:
+            if covered >= MIX_SHARE * weighed:
                 break
-            shape.weight = count / total * weight
-            self.mix.append(shape)
-            covered += count
+            shape.weight = claims / total * weight
+            mix.append(shape)
+            covered += claims * weight
+        return mix
+
+    def _adopt(self, mix: list[Shape]) -> None:
+        """The mix in use from now on; what was kept for the old one goes."""
+        self.mix = mix
         self.version += 1
         self._vectors.clear()
         self._amounts.clear()
         self._choices.clear()
         self._scarcity.clear()
         self._shares.clear()
+
+    def _whole_nodes(self, kinds: Sequence[NodeKind]) -> list[tuple[float, Shape, float]]:
+        """The prior (see the module's doc): per kind of node with several GPUs, a claim for all of
+        them whose pods take WHOLE_NODE_SHARE of its CPU and memory, counted as WHOLE_NODE_PRIOR
+        claims and weighed by its supply; none until a claim for whole GPUs (no capacity, no
+        selectors) was seen, whose class and request it copies."""
+        whole: Counter[RequestKey] = Counter()
+        for (key, _), count in self.seen.items():
+            if key and not key[1] and not key[3]:
+                whole[key] += count
+        if not whole:
+            return []
+        common = whole.most_common(1)[0][0]
+        example = next(claim for (key, _), claim in self.examples.items() if key == common)
+        shapes = []
+        for index, kind in enumerate(kinds):
+            if len(kind.units) < 2 or not kind.allocatable:
+                continue
+            request = dataclasses.replace(example.requests[0][0], count=len(kind.units), selectors=())
+            sized = [(name, value * WHOLE_NODE_SHARE) for name, value in kind.allocatable.items() if name in SIZED]
+            needs: Needs = tuple(sorted([*sized, (PODS, 1.0)]))
+            claim = dataclasses.replace(example, name=f"whole-node-{index}", uid="", requests=((request,),))
+            shape = Shape(request_key(claim) or (), ("whole node", needs), claim, needs)
+            hosts = self._kinds_taking(kinds, shape)
+            fit = sum(gpus for gpus, held in hosts if _how_many(held, needs) >= 1)
+            shapes.append((WHOLE_NODE_PRIOR, shape, supply_weight(fit, sum(gpus for gpus, _ in hosts))))
+        return shapes
 
     def _shape(self, key: RequestKey, demand: Hashable) -> Shape:
         return Shape(key, demand, self.examples[key, demand], self.needs[key, demand])

@@ -9,6 +9,9 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import pytest
+
+from driver.allocator import fragmentation
 from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.fragmentation import request_key
 from driver.allocator.model import slice_from_object
@@ -255,3 +258,72 @@ def test_a_claim_asked_about_again_counts_once_in_the_mix():
     fragmentation = learned._fragmentation
     assert fragmentation is not None
     assert sorted(fragmentation.seen.values()) == [1, 1] and fragmentation.observed == 2
+
+
+def asking_on(pods_of: dict[str, list[PodNeeds]], name: str, gpus: int, cpus: int):
+    """A claim for `gpus` whole GPUs whose one pod asks `cpus` CPUs (counted in `pods_of`)."""
+    c = claim(name, exactly("gpu.fgpu.dev", count=gpus))
+    pods_of[c.key] = [PodNeeds(f"ns/pod-{name}", {CPU: Fraction(cpus)})]
+    return c
+
+
+def seen_shapes_of(learned: fragmentation.Fragmentation, gpus: int) -> list[fragmentation.Shape]:
+    """The mix's shapes of claims seen (not the whole-node prior's) asking for `gpus` devices."""
+    return [s for s in learned.mix if s.key and s.key[2] == gpus and s.demand[0] != "whole node"]
+
+
+def test_before_any_claim_needs_it_the_node_only_the_largest_pods_fit_is_filled_last(monkeypatch):
+    # n3 (128 CPUs) is the one node a pod asking more than 96 CPUs runs on; no such claim came yet.
+    # A whole-GPU claim whose pod asks 20 CPUs strands a GPU on n1 (76 CPUs left feed 6 of the
+    # common 12-CPU pods, 7 GPUs free) and none on n3, so the mix seen so far sends it to n3. The
+    # prior of a claim for each kind of node whole keeps n3 for what only it runs; without the
+    # prior (WHOLE_NODE_PRIOR 0) it goes to n3.
+    def node_for_it() -> str:
+        pods_of: dict[str, list[PodNeeds]] = {}
+        room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
+        cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")
+        for i in range(20):
+            cluster.allocate(asking_on(pods_of, f"seen{i}", 1, 12), room=room)
+        outcome = cluster.allocate(asking_on(pods_of, "x", 1, 20), room=room)
+        assert isinstance(outcome, Placement)
+        return outcome.node
+
+    assert node_for_it() == "n1"
+    monkeypatch.setattr(fragmentation, "WHOLE_NODE_PRIOR", 0.0)
+    assert node_for_it() == "n3"
+
+
+def test_a_shape_first_seen_when_it_fits_nowhere_enters_the_mix_at_once():
+    # 20 whole-GPU claims learned the mix (at 16); an 8-GPU claim whose pod asks 120 CPUs then
+    # finds every node in use. It would enter the mix at the next learning (32 claims seen); it
+    # waits, so the mix is learned again now, with it.
+    pods_of: dict[str, list[PodNeeds]] = {}
+    room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")
+    for i in range(20):
+        placed = cluster.allocate(asking_on(pods_of, f"seen{i}", 1, 4), room=room)
+        assert isinstance(placed, Placement)
+        cluster.commit(placed)
+        room.take(placed)
+    learned = cluster._fragmentation
+    assert learned is not None and not seen_shapes_of(learned, gpus=8)
+    assert not isinstance(cluster.allocate(asking_on(pods_of, "big", 8, 120), room=room), Placement)
+    assert seen_shapes_of(learned, gpus=8)
+
+
+def test_a_scarce_shape_of_few_claims_weighs_into_the_mix_by_its_supply():
+    # One 8-GPU claim asking 120 CPUs among 199 whole-GPU ones: 0.5% of the claims, under the 1%
+    # the mix leaves out by count; only n3 of three nodes runs it, so it weighs 3 times its count
+    # and is in.
+    pods_of: dict[str, list[PodNeeds]] = {}
+    room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")
+    seen = [(1, 12)] * 199 + [(8, 120)]
+    random.Random(1).shuffle(seen)
+    for i, (gpus, cpus) in enumerate(seen):
+        cluster.allocate(asking_on(pods_of, f"seen{i}", gpus, cpus), room=room)
+    learned = cluster._fragmentation
+    assert learned is not None
+    learned.learn(cluster._node_kinds(room))
+    big = seen_shapes_of(learned, gpus=8)
+    assert len(big) == 1 and big[0].weight == pytest.approx(3 / 202)  # 200 claims and 2 whole-node priors
