@@ -1,11 +1,17 @@
 """Gates: pods' scheduling gates lifted once their claims are allocated (and their gang is whole:
 our labelled gang, or the pod's PodGroup or operator's gang, groups.py); and which gated pods wait for which claim
-(read by the gates and by the Events, reporter.py)."""
+(read by the gates and by the Events, reporter.py).
+
+A gate is lifted only once the claim watch delivered the allocations we wrote (or after
+DELIVERY_WAIT_S): kube-scheduler watches the same API server, and a pod it sees before its claim
+cache has the allocation makes it try to allocate the claim itself ("allocated elsewhere in the
+meantime") and retry the pod."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait
@@ -19,6 +25,9 @@ from driver.kube.informer import Informer, object_key
 from driver.scheduling.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
 
 log = logging.getLogger(__name__)
+# A watch event comes within milliseconds; past this the watch is behind or broken, and a pod must
+# not be stranded at its gate for it (kube-scheduler retries a pod it saw too early: it costs a cycle).
+DELIVERY_WAIT_S = 2.0
 
 
 class GatedPods:
@@ -45,13 +54,19 @@ class GatedPods:
 
 class GateLifter:
     def __init__(
-        self, replica: Replica, gated_pods: GatedPods, placed: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        replica: Replica,
+        gated_pods: GatedPods,
+        placed: Callable[[dict[str, Any]], bool] | None = None,
+        delivery_wait_s: float = DELIVERY_WAIT_S,
     ) -> None:
         """`placed`: whether a pod's gate is another's to lift (a pod without claims that the
-        controller places: placed_pods.py)."""
+        controller places: placed_pods.py). `delivery_wait_s`: how long the pods lifted together
+        wait, at most, for the watch to deliver their claims."""
         self._replica, self._gated = replica, gated_pods
         self._placed = placed or (lambda pod: False)
         self._informers = replica.informers
+        self._delivery_wait_s = delivery_wait_s
 
     def _whole_gangs(self) -> dict[str, bool]:
         """Gang -> whether every one of its claims exists and is allocated."""
@@ -71,20 +86,33 @@ class GateLifter:
         if pods:
             whole = self._whole_gangs()
             groups = self._replica.groups() if any(in_some_gang(p) for p in pods) else None
+            deadline = self._delivery_deadline()
             for pod in pods:
-                self._lift(pod, whole, groups)
+                self._lift(pod, whole, groups, deadline)
 
     def lift_all(self) -> None:
-        """Every gated pod whose claims are allocated, the patches sent concurrently."""
+        """Every gated pod whose claims are allocated, the patches sent concurrently (all waiting
+        for the watch until one deadline, not each in turn)."""
         whole = self._whole_gangs()
         pods = [p for p in self._informers["pods"].items() if gated(p)]
         if pods and self._replica.acting():
             groups = self._replica.groups()
-            wait([self._replica.writers.submit(self._lift, pod, whole, groups) for pod in pods])
+            deadline = self._delivery_deadline()
+            wait([self._replica.writers.submit(self._lift, pod, whole, groups, deadline) for pod in pods])
 
-    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool], groups: Groups | None) -> None:
+    def _delivery_deadline(self) -> float:
+        return time.monotonic() + self._delivery_wait_s
+
+    def _delivered(self, claims: list[dict[str, Any]], deadline: float) -> bool:
+        """Whether the watch delivered every claim at the version we hold (our own write), waiting
+        until `deadline` (time.monotonic()) at most."""
+        informer = self._informers["claims"]
+        return all(informer.wait_delivered(claim, max(0.0, deadline - time.monotonic())) for claim in claims)
+
+    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool], groups: Groups | None, deadline: float) -> None:
         """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole (its
-        labelled gang, and its PodGroup's: minCount pods with every opt-in claim allocated)."""
+        labelled gang, and its PodGroup's: minCount pods with every opt-in claim allocated), and
+        the watch delivered the claims (or `deadline` passed: lifted all the same, and counted)."""
         if not gated(pod) or self._placed(pod) or (names := pod_claim_names(pod)) is None:
             return
         if groups is not None and (group := groups.of_pod(pod)) is not None and not groups.state(group).whole:
@@ -97,6 +125,7 @@ class GateLifter:
             gang = (claim["metadata"].get("labels") or {}).get(GANG_LABEL) if opted_in(claim) else None
             if gang and not whole_gangs.get(f"{namespace}/{gang}"):
                 return
+        early = not self._delivered([claim for claim in used if claim is not None], deadline)
         gates = [g for g in pod["spec"]["schedulingGates"] if g.get("name") != SCHEDULING_GATE]
         try:
             self._informers["pods"].update(self._replica.api.set_scheduling_gates(pod, gates))
@@ -104,3 +133,6 @@ class GateLifter:
             log.warning("cannot lift the gate of pod %s: %s", object_key(pod), error)
             return
         metrics.GATES_LIFTED.inc()
+        if early:
+            log.info("lifted the gate of pod %s before the watch delivered its claims", object_key(pod))
+            metrics.GATES_LIFTED_EARLY.inc()

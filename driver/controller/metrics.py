@@ -8,6 +8,10 @@ ALLOCATIONS = Counter("fgpu_controller_allocations_total", "Claims the controlle
 GANGS = Counter("fgpu_controller_gangs_total", "Gangs the controller tried to place", ["result"])
 CONFLICTS = Counter("fgpu_controller_conflicts_total", "Status writes refused because the claim had changed")
 GATES_LIFTED = Counter("fgpu_controller_gates_lifted_total", "Pods whose scheduling gate was lifted")
+GATES_LIFTED_EARLY = Counter(
+    "fgpu_controller_gates_lifted_early_total",
+    "Gates lifted before the claim watch delivered the allocation (kube-scheduler may retry the pod)",
+)
 MARKED_UNSCHEDULABLE = Counter(
     "fgpu_controller_pods_marked_unschedulable_total",
     "Gated pods whose claims fit nowhere, marked PodScheduled=False/Unschedulable for node autoscalers",

@@ -58,7 +58,11 @@ class Informer:
         self.optional = optional
         self.absent: str | None = None  # why an optional kind is not there (None: it is listed)
         self._objects: dict[str, tuple[int | None, Any]] = {}  # key -> (resourceVersion, kept form)
+        # key -> the newest resourceVersion the API server sent us (list, watch), our own writes aside:
+        # what other watchers of the API server (kube-scheduler) have very likely seen too
+        self._delivered: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._delivery = threading.Condition(self._lock)  # notified on each delivery, and on stop
         self.synced = threading.Event()
         self.sync_seconds: float | None = None  # from start() to the end of the first list
         self._started = 0.0
@@ -72,6 +76,8 @@ class Informer:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._delivery:
+            self._delivery.notify_all()  # waiters return: nothing is delivered any more
 
     def items(self) -> list[Any]:
         with self._lock:
@@ -83,12 +89,44 @@ class Informer:
         return None if entry is None else entry[1]
 
     def update(self, obj: dict[str, Any]) -> None:
-        """Our own write, applied at once so the next pass does not act on the stale object."""
-        self._apply("MODIFIED", obj)
+        """Our own write, applied at once so the next pass does not act on the stale object. It
+        does not count as delivered (wait_delivered): other watchers have not seen it yet."""
+        self._apply("MODIFIED", obj, delivered=False)
 
     def forget(self, obj: dict[str, Any]) -> None:
         """Our own delete, applied at once."""
-        self._apply("DELETED", obj)
+        self._apply("DELETED", obj, delivered=False)
+
+    def wait_delivered(self, obj: dict[str, Any], timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until the API server delivered (list or watch) `obj` at its
+        resourceVersion or a newer one; whether it did. Ends early when the informer stops; one that
+        is not running has no watch to wait for: it answers at once."""
+        key, version = object_key(obj), _version(obj)
+        if version is None:
+            return True  # nothing to compare: no version to wait for
+
+        def settled() -> bool:
+            return self._delivered.get(key, -1) >= version or self._stop.is_set()
+
+        with self._delivery:
+            self._delivery.wait_for(settled, timeout_s if self._thread.is_alive() else 0.0)
+            return self._delivered.get(key, -1) >= version
+
+    def delivered_version(self, key: str) -> int | None:
+        """The newest resourceVersion of `key` the API server delivered, None if none is held."""
+        with self._lock:
+            return self._delivered.get(key)
+
+    def _note_delivered(self, key: str, version: int | None) -> None:
+        """The API server sent `key` at `version`: remembered if newer (lock held; callers wake the waiters)."""
+        if version is not None and version > self._delivered.get(key, -1):
+            self._delivered[key] = version
+
+    def _forget_delivered_of_gone(self) -> None:
+        """Forget what was delivered of objects no longer held (lock held): memory follows the cache."""
+        for key in self._delivered.keys() - self._objects.keys():
+            del self._delivered[key]
+        self._delivery.notify_all()
 
     def _list(self) -> tuple[dict[str, tuple[int | None, Any]], str]:
         """Everything, page by page (each page transformed before the next is read). An object we
@@ -124,21 +162,31 @@ class Informer:
                 current = self._objects.get(key)
                 if current is None or not _newer(current[0], version):
                     self._objects[key] = (version, kept)
+                self._note_delivered(key, version)
+            self._forget_delivered_of_gone()
             self.version += 1
         self.changed.set()
 
-    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+    def _apply(self, kind: str, obj: dict[str, Any], delivered: bool) -> None:
+        """An event: from the watch (`delivered`), or our own write or delete."""
         key, version = object_key(obj), _version(obj)
         with self._lock:
             current = self._objects.get(key)
             if kind != "DELETED" and current is not None and _newer(current[0], version):
+                if delivered:
+                    self._note_delivered(key, version)  # older than our own write, yet on its way
+                    self._delivery.notify_all()
                 return
         kept = None if kind == "DELETED" else self.transform(obj)  # outside the lock: parsing takes time
         with self._lock:
             if kept is None:  # deleted, or no longer readable: gone for the callers
                 self._objects.pop(key, None)
+                self._delivered.pop(key, None)
             else:
                 self._objects[key] = (version, kept)
+                if delivered:
+                    self._note_delivered(key, version)
+            self._delivery.notify_all()
             self.version += 1
         self.changed.set()
 
@@ -150,6 +198,7 @@ class Informer:
         with self._lock:
             if self._objects:
                 self._objects = {}
+                self._forget_delivered_of_gone()
                 self.version += 1
         if self.sync_seconds is None:
             self.sync_seconds = time.monotonic() - self._started
@@ -170,6 +219,8 @@ class Informer:
                 self.absent = None
                 with self._lock:
                     self._objects = listed
+                    self._delivered = {key: version for key, (version, _) in listed.items() if version is not None}
+                    self._delivery.notify_all()
                     self.version += 1
                 if self.sync_seconds is None:
                     self.sync_seconds = time.monotonic() - self._started
@@ -184,7 +235,7 @@ class Informer:
                             raise KubeError(f"watch of {self.kind} ended: {obj.get('message')}")
                         resource_version = obj["metadata"].get("resourceVersion", resource_version)
                         if event_type != "BOOKMARK":
-                            self._apply(event_type, obj)
+                            self._apply(event_type, obj, delivered=True)
             except KubeError as error:
                 if self._stop.is_set():
                     return
