@@ -1,7 +1,8 @@
 """Kueue's manager (sigs.k8s.io/kueue, built by build.sh) against the test control plane, as a
 process on the host like the other components: its CRDs installed, its webhooks (Kueue's own
-kinds and batch Jobs) called by kube-apiserver at https://127.0.0.1:<port>, with a certificate
-made here, and the Configuration a test gives (examples/kueue/configuration.yaml: the DRA
+kinds and batch Jobs; with integration_webhooks those of the Configuration's integrations too, its
+pod webhook for pods of a queue only) called by kube-apiserver at https://127.0.0.1:<port>, with a
+certificate made here, and the Configuration a test gives (examples/kueue/configuration.yaml: the DRA
 mappings) completed with where it serves.
 
 Kueue keeps its certificate in a Secret and renews it itself (internal certificate management,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import datetime
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,11 +47,43 @@ CA_NAME = "kueue-ca"  # cert-controller accepts a CA only with this name among i
 START_TIMEOUT_S = 90
 
 
-def _webhook_is_ours(webhook: dict[str, Any]) -> bool:
-    """Kueue's own kinds and batch Jobs: the webhooks of integrations not on here would take
-    every Pod, Deployment and StatefulSet of the other tests."""
+QUEUED_PODS = {"matchExpressions": [{"key": "kueue.x-k8s.io/queue-name", "operator": "Exists"}]}
+
+
+def _webhook_is_ours(webhook: dict[str, Any], frameworks: Sequence[str] = ()) -> bool:
+    """Kueue's own kinds and batch Jobs, and with `frameworks` (Kueue's integration names,
+    `<group>/<kind>`: `jobset.x-k8s.io/jobset`, `pod`) those kinds' webhooks too: the webhooks of
+    integrations not on here would take every Pod, Deployment and StatefulSet of the other tests."""
     path = webhook["clientConfig"]["service"]["path"]
-    return "kueue-x-k8s-io" in path or path.endswith("-batch-v1-job")
+    if "kueue-x-k8s-io" in path or path.endswith("-batch-v1-job"):
+        return True
+    core = {"pod": ("", "pod"), "deployment": ("apps", "deployment"), "statefulset": ("apps", "statefulset")}
+    kinds = {tuple(name.rsplit("/", 1)) if "/" in name else core.get(name) for name in frameworks}
+    return any(
+        (group, resource.removesuffix("s")) in kinds
+        for rule in webhook.get("rules") or ()
+        for group in rule.get("apiGroups") or ()
+        for resource in rule.get("resources") or ()
+    )
+
+
+def _only_queued_pods(webhook: dict[str, Any]) -> dict[str, Any]:
+    """Kueue's pod webhooks for the pods of a queue only (a LeaderWorkerSet's pods: Kueue's LWS
+    webhook puts the queue's label on its templates), so that no other test's pod reaches them."""
+    rules = webhook.get("rules") or ()
+    if any("pods" in (rule.get("resources") or ()) for rule in rules):
+        return {**webhook, "objectSelector": QUEUED_PODS}
+    return webhook
+
+
+def integration_frameworks(configuration: dict[str, Any]) -> list[str]:
+    """The integrations a Configuration turns on, with those they turn on implicitly (Kueue runs
+    LeaderWorkerSets, Deployments and StatefulSets as pod groups: its `pod` integration)."""
+    frameworks = list((configuration.get("integrations") or {}).get("frameworks") or ())
+    implicit = ("leaderworkerset.x-k8s.io/leaderworkerset", "deployment", "statefulset")
+    if any(name in frameworks for name in implicit) and "pod" not in frameworks:
+        frameworks.append("pod")
+    return frameworks
 
 
 def certificate_secret(directory: Path) -> dict[str, Any]:
@@ -66,12 +100,13 @@ def certificate_secret(directory: Path) -> dict[str, Any]:
     }
 
 
-def webhook_configurations(manifests: str, port: int) -> list[dict[str, Any]]:
-    """Kueue's webhook configurations, ours only, pointed at the manager on the host; Kueue
-    fills in the caBundle."""
+def webhook_configurations(manifests: str, port: int, frameworks: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Kueue's webhook configurations, ours only (and those of `frameworks`), pointed at the manager
+    on the host; Kueue fills in the caBundle."""
     configurations = []
     for document in yaml.safe_load_all(manifests):
-        webhooks = [served_from_host(webhook, port) for webhook in filter(_webhook_is_ours, document["webhooks"])]
+        chosen = [w for w in document["webhooks"] if _webhook_is_ours(w, frameworks)]
+        webhooks = [served_from_host(_only_queued_pods(webhook), port) for webhook in chosen]
         name = WEBHOOK_CONFIGURATIONS[document["kind"]]
         configurations.append({**document, "metadata": {"name": name}, "webhooks": webhooks})
     return configurations
@@ -118,6 +153,10 @@ class KueueManager:
     cluster: Cluster
     configuration: dict[str, Any]  # a config.kueue.x-k8s.io/v1beta2 Configuration
     workdir: Path
+    # The webhooks of the Configuration's integrations too (Kueue's webhooks suspend a JobSet,
+    # TrainJob or RayJob at creation, label an LWS's pod templates and gate its pods); off, as
+    # tests/e2e/test_kueue.py runs it: Kueue's own kinds and batch Jobs only.
+    integration_webhooks: bool = False
     process: subprocess.Popen[bytes] | None = None
     _applied: AppliedObjects | None = field(default=None, repr=False)
 
@@ -149,7 +188,9 @@ class KueueManager:
         cert_dir.mkdir(mode=0o700, exist_ok=True)
         for name in ("tls.crt", "tls.key"):
             (cert_dir / name).write_text(secret["stringData"][name])
-        for configuration in webhook_configurations((config_dir / "webhooks.yaml").read_text(), webhook_port):
+        frameworks = integration_frameworks(self.configuration) if self.integration_webhooks else []
+        manifests = (config_dir / "webhooks.yaml").read_text()
+        for configuration in webhook_configurations(manifests, webhook_port, frameworks):
             applied.apply(configuration, created=True)
         config_file = self.workdir / "configuration.yaml"
         config = manager_configuration(self.configuration, self.workdir, webhook_port, health_port)

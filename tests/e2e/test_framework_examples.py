@@ -20,44 +20,17 @@ import pytest
 import yaml
 from kubernetes.dynamic import DynamicClient
 
-from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.node import RealNode
-from testbed.workloads import REPORT, ContainerReport, delete_namespace, report, unique, wait_until
+from testbed.workloads import ContainerReport, delete_namespace, report, unique, wait_until
 from tests.support import ROOT
+from tests.support.frameworks import on_test_bed, whole_gpus
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
 EXAMPLES = ROOT / "examples" / "frameworks"
-MOCK_NODE = "c 1:3"  # mock GPUs' device nodes come from /dev/null (see driver/node/cdi.py)
 PLURALS = {"TrainingRuntime": "trainingruntimes", "TrainJob": "trainjobs", "LeaderWorkerSet": "leaderworkersets",
            "RayCluster": "rayclusters", "RayJob": "rayjobs"}  # fmt: skip
 WAIT_S = 180
-
-
-def on_test_bed(document: dict[str, Any], node: str) -> dict[str, Any]:
-    """The example as the test applies it: every container (any object's pod specs, wherever its
-    kind keeps them) on busybox reporting what it sees, then sleeping, on the real node; all else
-    as shipped."""
-    if document["kind"] in ("RayCluster", "RayJob"):
-        document["metadata"].setdefault("annotations", {})["ray.io/overwrite-container-cmd"] = "true"
-    command = ["sh", "-c", f"{REPORT}; exec sleep 3600"]
-    for spec in _pod_specs(document):
-        spec.update(nodeSelector={"kubernetes.io/hostname": node}, terminationGracePeriodSeconds=1)
-        for container in spec["containers"]:
-            container.update(image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=command)
-            container.pop("args", None)
-    return document
-
-
-def _pod_specs(node: Any) -> Iterator[dict[str, Any]]:
-    if isinstance(node, dict):
-        if isinstance(node.get("containers"), list):
-            yield node
-        for value in node.values():
-            yield from _pod_specs(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _pod_specs(item)
 
 
 @dataclass(frozen=True)
@@ -123,7 +96,9 @@ def apply(cluster, real_node: RealNode, node_plugin) -> Iterator[Callable[[str],
 
     def applying(name: str) -> Applied:
         dynamic = DynamicClient(client, cache_file=cluster.discovery_cache)  # after the operators' CRDs
-        documents = [on_test_bed(d, real_node.name) for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+        documents = [
+            on_test_bed(d, real_node.name, queue=None) for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d
+        ]
         for document in documents:
             resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
             resource.create(body=document, namespace=namespace)
@@ -133,16 +108,6 @@ def apply(cluster, real_node: RealNode, node_plugin) -> Iterator[Callable[[str],
         yield applying
     finally:
         delete_namespace(core, namespace)
-
-
-def whole_gpus(seen: dict[str, tuple[list[str], ContainerReport]], per_pod: int) -> None:
-    gpus = []
-    for name, (devices, container) in seen.items():
-        assert len(devices) == per_pod and all(re.fullmatch(r"gpu-\d", d) for d in devices), (name, devices)
-        for device in devices:
-            assert container.devices.get(f"/dev/nvidia{device.removeprefix('gpu-')}") == MOCK_NODE, (name, container)
-        gpus += devices
-    assert len(set(gpus)) == len(gpus), gpus
 
 
 def mps_shares(seen: dict[str, tuple[list[str], ContainerReport]], memory_mi: int, compute: int) -> None:

@@ -5,7 +5,8 @@ a node's prepared state (node_state.py), the controller as a process (controller
 an in-memory API server (controller_cluster.py), the CLI (cli.py), the node's driver in-process:
 kubelet's DRA calls and metric samples (dra_calls.py), shares and their configs (shares.py), claims
 whose status other drivers share (claim_status.py), claims prepared again (prepare_again.py);
-opaque configs (configs.py), metrics scraped over HTTP (metrics.py), openb's pods (openb.py)."""
+opaque configs (configs.py), metrics scraped over HTTP (metrics.py), openb's pods (openb.py); Kueue
+admitting the workload operators' kinds: its queues and what it made of a job (frameworks.py)."""
 
 from pathlib import Path
 
