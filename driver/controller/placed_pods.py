@@ -37,7 +37,14 @@ from driver.controller.search_shares import share_spent
 from driver.kube.errors import KubeError
 from driver.kube.informer import Informer, object_key
 from driver.scheduling.nodefit import NodeRoom, PodNeeds
-from driver.scheduling.opt_in import SCHEDULING_GATE, claimless, gated, placement_exempt, places_pods
+from driver.scheduling.opt_in import (
+    SCHEDULING_GATE,
+    claimless,
+    gated,
+    held_by_another_gate,
+    placement_exempt,
+    places_pods,
+)
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]
@@ -153,9 +160,10 @@ class PodPlacer:
         )
 
     def waiting(self) -> list[JsonObject]:
-        """The pods this placer places, oldest first."""
+        """The pods this placer places, oldest first; not while another scheduling gate holds
+        one (Kueue's admission gate, say: held_by_another_gate)."""
         return sorted(
-            (p for p in self._pods.items() if self.owns(p)),
+            (p for p in self._pods.items() if self.owns(p) and not held_by_another_gate(p)),
             key=lambda p: (p["metadata"].get("creationTimestamp", ""), object_key(p)),
         )
 

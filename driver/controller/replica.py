@@ -16,9 +16,9 @@ from driver.controller.fit import RoomReader
 from driver.controller.groups import Groups
 from driver.controller.ledger import Ledgers
 from driver.controller.progress import Progress
-from driver.kube.informer import Informer
+from driver.kube.informer import Informer, object_key
 from driver.scheduling.nodefit import NodeRoom
-from driver.scheduling.opt_in import gated, pending
+from driver.scheduling.opt_in import gated, held_by_another_gate, known_claim_names, pending
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,17 @@ class Replica:
         return self.stale.is_set() or not self.acting()
 
     def waiting(self) -> list[dict[str, Any]]:
-        """The opt-in claims waiting for an allocation, oldest first."""
+        """The opt-in claims waiting for an allocation, oldest first; not those a pod uses while
+        another scheduling gate holds it (held_by_another_gate): they wait for that gate to go."""
+        held_pods = [p for p in self.informers["pods"].items() if held_by_another_gate(p)]
+        held_claims = {f"{p['metadata']['namespace']}/{name}" for p in held_pods for name in known_claim_names(p)}
+        held_owners = {p["metadata"].get("uid") for p in held_pods}
         return sorted(
-            (c for c in self.informers["claims"].items() if pending(c)),
+            (
+                c
+                for c in self.informers["claims"].items()
+                if pending(c) and object_key(c) not in held_claims and not _owned_by(c, held_owners)
+            ),
             key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
         )
 
@@ -61,3 +69,8 @@ class Replica:
             self.informers["claims"].items(),
             refused,
         )
+
+
+def _owned_by(claim: dict[str, Any], uids: AbstractSet[str | None]) -> bool:
+    """Whether one of these pods owns the claim (a claim made from the pod's template)."""
+    return any(ref.get("uid") in uids for ref in claim["metadata"].get("ownerReferences") or ())

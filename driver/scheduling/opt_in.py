@@ -88,6 +88,13 @@ def gated(pod: dict[str, Any]) -> bool:
     return any(g.get("name") == SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
 
 
+def held_by_another_gate(pod: dict[str, Any]) -> bool:
+    """Whether the pod carries a scheduling gate besides fgpu's (Kueue's admission gate, say):
+    kube-scheduler will not bind it, so devices placed for it now would be held for nothing, and
+    outside the quota the other gate's owner enforces."""
+    return any(g.get("name") != SCHEDULING_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or ())
+
+
 def claimless(pod: dict[str, Any]) -> bool:
     return not (pod.get("spec") or {}).get("resourceClaims")
 

@@ -60,7 +60,7 @@ def opt_in_claim(name: str, count: int, **labels: str) -> dict[str, Any]:
 
 
 def gated_pod(name: str, claim: str) -> dict[str, Any]:
-    spec = {"schedulingGates": [{"name": "gpu.fgpu.dev/allocation"}, {"name": "other"}]}
+    spec = {"schedulingGates": [{"name": "gpu.fgpu.dev/allocation"}]}
     spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
     return {"metadata": {"name": name, "namespace": "ml"}, "spec": spec}
 

@@ -22,7 +22,7 @@ from tests.support.controller_cluster import (
     sync,
 )
 
-GATED = ["gpu.fgpu.dev/allocation", "other"]
+GATED = ["gpu.fgpu.dev/allocation"]
 
 
 def jobset(i: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -99,7 +99,7 @@ def test_an_operators_gang_that_cannot_fit_holds_nothing_then_goes_whole(framewo
     sync(controller, "claims")
     controller.run_pass()
     assert all(len(devices_of(c)) == 2 for c in members(api).values())
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(4))
+    assert all(gates(api, f"p{i}") == [] for i in range(4))
     assert_no_device_given_twice(api)
 
 
@@ -120,7 +120,7 @@ def test_no_gate_is_lifted_before_every_member_is_there_and_placed(framework, h1
     sync(controller)
     controller.run_pass()
     assert sorted(api.status_writes) == [f"p{i}-gpu-x1" for i in range(4)]
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(4))
+    assert all(gates(api, f"p{i}") == [] for i in range(4))
 
 
 def test_an_unreadable_size_places_nothing(h100_slices, replicas):
@@ -140,7 +140,7 @@ def test_ray_pods_without_a_gang_size_are_placed_one_by_one(h100_slices, replica
     member(api, "p1", ({"ray.io/cluster": "rc"}, {}), 99)  # fits nowhere; its partner goes all the same
     controller = replicas(api)
     controller.run_pass()
-    assert api.status_writes == ["p0-gpu-x1"] and gates(api, "p0") == ["other"]
+    assert api.status_writes == ["p0-gpu-x1"] and gates(api, "p0") == []
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))

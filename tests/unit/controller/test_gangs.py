@@ -57,14 +57,14 @@ def test_a_gang_interrupted_by_an_outage_is_completed_after_a_fresh_read_its_pod
     # answer, w2's write may have landed, until a pass reads w2 afresh (then voids the decision).
     assert [len(devices_of(claims_in(api)[f"w{i}"])) for i in range(3)] == [2, 2, 0]
     assert sorted(e.claim for e in ledger_entries(api).values()) == ["ml/w0", "ml/w1", "ml/w2"]
-    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation", "other"] for i in range(3))
+    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation"] for i in range(3))
     controller.gates.lift_all = lambda: None  # type: ignore[method-assign]  # no sweep: the unit lifts them
     controller.run_pass()
     assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
     assert api.status_writes == ["w0", "w1", "w2", "w2"]  # only the missing member was placed again
     assert FENCE_ANNOTATION in claims_in(api)["w2"]["metadata"]["annotations"]
     assert sorted(e.claim for e in ledger_entries(api).values()) == ["ml/w0", "ml/w1", "ml/w2"]
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(3))
+    assert all(gates(api, f"p{i}") == [] for i in range(3))
     assert_no_device_given_twice(api)
 
 
@@ -77,7 +77,7 @@ def test_a_take_back_decided_before_another_replica_completed_the_gang_fails(h10
     successor = replicas(api, "b")
     successor.run_pass()  # completes the gang, w0 kept
     assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(2))
+    assert all(gates(api, f"p{i}") == [] for i in range(2))
     stale.writer.take_back([decided_on])  # it resumes: the write its decision leads to
     assert all(len(devices_of(c)) == 2 for c in claims_in(api).values())  # refused: w0 was fenced
     assert_no_device_given_twice(api)

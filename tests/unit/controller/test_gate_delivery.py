@@ -100,10 +100,10 @@ def test_the_gate_waits_for_the_watch_to_deliver_the_allocation(watched):
     passing.start()
     assert api.status_written.wait(LONG_S)  # the allocation is written, and in the controller's cache
     assert not api.lifted.wait(0.2)  # ... but the watch has not brought it: the gate stays
-    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation", "other"]
+    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation"]
     api.deliver("a")
     passing.join(LONG_S)
-    assert gates(api, "pod-a") == ["other"]
+    assert gates(api, "pod-a") == []
     assert api.sent_when_lifted == [True]
     assert lifted_early() == early
 
@@ -118,7 +118,7 @@ def test_a_watch_that_does_not_deliver_delays_the_gate_only_so_long(watched):
     early = lifted_early()
     lifter = GateLifter(controller.replica, GatedPods(controller.informers["pods"]), delivery_wait_s=0.05)
     lifter.lift_pods(["ml/a"])
-    assert gates(api, "pod-a") == ["other"]  # lifted all the same: never stranded
+    assert gates(api, "pod-a") == []  # lifted all the same: never stranded
     assert api.sent_when_lifted == [False]
     assert lifted_early() == early + 1
 
@@ -149,4 +149,4 @@ def test_lifting_many_waits_until_one_deadline(watched, monkeypatch):
     lifter.lift_all()
     assert len(ends) == len(names)
     assert max(ends) < begun + wait_s * 1.5  # one after another: the last round would end at 3 x wait_s
-    assert all(gates(api, f"pod-{name}") == ["other"] for name in names)
+    assert all(gates(api, f"pod-{name}") == [] for name in names)

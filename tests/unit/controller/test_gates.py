@@ -20,7 +20,7 @@ def test_gang_pods_wait_for_the_whole_gang(h100_slices, replicas):
     api.put("claims", opt_in_claim("w1", 99, **gang))  # w1 cannot fit
     api.put("pods", gated_pod("p0", "w0"))
     replicas(api).run_pass()
-    assert gates(api, "p0") == ["gpu.fgpu.dev/allocation", "other"]  # w0 is allocated, its gang is not whole
+    assert gates(api, "p0") == ["gpu.fgpu.dev/allocation"]  # w0 is allocated, its gang is not whole
     assert api.status_writes == ["w0"]  # and w0 was taken back
     assert "allocation" not in claims_in(api)["w0"]["status"]
 
@@ -32,5 +32,63 @@ def test_pods_go_as_soon_as_their_unit_is_written(h100_slices, replicas):
         api.put("pods", gated_pod(f"pod-{name}", name))
     api.failing_status_writes = {2}  # b's write fails: the pass ends early, a's pod went already
     replicas(api).run_pass()
-    assert gates(api, "pod-a") == ["other"]
-    assert gates(api, "pod-b") == ["gpu.fgpu.dev/allocation", "other"]
+    assert gates(api, "pod-a") == []
+    assert gates(api, "pod-b") == ["gpu.fgpu.dev/allocation"]
+
+
+KUEUE_GATE = {"name": "kueue.x-k8s.io/admission"}
+
+
+def held_by_kueue(pod: dict) -> dict:
+    pod["spec"]["schedulingGates"].append(dict(KUEUE_GATE))
+    return pod
+
+
+def test_a_claim_whose_pod_another_gate_holds_waits_for_that_gate(h100_slices, replicas):
+    # Kueue holds the pod until its workload is admitted (by quota): devices allocated now would
+    # be held outside the quota for a pod kube-scheduler will not bind. Once Kueue lifts its gate,
+    # the next pass allocates and lifts fgpu's.
+    api = fake_cluster(h100_slices)
+    api.put("claims", opt_in_claim("a", 4))
+    api.put("pods", held_by_kueue(gated_pod("pod-a", "a")))
+    controller = replicas(api)
+    controller.run_pass()
+    assert api.status_writes == [] and "allocation" not in (claims_in(api)["a"].get("status") or {})
+    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation", "kueue.x-k8s.io/admission"]
+    admitted = api.store["pods"]["ml/pod-a"]
+    admitted["spec"]["schedulingGates"] = [g for g in admitted["spec"]["schedulingGates"] if g != KUEUE_GATE]
+    api.put("pods", admitted)
+    controller.informers["pods"].relist()
+    controller.run_pass()
+    assert api.status_writes == ["a"] and gates(api, "pod-a") == []
+
+
+def test_a_claim_made_from_a_held_pods_template_waits_too(h100_slices, replicas):
+    # A claim from a template names no pod; the pod that owns it does.
+    api = fake_cluster(h100_slices)
+    claim = opt_in_claim("pod-a-gpu", 1)
+    claim["metadata"]["ownerReferences"] = [{"kind": "Pod", "name": "pod-a", "uid": "uid-pod-a"}]
+    api.put("claims", claim)
+    pod = held_by_kueue(gated_pod("pod-a", "pod-a-gpu"))
+    pod["metadata"]["uid"] = "uid-pod-a"
+    del pod["spec"]["resourceClaims"][0]["resourceClaimName"]  # its status does not name it yet
+    pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = "gpu"
+    api.put("pods", pod)
+    replicas(api).run_pass()
+    assert api.status_writes == []
+
+
+def test_lifting_fgpus_gate_leaves_the_others(h100_slices, replicas):
+    # A pod whose claim was allocated before another gate came into play (or by another replica):
+    # fgpu lifts its own gate only; kube-scheduler still waits for the other.
+    api = fake_cluster(h100_slices)
+    controller = replicas(api)
+    api.put("claims", opt_in_claim("b", 1))
+    api.put("pods", held_by_kueue(gated_pod("pod-b", "b")))
+    controller.informers["pods"].relist()
+    claim = claims_in(api)["b"]
+    claim["status"] = {"allocation": {"devices": {"results": []}}}  # allocated earlier
+    api.put("claims", claim)
+    controller.informers["claims"].relist()
+    controller.gates.lift_all()
+    assert gates(api, "pod-b") == ["kueue.x-k8s.io/admission"]

@@ -34,7 +34,7 @@ def test_the_ledger_records_the_claim_before_its_status_and_only_our_gate_is_lif
     (entry,) = ledger_entries(api).values()
     assert entry.claim == "ml/train" and {("n1", d) for d, _ in entry.results} == set(devices_of(claim))
     assert int(entry.version) < int(claim["metadata"]["resourceVersion"])  # the status write's precondition
-    assert gates(api, "trainer") == ["other"]
+    assert gates(api, "trainer") == []
 
 
 def test_a_conflict_ends_the_pass_and_the_claims_are_read_afresh(h100_slices, replicas):

@@ -15,7 +15,7 @@ from driver.scheduling.opt_in import PLACE_PODS_LABEL, SCHEDULING_GATE
 from testbed.controller_api import InMemoryControllerApi
 from tests.support.controller_cluster import fake_cluster
 
-GATES = [{"name": SCHEDULING_GATE}, {"name": "other"}]
+GATES = [{"name": SCHEDULING_GATE}]
 ALLOCATABLE = {"cpu": "64", "memory": "512Gi", "pods": "110"}
 
 
@@ -78,8 +78,8 @@ def test_a_pod_goes_to_the_node_the_policy_picks_pinned_and_released_in_one_patc
     api = cluster(h100_slices)
     api.put("pods", pod("p1"))
     placing(api).run_pass()
-    assert api.placed == [("p1", pinned_affinity(pod("p1"), "n1"), [{"name": "other"}])]  # first-fit: n1
-    assert gates_of(api, "p1") == ["other"]
+    assert api.placed == [("p1", pinned_affinity(pod("p1"), "n1"), [])]  # first-fit: n1
+    assert gates_of(api, "p1") == []
     assert pinned_node(stored(api, "p1")) == "n1"
     assert pinned_affinity(pod("p1"), "n1") == {
         "nodeAffinity": {
@@ -133,7 +133,7 @@ def test_the_room_counts_a_placed_pod_on_its_node_in_the_pass_and_after(h100_sli
     controller.informers["pods"].relist()
     controller.run_pass()
     assert [name for name, _, _ in api.placed] == ["p1", "p2"]
-    assert gates_of(api, "p3") == ["other"] and "affinity" not in stored(api, "p3")["spec"]
+    assert gates_of(api, "p3") == [] and "affinity" not in stored(api, "p3")["spec"]
     [(reason, kind, message)] = events(api, "p3")
     assert (reason, kind) == ("NotPlacedByFgpu", "Normal")
     assert message == (
@@ -151,11 +151,11 @@ def test_pods_of_other_namespaces_and_exempt_pods_are_left_to_the_gate_lifter(h1
     placing(api).run_pass()
     assert api.placed == []
     for name, namespace in (("p1", "plain"), ("p2", "web"), ("p3", "web")):
-        assert gates_of(api, name, namespace) == ["other"]
+        assert gates_of(api, name, namespace) == []
     api = cluster(h100_slices)
     api.put("pods", pod("p1"))
     replicas(api).run_pass()  # without --place-pods: the controller lifts the gate as before
-    assert api.placed == [] and gates_of(api, "p1") == ["other"]
+    assert api.placed == [] and gates_of(api, "p1") == []
 
 
 def test_what_fgpu_does_not_read_or_evaluate_is_let_go_with_the_field_named(h100_slices, placing):
@@ -166,7 +166,7 @@ def test_what_fgpu_does_not_read_or_evaluate_is_let_go_with_the_field_named(h100
     api.put("pods", pod("p2", affinity=anti))
     placing(api).run_pass()
     assert api.placed == []
-    assert gates_of(api, "p1") == ["other"] and gates_of(api, "p2") == ["other"]
+    assert gates_of(api, "p1") == [] and gates_of(api, "p2") == []
     assert events(api, "p1") == [("NotPlacedByFgpu", "Warning", "fgpu does not place this pod (spec.tolerations: "
                                   f"a list of at most {MAX_TOLERATIONS}): kube-scheduler places it")]  # fmt: skip
     assert "spec.affinity.podAntiAffinity is required" in events(api, "p2")[0][2]
@@ -187,3 +187,19 @@ def test_bounds_and_unevaluated_fields_name_the_field():
     assert unevaluated(pod("p", topologySpreadConstraints=anyway)) is None
     claim_volume = [{"name": "v", "persistentVolumeClaim": {"claimName": "c"}}]
     assert unevaluated(pod("p", volumes=claim_volume)) == "spec.volumes: a persistent volume"
+
+
+def test_a_pod_another_gate_holds_is_placed_once_that_gate_goes(h100_slices, placing):
+    api = cluster(h100_slices)
+    held = pod("p1")
+    held["spec"]["schedulingGates"].append({"name": "kueue.x-k8s.io/admission"})
+    api.put("pods", held)
+    controller = placing(api)
+    controller.run_pass()
+    assert api.placed == [] and gates_of(api, "p1") == [SCHEDULING_GATE, "kueue.x-k8s.io/admission"]
+    admitted = stored(api, "p1")
+    admitted["spec"]["schedulingGates"] = [{"name": SCHEDULING_GATE}]
+    api.put("pods", admitted)
+    controller.informers["pods"].relist()
+    controller.run_pass()
+    assert [name for name, _, _ in api.placed] == ["p1"] and gates_of(api, "p1") == []

@@ -64,7 +64,7 @@ def test_a_podgroup_gang_is_placed_whole_or_not_at_all(h100_slices, replicas):
     controller.run_pass()
     assert len(devices_of(claims_in(api)["blocker"])) == 2
     assert all(devices_of(c) == [] for c in member_claims(api).values())
-    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation", "other"] for i in range(4))
+    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation"] for i in range(4))
     failed = [e for e in api.events if e["reason"] == "FailedAllocation"]
     assert {e["involvedObject"]["kind"] for e in failed} == {"ResourceClaim", "Pod", "PodGroup"}
     assert len([e for e in failed if e["involvedObject"]["kind"] == "ResourceClaim"]) == 4
@@ -76,7 +76,7 @@ def test_a_podgroup_gang_is_placed_whole_or_not_at_all(h100_slices, replicas):
     sync(controller, "claims")
     controller.run_pass()
     assert all(len(devices_of(c)) == 2 for c in member_claims(api).values())
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(4))
+    assert all(gates(api, f"p{i}") == [] for i in range(4))
     assert_no_device_given_twice(api)
 
 
@@ -104,7 +104,7 @@ def test_a_podgroup_gang_waits_for_min_count_pods_with_their_claims_made(h100_sl
     sync(controller)
     controller.run_pass()
     assert sorted(api.status_writes) == [f"p{i}-gpu-x1" for i in range(4)]
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(4))
+    assert all(gates(api, f"p{i}") == [] for i in range(4))
 
 
 def test_pods_of_a_podgroup_not_yet_there_wait_and_a_basic_group_is_no_gang(h100_slices, replicas):
@@ -116,14 +116,14 @@ def test_pods_of_a_podgroup_not_yet_there_wait_and_a_basic_group_is_no_gang(h100
     controller = replicas(api)
     controller.run_pass()
     assert api.status_writes == ["q0-gpu-x1"]
-    assert gates(api, "q0") == ["other"] and gates(api, "p0") == ["gpu.fgpu.dev/allocation", "other"]
+    assert gates(api, "q0") == [] and gates(api, "p0") == ["gpu.fgpu.dev/allocation"]
     (waiting,) = [e for e in api.events if e["involvedObject"]["name"] == "p0-gpu-x1"]
     assert "no PodGroup ml/train" in waiting["message"]
     api.put("podgroups", podgroup("train", 1))
     sync(controller)
     controller.run_pass()
     assert sorted(api.status_writes) == ["p0-gpu-x1", "q0-gpu-x1"]
-    assert gates(api, "p0") == ["other"]
+    assert gates(api, "p0") == []
 
 
 def test_a_podgroup_gang_interrupted_is_completed_with_the_same_fencing(h100_slices, replicas):
@@ -132,14 +132,14 @@ def test_a_podgroup_gang_interrupted_is_completed_with_the_same_fencing(h100_sli
     controller = replicas(api)
     controller.run_pass()
     assert sorted(len(devices_of(c)) for c in member_claims(api).values()) == [0, 2, 2]
-    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation", "other"] for i in range(3))
+    assert all(gates(api, f"p{i}") == ["gpu.fgpu.dev/allocation"] for i in range(3))
     (missing,) = [n for n, c in member_claims(api).items() if not devices_of(c)]
     controller.run_pass()
     assert all(len(devices_of(c)) == 2 for c in member_claims(api).values())
     assert api.status_writes[3:] == [missing]  # only the missing member was placed again
     kept = [c for n, c in member_claims(api).items() if n != missing]
     assert all(FENCE_ANNOTATION in c["metadata"]["annotations"] for c in kept)  # fenced before it
-    assert all(gates(api, f"p{i}") == ["other"] for i in range(3))
+    assert all(gates(api, f"p{i}") == [] for i in range(3))
     assert_no_device_given_twice(api)
 
 
@@ -171,10 +171,10 @@ def test_a_claim_with_gang_labels_follows_them_and_its_pod_still_waits_for_its_g
     # the group is placed in this pass if the write was done by then, else in the next; either
     # way no pod of the group goes before the whole group is allocated.
     if api.status_writes == ["w0"]:
-        assert gates(api, "w") == ["gpu.fgpu.dev/allocation", "other"]
+        assert gates(api, "w") == ["gpu.fgpu.dev/allocation"]
         controller.run_pass()
     assert api.status_writes == ["w0", "p0-gpu-x1"]
-    assert gates(api, "w") == gates(api, "p0") == ["other"]  # released together: the group is whole
+    assert gates(api, "w") == gates(api, "p0") == []  # released together: the group is whole
 
 
 class Absent(InMemoryControllerApi):

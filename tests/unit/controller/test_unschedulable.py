@@ -23,7 +23,7 @@ def test_a_pod_whose_claim_fits_nowhere_looks_unschedulable_and_stays_gated(h100
     (condition,) = scheduled_conditions(api, "p")
     assert condition["status"] == "False" and condition["reason"] == "Unschedulable"
     assert condition["message"].startswith("fgpu: claim big: ")
-    assert gates(api, "p") == ["gpu.fgpu.dev/allocation", "other"]
+    assert gates(api, "p") == ["gpu.fgpu.dev/allocation"]
     assert "allocation" not in (claims_in(api)["big"].get("status") or {})
     version = api.store["pods"]["ml/p"]["metadata"]["resourceVersion"]
     controller.run_pass()  # the same reason: not written again
@@ -36,4 +36,4 @@ def test_a_pod_whose_claim_fits_is_never_marked(h100_slices, replicas):
     api.put("pods", gated_pod("p", "small"))
     replicas(api).run_pass()
     assert scheduled_conditions(api, "p") == []
-    assert gates(api, "p") == ["other"]
+    assert gates(api, "p") == []
