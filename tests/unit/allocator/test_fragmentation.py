@@ -276,21 +276,27 @@ def test_before_any_claim_needs_it_the_node_only_the_largest_pods_fit_is_filled_
     # n3 (128 CPUs) is the one node a pod asking more than 96 CPUs runs on; no such claim came yet.
     # A whole-GPU claim whose pod asks 20 CPUs strands a GPU on n1 (76 CPUs left feed 6 of the
     # common 12-CPU pods, 7 GPUs free) and none on n3, so the mix seen so far sends it to n3. The
-    # prior of a claim for each kind of node whole keeps n3 for what only it runs; without the
-    # prior (WHOLE_NODE_PRIOR 0) it goes to n3.
-    def node_for_it() -> str:
+    # prior of a claim for each kind of node whole keeps n3 for what only it runs, where the
+    # allocator places the pods without claims too; without those (kube-scheduler places them, and
+    # would fill a node kept empty) or without the prior (WHOLE_NODE_PRIOR 0) it goes to n3.
+    def node_for_it(places_pods: bool) -> str:
         pods_of: dict[str, list[PodNeeds]] = {}
         room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
         cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")
         for i in range(20):
             cluster.allocate(asking_on(pods_of, f"seen{i}", 1, 12), room=room)
+            if places_pods and i % 5 == 0:
+                without_claims = claim(f"cpu-pod{i}")
+                pods_of[without_claims.key] = [PodNeeds(f"ns/cpu-pod{i}", {CPU: Fraction(1)})]
+                cluster.allocate(without_claims, room=room)
         outcome = cluster.allocate(asking_on(pods_of, "x", 1, 20), room=room)
         assert isinstance(outcome, Placement)
         return outcome.node
 
-    assert node_for_it() == "n1"
+    assert node_for_it(places_pods=True) == "n1"
+    assert node_for_it(places_pods=False) == "n3"
     monkeypatch.setattr(fragmentation, "WHOLE_NODE_PRIOR", 0.0)
-    assert node_for_it() == "n3"
+    assert node_for_it(places_pods=True) == "n3"
 
 
 def test_a_shape_first_seen_when_it_fits_nowhere_enters_the_mix_at_once():
@@ -326,4 +332,4 @@ def test_a_scarce_shape_of_few_claims_weighs_into_the_mix_by_its_supply():
     assert learned is not None
     learned.learn(cluster._node_kinds(room))
     big = seen_shapes_of(learned, gpus=8)
-    assert len(big) == 1 and big[0].weight == pytest.approx(3 / 202)  # 200 claims and 2 whole-node priors
+    assert len(big) == 1 and big[0].weight == pytest.approx(3 / 200)
