@@ -19,7 +19,7 @@ from testbed.cluster.operators import JOBSET, KUBERAY, LWS, TRAINER, HostOperato
 from testbed.node_plugin import NodePlugin
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import NS, wait_for, wait_until
-from tests.support.controller import CONTROLLER, ControlledNodes
+from tests.support.controller import CONTROLLER, ControlledNodes, running_controller
 from tests.support.pools import complete_pool
 
 
@@ -62,6 +62,14 @@ def _pods_with_claims(core) -> list:
 
 
 CONTROLLED = ("node-a", "node-b")  # the stand-in nodes of `controlled_nodes`
+
+
+@pytest.fixture
+def controller(cluster, namespace) -> Iterator[subprocess.Popen]:
+    """`fgpu controller` for a module's `namespace` fixture (its lease there); modules with a
+    controller of their own define this fixture themselves."""
+    with running_controller(cluster.kubeconfig, f"--lease-namespace={namespace}") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ webhook adds it here). JobSet's pods form one gang per JobSet run
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +28,6 @@ from kubernetes.dynamic import DynamicClient
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.node import RealNode
 from testbed.workloads import claim_template, delete_namespace, pod_spec, unique, wait_until
-from tests.support.controller import running_controller
 from tests.support.frameworks import MOCK_NODE, claimed_devices, example, on_test_bed, pod_specs, pods_running
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
@@ -52,12 +50,6 @@ def namespace(cluster, real_node: RealNode, node_plugin, jobset_operator) -> Ite
         yield name
     finally:
         delete_namespace(core, name)
-
-
-@pytest.fixture
-def controller(cluster, namespace) -> Iterator[subprocess.Popen]:
-    with running_controller(cluster.kubeconfig, f"--lease-namespace={namespace}") as process:
-        yield process
 
 
 class Gang:

@@ -7,7 +7,6 @@ controller's scheduling gate in their template (no webhook in this module adds i
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +17,6 @@ import pytest
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.node import RealNode
 from testbed.workloads import claim_template, delete_namespace, pod_spec, report, unique, wait_until
-from tests.support.controller import running_controller
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -34,12 +32,6 @@ def namespace(cluster, real_node: RealNode, node_plugin) -> Iterator[str]:
         yield name
     finally:
         delete_namespace(core, name)
-
-
-@pytest.fixture
-def controller(cluster, namespace) -> Iterator[subprocess.Popen]:
-    with running_controller(cluster.kubeconfig, f"--lease-namespace={namespace}") as process:
-        yield process
 
 
 def jobset(name: str, node: str, template: str, jobs: int) -> dict[str, Any]:
