@@ -34,6 +34,7 @@ from tests.support.frameworks import (
     admitted,
     claimed_devices,
     cluster_queue,
+    create,
     describe,
     example,
     kueue_for,
@@ -41,6 +42,7 @@ from tests.support.frameworks import (
     pod_specs,
     pods_running,
     queues,
+    read,
     waiting_for_quota,
     whole_gpus,
     workloads_of,
@@ -76,14 +78,11 @@ class Queue:
         applied = [on_test_bed(d, self.node) for d in documents]
         if name:
             applied[-1]["metadata"]["name"] = name
-        for document in applied:
-            resource = self.dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
-            resource.create(body=document, namespace=self.namespace)
+        create(self.dynamic, self.namespace, applied)
         return applied[-1]
 
     def get(self, job: dict[str, Any]) -> dict[str, Any]:
-        resource = self.dynamic.resources.get(api_version=job["apiVersion"], kind=job["kind"])
-        return resource.get(name=job["metadata"]["name"], namespace=self.namespace).to_dict()
+        return read(self.dynamic, self.namespace, job)
 
     def delete(self, job: dict[str, Any]) -> None:
         resource = self.dynamic.resources.get(api_version=job["apiVersion"], kind=job["kind"])

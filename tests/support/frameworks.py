@@ -133,6 +133,19 @@ def on_test_bed(document: dict[str, Any], node: str, queue: str | None = "gpus")
     return document
 
 
+def create(dynamic: Any, namespace: str, documents: list[dict[str, Any]]) -> None:
+    """Create the documents, of any kind, in the namespace (`dynamic`: a kubernetes DynamicClient)."""
+    for document in documents:
+        resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
+        resource.create(body=document, namespace=namespace)
+
+
+def read(dynamic: Any, namespace: str, document: dict[str, Any]) -> dict[str, Any]:
+    """The object a document made, as the API server has it now."""
+    resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
+    return resource.get(name=document["metadata"]["name"], namespace=namespace).to_dict()
+
+
 def pod_specs(node: Any) -> Iterator[dict[str, Any]]:
     """Every pod spec in an object, wherever its kind keeps them."""
     if isinstance(node, dict):
