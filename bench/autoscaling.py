@@ -51,11 +51,12 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from bench.allocator import classes, percentile
 from bench.controller import UnthrottledCluster, delete_pods, unbound_summary, wait_until
+from bench.fleet import start_controller, start_fleet
 from driver.allocator.lifetimes import EXPECTED_DURATION
 from driver.fleet.machine_types import MachineType, machine_inventory
 from driver.inventory.slices import build_slices
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
-from testbed.cluster.harness import spawn, stop_process
+from testbed.cluster.harness import stop_process
 from testbed.cluster.karpenter_manager import DGX_H100, InstanceType, KarpenterManager, NodePool
 from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
 
@@ -498,14 +499,6 @@ def _counts(values: Iterable[str]) -> dict[str, int]:
     return out
 
 
-def start_controller(kubeconfig: Path, log: Path, policy: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "driver.cli", "--log-level=INFO", "controller", f"--kubeconfig={kubeconfig}",
-            "--lease-namespace=default", "--identity=bench", f"--policy={policy}"]  # fmt: skip
-    process = spawn(argv, log)
-    wait_until(lambda: "caches synced" in log.read_text(), 300, "controller caches synced")
-    return process
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = day_trace(args.pods, args.day_s, args.seed)
     per_node = len(build_slices("gpu.fgpu.dev", "n", machine_inventory(MachineType("dgx-h100", "mps,whole")), 1, None))
@@ -529,16 +522,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for document in classes():
                 kubernetes.utils.create_from_dict(client, document)
             kwok.start()
-            fleet = [sys.executable, "-m", "driver.cli", "--log-level=WARNING", "simulate-fleet",
-                     f"--kubeconfig={cluster.kubeconfig}"]  # fmt: skip
-            processes.append(spawn(fleet, work / "fleet.log"))
+            processes.append(start_fleet(cluster.kubeconfig, work / "fleet.log"))
             pool = NodePool("dgx-h100", ("dgx-h100",), args.max_nodes, args.consolidate_after)
             karpenter = KarpenterManager(cluster, work / "karpenter", (NODE_TYPE,), (pool,), share_counters_once=True)
             karpenter.start()
             result["scheduler"] = run_day(cluster, "kube-scheduler", trace, args, per_node)
             print(json.dumps({k: v for k, v in result["scheduler"].items() if k != "series"}), flush=True)
             _no_nodes_left(karpenter)
-            controller = start_controller(cluster.kubeconfig, work / "controller.log", args.policy)
+            controller, _ = start_controller(cluster.kubeconfig, work / "controller.log", f"--policy={args.policy}")
             processes.append(controller)
             result["controller"] = run_day(cluster, "fgpu-controller", trace, args, per_node)
             print(json.dumps({k: v for k, v in result["controller"].items() if k != "series"}), flush=True)

@@ -49,10 +49,17 @@ def reported(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def start_controller(kubeconfig: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
-    """The controller, and the seconds from its start to its caches synced and ledger built."""
+def start_fleet(kubeconfig: Path, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """`fgpu simulate-fleet` (with `flags`): the fleet's slices published for its kwok nodes."""
+    argv = [sys.executable, "-m", "driver.cli", "--log-level=WARNING", "simulate-fleet", f"--kubeconfig={kubeconfig}"]
+    return spawn([*argv, *flags], log)
+
+
+def start_controller(kubeconfig: Path, log: Path, *flags: str) -> tuple[subprocess.Popen[bytes], float]:
+    """The controller (with `flags` besides its own), and the seconds from its start to its caches
+    synced and ledger built."""
     argv = [sys.executable, "-m", "driver.cli", "--log-level=INFO", "controller", f"--kubeconfig={kubeconfig}",
-            "--lease-namespace=default", "--identity=bench"]  # fmt: skip
+            "--lease-namespace=default", "--identity=bench", *flags]  # fmt: skip
     started = time.monotonic()
     process = spawn(argv, log)
     wait_until(lambda: "caches synced" in log.read_text(), 600, "controller caches synced")
@@ -76,9 +83,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             names = [f"kwok-{i:05d}" for i in range(args.nodes)]
             kwok.add_nodes(names, "dgx-h100", tainted=False)
             nodes_ready_s = time.monotonic() - started
-            fleet = [sys.executable, "-m", "driver.cli", "--log-level=WARNING", "simulate-fleet",
-                     f"--kubeconfig={cluster.kubeconfig}", f"--offer={args.offer}"]  # fmt: skip
-            processes.append(spawn(fleet, Path(workdir) / "fleet.log"))
+            processes.append(start_fleet(cluster.kubeconfig, Path(workdir) / "fleet.log", f"--offer={args.offer}"))
             published = time.monotonic()
             per_node = len(
                 build_slices("gpu.fgpu.dev", "n", machine_inventory(MachineType("dgx-h100", args.offer)), 1, None)

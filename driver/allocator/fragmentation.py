@@ -83,7 +83,7 @@ SCARCE_SUPPLY = 0.5
 WHOLE_NODE_SHARE = 0.9
 WHOLE_NODE_PRIOR = 1.0
 SIZED = ("cpu", "memory")  # what a whole-node claim's pods ask of the node (PodRoom's names)
-PODS = "pods"
+PODS = "pods"  # the pod count, as PodRoom.needs and PodRoom.left name it
 
 # request_key: () for a claim without requests, else (class, selectors, count, capacity asked, sorted).
 RequestKey = tuple[()] | tuple[str, tuple[str, ...], int, tuple[tuple[str, Amount], ...]]

@@ -15,9 +15,9 @@ from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 
 from driver.allocator.cluster import Placement, PodRoom
+from driver.allocator.fragmentation import PODS
 from driver.allocator.model import Claim
 
-PODS = "pods"  # the pod count, as PodRoom.needs and PodRoom.left name it
 ROUNDING = 1e-9  # sums of floats given back and taken again: not a resource's worth
 
 

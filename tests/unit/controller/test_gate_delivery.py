@@ -72,7 +72,13 @@ def watched(h100_slices: str, replicas: Any) -> Iterator[tuple[WatchedClaimsApi,
     api.close()  # the watch returns, the stopped informer ends
 
 
-def start_claims(controller: Controller) -> None:
+def gated_pods_of_claims(api: WatchedClaimsApi, controller: Controller, names: list[str]) -> None:
+    """Each name an opt-in claim with its gated pod, in the caches; the claims informer on the
+    test's watch."""
+    for name in names:
+        api.put("claims", opt_in_claim(name, 1))
+        api.put("pods", gated_pod(f"pod-{name}", name))
+    controller.informers["pods"].relist()
     informer = controller.informers["claims"]
     informer.start()
     assert informer.synced.wait(LONG_S)
@@ -91,10 +97,7 @@ def lifted_early() -> float:
 
 def test_the_gate_waits_for_the_watch_to_deliver_the_allocation(watched):
     api, controller = watched
-    api.put("claims", opt_in_claim("a", 1))
-    api.put("pods", gated_pod("pod-a", "a"))
-    controller.informers["pods"].relist()
-    start_claims(controller)
+    gated_pods_of_claims(api, controller, ["a"])
     early = lifted_early()
     passing = threading.Thread(target=controller.run_pass)
     passing.start()
@@ -110,10 +113,7 @@ def test_the_gate_waits_for_the_watch_to_deliver_the_allocation(watched):
 
 def test_a_watch_that_does_not_deliver_delays_the_gate_only_so_long(watched):
     api, controller = watched
-    api.put("claims", opt_in_claim("a", 1))
-    api.put("pods", gated_pod("pod-a", "a"))
-    controller.informers["pods"].relist()
-    start_claims(controller)
+    gated_pods_of_claims(api, controller, ["a"])
     allocated_by_us(api, controller, "a")
     early = lifted_early()
     lifter = GateLifter(controller.replica, GatedPods(controller.informers["pods"]), delivery_wait_s=0.05)
@@ -127,11 +127,7 @@ def test_lifting_many_waits_until_one_deadline(watched, monkeypatch):
     """More pods than writers: each waits until the pass's deadline, not one wait after another."""
     api, controller = watched
     names = [f"c{i}" for i in range(MAX_IN_FLIGHT * 2 + 1)]
-    for name in names:
-        api.put("claims", opt_in_claim(name, 1))
-        api.put("pods", gated_pod(f"pod-{name}", name))
-    controller.informers["pods"].relist()
-    start_claims(controller)
+    gated_pods_of_claims(api, controller, names)
     for name in names:
         allocated_by_us(api, controller, name)
     claims = controller.informers["claims"]
