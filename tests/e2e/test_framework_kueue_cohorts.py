@@ -155,6 +155,11 @@ class Teams:
         used = [r for f in status.get("flavorsUsage") or () for r in f.get("resources") or () if r["name"] == resource]
         return sum(int(parse_quantity(r.get("borrowed", 0))) for r in used)
 
+    def wait_borrowed(self, queue: str, amount: int, resource: str = GPUS) -> None:
+        """Wait until the ClusterQueue borrows `amount`: Kueue writes its status after admitting, so the
+        pods can run before the status says so."""
+        wait_until(f"{queue} borrowing {amount} {resource}", lambda: self.borrowed(queue, resource) == amount)
+
     def whole_gpus(self, team: str, pods: list[Any], per_pod: int) -> None:
         """Every pod's claim has `per_pod` whole GPUs of its own, seen in its container."""
         seen = claimed_devices(self.client, team, pods)
@@ -190,7 +195,7 @@ def test_a_borrowing_jobset_is_preempted_by_a_higher_priority_one(teams):
     # Team A: 8 GPUs on a nominal quota of 4, team B's 4 borrowed.
     teams.submit(a, "train", 4, teams.batch)
     pods = teams.wait_running(a, "train", 4)
-    assert teams.borrowed(a) == 4
+    teams.wait_borrowed(a, 4)
     teams.whole_gpus(a, pods, 2)  # 8 GPUs, each once
 
     # Team B, same priority: may not reclaim; waits while team A runs on.
@@ -221,7 +226,7 @@ def test_a_borrowing_trainjob_is_preempted_by_a_higher_priority_one(teams):
 
     teams.apply(a, [runtime, trainjob], teams.batch)
     pods = teams.wait_running(a, "train", 4)  # the TrainJob's JobSet has its name
-    assert teams.borrowed(a) == 4
+    teams.wait_borrowed(a, 4)
     teams.whole_gpus(a, pods, 2)  # 8 GPUs, each once
 
     trainjob["spec"]["trainer"]["numNodes"] = 2
@@ -243,7 +248,7 @@ def test_a_borrowing_leaderworkerset_group_is_preempted_by_a_higher_priority_one
     teams.apply(a, documents, teams.batch)
     group = "leaderworkerset.sigs.k8s.io/name=serve-2x4"
     pods = teams.wait_running(a, "serve-2x4", 2, selector=group)
-    assert teams.borrowed(a) == 4
+    teams.wait_borrowed(a, 4)
     teams.whole_gpus(a, pods, 4)  # 8 GPUs, each once
 
     lws = documents[-1]
@@ -270,7 +275,7 @@ def test_a_borrowing_ray_job_is_preempted_by_a_higher_priority_one(teams, file, 
     documents = example(file)  # claim template, the RayJob or RayCluster; the head takes no GPU
     job = teams.apply(a, documents, teams.batch)
     pods = teams.wait_running(a, job["metadata"]["name"], 1 + workers, selector=RAY_NODES)
-    assert teams.borrowed(a, SHARE_MEMORY) == parse_quantity(borrowed)
+    teams.wait_borrowed(a, int(parse_quantity(borrowed)), SHARE_MEMORY)
     seen = claimed_devices(teams.client, a, pods)
     assert len(seen) == workers and all(len(d) == 1 and d[0].endswith("-mps") for d, _ in seen.values()), seen
 
