@@ -1,15 +1,18 @@
 """What a prepared claim's device uses at one sample, for right-sizing (pure; docs/rightsizing.md,
 "What is measured"): the memory its processes hold, its compute in percent of the whole GPU's SMs,
-whether it was at its memory limit, and the size it was given (driver/sizing/sizes.py's Size).
+whether it was at its memory limit, the size it was given (driver/sizing/sizes.py's Size), and the
+memory and SMs that size holds (what it was given less what it used is its waste, on the dashboard).
 
 By kind, from what NVML measures:
 - a whole GPU: the GPU's memory in use and its utilisation (else its processes' SM utilisation);
-- a MIG partition: its MIG device's memory in use; NVML measures no utilisation per partition (nor
-  per process in MIG mode), so a partition with a process counts its whole share of the GPU's SMs:
-  its compute is never shrunk from a guess;
+- a MIG partition: its MIG device's memory in use and, with a process on it, its GPU instance's
+  SM utilisation where GPM measures it (Hopper and newer, driver/nvml/gpm.py) times its share of
+  the GPU's SMs; without GPM (NVML measures no utilisation per partition, nor per process in MIG
+  mode) its whole share: its compute is never shrunk from a guess;
 - an MPS or time-sliced share: the memory and SM utilisation of its own pods' processes (by their
   cgroups); in a MIG partition, where NVML samples no processes, a share with a process counts
-  its limit (MPS) or its partition (time-sliced).
+  its limit (MPS) or its partition (time-sliced) of the partition's SMs, or its GPU instance's
+  measured utilisation where lower: that is all its shares' use together, never below its own.
 Out-of-memory is not reported by NVML (the allocation fails in the process); a device whose
 processes hold OOM_FRACTION of its limit or more counts as one: the demand above a limit is not
 seen, so sizing must not take the limit for the need.
@@ -22,13 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.inventory.discovery import GpuInfo
-from driver.inventory.sharing import MIG_KINDS
+from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.node.state import PreparedDevice
-from driver.node.usage import GpuActivity
+from driver.node.usage import GpuActivity, instance_percent
 from driver.sizing.sizes import Size
 
 MIB = 2**20
 OOM_FRACTION = 0.98
+TIMESLICE_KINDS: frozenset[DeviceKind] = frozenset({"timeslice", "mig-timeslice"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class DeviceUse:
     memory_mib: int
     compute_percent: float  # of the whole GPU's SMs
     at_memory_limit: bool
+    memory_allocated_mib: int  # what it was given (_allocated_bytes): waste is this less memory_mib
+    compute_allocated_percent: float | None  # of the whole GPU's SMs; None: given none of its own (time-sliced)
 
 
 def device_size(device: PreparedDevice, share_memory_bytes: int | None) -> Size:
@@ -66,13 +72,14 @@ def measure(
     mig_uuid = device.mig_uuid if device.kind in MIG_KINDS else None
     on_device = [p for p in activity.processes if p.mig_uuid == mig_uuid]
     partition = _partition_percent(device, gpu)
+    measured = instance_percent(device, activity)
     if device.kind in ("whole", "mig"):
         usage = activity.device if device.kind == "whole" else activity.mig.get(mig_uuid or "")
         if usage is None:
             return None
         memory, limit = usage.memory_used_bytes, usage.memory_total_bytes
         if device.kind == "mig":
-            compute = partition if on_device else 0.0
+            compute = _partition_compute(partition, 100.0, measured) if on_device else 0.0
         elif usage.gpu_percent is not None:
             compute = float(usage.gpu_percent)
         else:
@@ -87,14 +94,36 @@ def measure(
         elif not own:
             compute = 0.0
         else:  # MIG mode: NVML samples no processes (the module's rule)
-            share = (size.compute_percent or 100) / 100 if device.kind == "mig-mps" else 1.0
-            compute = partition * share
+            ceiling = float(size.compute_percent or 100) if device.kind == "mig-mps" else 100.0
+            compute = _partition_compute(partition, ceiling, measured)
     return DeviceUse(
         size=size,
         memory_mib=memory // MIB,
         compute_percent=round(min(100.0, compute), 1),
         at_memory_limit=limit > 0 and memory >= OOM_FRACTION * limit,
+        memory_allocated_mib=_allocated_bytes(device, size, limit) // MIB,
+        compute_allocated_percent=_allocated_compute_percent(device, size, partition),
     )
+
+
+def _allocated_bytes(device: PreparedDevice, size: Size, limit: int) -> int:
+    """The memory the device was given: its limit, but a time-sliced share its allocation, which
+    nothing enforces (its processes can hold the whole room): counting the room would count a GPU's
+    memory once per share of it."""
+    if device.kind not in TIMESLICE_KINDS or size.memory_mib is None:
+        return limit
+    allocated = size.memory_mib * MIB
+    return min(allocated, limit) if limit else allocated
+
+
+def _allocated_compute_percent(device: PreparedDevice, size: Size, partition: float) -> float | None:
+    """The SMs the device was given, in percent of its whole GPU's: a whole GPU or partition all
+    of its own, an MPS share its limit of them; a time-sliced share none (it takes turns with its
+    device's other shares)."""
+    if device.kind in TIMESLICE_KINDS:
+        return None
+    share = (size.compute_percent or 100) / 100 if device.kind in ("mps", "mig-mps") else 1.0
+    return round(partition * share, 1)
 
 
 def _share_limit_bytes(device: PreparedDevice, size: Size, activity: GpuActivity, gpu: GpuInfo) -> int:
@@ -107,6 +136,12 @@ def _share_limit_bytes(device: PreparedDevice, size: Size, activity: GpuActivity
     if device.kind in ("mps", "mig-mps") and size.memory_mib is not None:
         return min(size.memory_mib * MIB, room) if room else size.memory_mib * MIB
     return room
+
+
+def _partition_compute(partition: float, ceiling: float, measured: float | None) -> float:
+    """A MIG device's compute in percent of the whole GPU's SMs: `ceiling` percent of its
+    partition's, or the GPU instance's measured utilisation where lower (the module's rules)."""
+    return partition * min(ceiling, 100.0 if measured is None else measured) / 100
 
 
 def _partition_percent(device: PreparedDevice, gpu: GpuInfo) -> float:

@@ -6,9 +6,9 @@ devices, MIG instances, MPS clients, GPU and MIG memory and utilisation by the p
 device) is read at scrape time by NodeCollector: from the checkpoint, which both plugin instances
 of a rolling update share, so either one reports the node's truth, and from NVML. What teams
 used over time (GPU-seconds by namespace and kind, each claim's time since last used;
-driver/node/usage.py) and what each claim's processes use (memory, compute; claim_usage.py, also
-the usage history's samples) are sampled every SAMPLE_S and at each scrape; GPU-seconds count since
-this instance started.
+driver/node/usage.py) and what each claim's processes use and was given (memory, compute;
+claim_usage.py, also the usage history's samples) are sampled every SAMPLE_S and at each scrape;
+GPU-seconds count since this instance started.
 
 Tenants' names stay out unless asked for (`--metrics-tenant-labels`): /metrics is on the pod
 network, and any pod could otherwise list every namespace, pod and claim using this node's GPUs.
@@ -43,10 +43,12 @@ from driver.inventory.sharing import MIG_KINDS, DeviceKind
 from driver.kube.client import JsonObject, KubeApi
 from driver.kube.errors import KubeError, NotFoundError
 from driver.node.background import BackgroundWorker
-from driver.node.claim_usage import ClaimObservation, measure
+from driver.node.claim_usage import MIB, ClaimObservation, DeviceUse, measure
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 from driver.node.usage import GpuActivity, HeldDevice, UsageLedger, gpu_fraction, is_busy, pod_uid_of_cgroup
 from driver.nvml.session import GpuInstanceRecord, NvmlSession
+from driver.sizing.history import Workload
+from driver.sizing.owner import workload_of
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +212,8 @@ class _Reading:
 
 class ClaimHolders:
     """The pods that hold each prepared claim: its status.reservedFor, looked up at scrape time
-    and kept for `refresh_s`, with the memory its shares were allocated (for GPU-seconds). Not
+    and kept for `refresh_s`, with the memory its shares were allocated (for GPU-seconds) and the
+    workload that owns its first pod (for the claims' use with tenant labels). Not
     recorded at prepare: kubelet prepares a claim once per node, so a second pod sharing it never
     reaches the plugin, and the checkpoint stays as it is (an older instance of a rolling update
     reads it too). An unreachable API server keeps what is
@@ -221,6 +224,7 @@ class ClaimHolders:
         self._refresh_s = refresh_s
         self._clock = clock
         self._known: dict[str, _Reading] = {}
+        self._owners: dict[str, Workload | None] = {}  # pod UID -> its workload; None: gone or re-created
         self._quiet_until = 0.0
         self._lock = threading.Lock()
 
@@ -239,6 +243,31 @@ class ClaimHolders:
                     self._look_up(claim, now)
             self._known = {c.uid: self._known[c.uid] for c in claims if c.uid in self._known}
             return {c.uid: self._known[c.uid].reading if c.uid in self._known else ClaimReading() for c in claims}
+
+    def workloads(self, observed: Iterable[ClaimObservation]) -> dict[str, Workload]:
+        """Claim UID -> the workload that owns the first pod holding it (driver/sizing/owner.py);
+        claims without a known pod are left out. One GET per pod, kept while a sampled claim names
+        it: a pod's owner does not change."""
+        with self._lock:
+            first_pods = {o.claim_uid: (o.namespace, *o.pods[0]) for o in observed if o.pods}
+            for namespace, name, pod_uid in set(first_pods.values()):
+                if pod_uid not in self._owners and self._clock() >= self._quiet_until:
+                    self._look_up_owner(namespace, name, pod_uid)
+            self._owners = {uid: self._owners[uid] for _, _, uid in first_pods.values() if uid in self._owners}
+            owners = {claim: self._owners.get(pod_uid) for claim, (_, _, pod_uid) in first_pods.items()}
+            return {claim: owner for claim, owner in owners.items() if owner is not None}
+
+    def _look_up_owner(self, namespace: str, name: str, uid: str) -> None:
+        try:
+            pod: JsonObject = self._api.get_pod(namespace, name)
+        except NotFoundError:
+            pod = {}
+        except KubeError as err:
+            log.info("cannot read pod %s/%s for the metrics' workload labels: %s", namespace, name, err)
+            self._quiet_until = self._clock() + self._refresh_s
+            return
+        # Gone, or re-created: not the pod that holds the claim; its UID does not come back.
+        self._owners[uid] = workload_of(pod) if (pod.get("metadata") or {}).get("uid") == uid else None
 
     def _look_up(self, claim: PreparedClaim, now: float) -> None:
         try:
@@ -284,6 +313,36 @@ class _Holder:
 _NOBODY = (_Holder("", "", ""),)
 # Not "namespace" and "pod": Prometheus's Kubernetes targets carry those (this plugin's own pod).
 HOLDER_LABELS = ["claim_namespace", "claim_pod", "claim"]
+# The claims' use metrics (NodeCollector._claim_usage): name, help, value (None: no series).
+CLAIM_GAUGES: tuple[tuple[str, str, Callable[[DeviceUse], float | None]], ...] = (
+    (
+        "fgpu_claim_memory_used_bytes",
+        "GPU memory the claim's processes hold (a whole GPU or MIG partition: the device's), at the last sample",
+        lambda use: use.memory_mib * MIB,
+    ),
+    (
+        "fgpu_claim_compute_ratio",
+        "The claim's compute activity as a fraction of its whole GPU's SMs, at the last sample",
+        lambda use: use.compute_percent / 100,
+    ),
+    (
+        "fgpu_claim_memory_at_limit",
+        "Claims whose processes hold 98% or more of their memory limit (out-of-memory likely), at the last sample",
+        lambda use: float(use.at_memory_limit),
+    ),
+    (
+        "fgpu_claim_memory_allocated_bytes",
+        "GPU memory the claim was given (a whole GPU or MIG partition: the device's; an MPS share: its limit; "
+        "a time-sliced share: its allocation), at the last sample",
+        lambda use: use.memory_allocated_mib * MIB,
+    ),
+    (
+        "fgpu_claim_compute_allocated_ratio",
+        "The SMs the claim was given as a fraction of its whole GPU's (a MIG partition: its own; an MPS share: "
+        "its limit; none for a time-sliced share), at the last sample",
+        lambda use: None if use.compute_allocated_percent is None else use.compute_allocated_percent / 100,
+    ),
+)
 GPU_LABELS = ["gpu", "gpu_index"]
 MIG_LABELS = [*GPU_LABELS, "mig", "mig_profile"]
 
@@ -434,39 +493,33 @@ class NodeCollector(Collector):
         yield from (gpu_seconds, idle_s, last_used)
 
     def _claim_usage(self) -> Iterator[Metric]:
-        """What each claim's processes use (right-sizing's measure, claim_usage.py): per claim where
-        tenant labels are allowed, else summed by kind: a claim's UID would make a series per claim
-        that says nothing without the names."""
+        """What each claim's processes use and what it was given (right-sizing's measure,
+        claim_usage.py): per claim, with the workload that owns its pods, where tenant labels are
+        allowed, else summed by kind: a claim's UID would make a series per claim that says nothing
+        without the names. A claim's workload does not change, so it adds no series."""
         with self._ledger_lock:
             observed = list(self._observed)
-        labels = ["node", "claim_namespace", "claim", "kind"]
-        memory = GaugeMetricFamily(
-            "fgpu_claim_memory_used_bytes",
-            "GPU memory the claim's processes hold (a whole GPU or MIG partition: the device's), at the last sample",
-            labels=labels,
-        )
-        compute = GaugeMetricFamily(
-            "fgpu_claim_compute_ratio",
-            "The claim's compute activity as a fraction of its whole GPU's SMs, at the last sample",
-            labels=labels,
-        )
-        at_limit = GaugeMetricFamily(
-            "fgpu_claim_memory_at_limit",
-            "Claims whose processes hold 98% or more of their memory limit (out-of-memory likely), at the last sample",
-            labels=labels,
-        )
-        sums: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+        workloads = self._holders.workloads(observed) if self._tenant_labels else {}
+        labels = ["node", "claim_namespace", "claim", "kind", "workload_kind", "workload"]
+        families = {name: GaugeMetricFamily(name, doc, labels=labels) for name, doc, _ in CLAIM_GAUGES}
+        sums: dict[tuple[str, ...], dict[str, float]] = collections.defaultdict(dict)
         for o in observed:
-            key = (o.namespace, o.name, o.use.size.kind) if self._tenant_labels else ("", "", o.use.size.kind)
-            values = sums[key]
-            values[0] += o.use.memory_mib * 2**20
-            values[1] += o.use.compute_percent / 100
-            values[2] += 1.0 if o.use.at_memory_limit else 0.0
-        for (namespace, claim, kind), (used, ratio, full) in sorted(sums.items()):
-            memory.add_metric([self._node, namespace, claim, kind], used)
-            compute.add_metric([self._node, namespace, claim, kind], ratio)
-            at_limit.add_metric([self._node, namespace, claim, kind], full)
-        yield from (memory, compute, at_limit)
+            values = sums[self._claim_labels(o, workloads.get(o.claim_uid))]
+            for name, _, value_of in CLAIM_GAUGES:
+                value = value_of(o.use)
+                if value is not None:
+                    values[name] = values.get(name, 0.0) + value
+        for key, values in sorted(sums.items()):
+            for name, value in values.items():
+                families[name].add_metric([self._node, *key], value)
+        yield from families.values()
+
+    def _claim_labels(self, o: ClaimObservation, workload: Workload | None) -> tuple[str, ...]:
+        """A claim's use's labels after the node's: its names and workload, or its kind alone."""
+        if not self._tenant_labels:
+            return "", "", o.use.size.kind, "", ""
+        owner = workload or Workload("", "")  # its pod not known (yet)
+        return o.namespace, o.name, o.use.size.kind, owner.kind, owner.name
 
     def _prepared(self, prepared: list[PreparedClaim]) -> Iterator[Metric]:
         devices = [d for c in prepared for d in c.devices if d.holds]  # admin access holds nothing

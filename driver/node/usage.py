@@ -7,8 +7,9 @@ GPU 1, a MIG partition its memory slices over the GPU's 8 (a 3g.40gb at 4 slices
 over the GPU's memory. Held time is sampled: what a sample sees is counted until the next one.
 
 Idle: a device is used at a sample when NVML shows it working, by the most precise measure the
-hardware gives for its kind (`is_busy`); a claim's idle time is the time since its last used
-sample, or since the plugin first saw it prepared when it has not been used since.
+hardware gives for its kind (`is_busy`; a MIG device's GPU instance where GPM measures it, on Hopper
+and newer: driver/nvml/gpm.py); a claim's idle time is the time since its last used sample, or
+since the plugin first saw it prepared when it has not been used since.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class GpuActivity:
     a pod's, or its cgroup unreadable); with the GPU's and its MIG devices' memory where read
     (for right-sizing, driver/node/claim_usage.py)."""
 
-    gpu_percent: int | None  # None in MIG mode: NVML does not measure it there
+    gpu_percent: float | None  # None in MIG mode: NVML does not measure it there
     processes: tuple[NvmlProcess, ...] = ()
     pod_of_pid: Mapping[int, str] = field(default_factory=dict)
     device: DeviceUsage | None = None
@@ -85,17 +86,29 @@ def gpu_fraction(device: PreparedDevice, gpu_memory_bytes: int, share_memory_byt
     return min(1.0, (memory or 0) / gpu_memory_bytes) if gpu_memory_bytes > 0 else 0.0
 
 
+def instance_percent(device: PreparedDevice, activity: GpuActivity) -> float | None:
+    """The SM utilisation of a MIG device's GPU instance, in percent of the instance's SMs, where
+    GPM measured it; None outside MIG and where not measured."""
+    usage = activity.mig.get(device.mig_uuid or "") if device.kind in MIG_KINDS else None
+    return usage.gpu_percent if usage is not None else None
+
+
 def is_busy(device: PreparedDevice, pod_uids: Iterable[str], activity: GpuActivity) -> bool:
     """Whether the device was used at this sample, by what NVML measures for its kind:
     - a whole GPU: its utilisation, else (not measured) any compute process on it;
-    - a MIG partition: any compute process on its MIG device (NVML measures no utilisation per
-      partition, so a process that holds it without computing counts as use);
+    - a MIG partition: any compute process on its MIG device, computing at BUSY_PERCENT or more of
+      its GPU instance's SMs where GPM measures that (elsewhere a process that holds the partition
+      without computing counts as use);
     - a share: its own pods' processes (by their cgroups): one with per-process SM utilisation at
-      or above BUSY_PERCENT, or, where NVML samples none (MIG), one present."""
+      or above BUSY_PERCENT, or, where NVML samples none (MIG), one present, in a GPU instance
+      at BUSY_PERCENT or more where GPM measures it (the instance idle: all its shares are)."""
     mig_uuid = device.mig_uuid if device.kind in MIG_KINDS else None
     on_device = [p for p in activity.processes if p.mig_uuid == mig_uuid]
     if device.kind == "whole":
         return activity.gpu_percent >= BUSY_PERCENT if activity.gpu_percent is not None else bool(on_device)
+    measured = instance_percent(device, activity)
+    if measured is not None and measured < BUSY_PERCENT:
+        return False
     if device.kind == "mig":
         return bool(on_device)
     pods = set(pod_uids)

@@ -8,6 +8,7 @@ out of `--help`, with a note on stderr: docs and scripts of earlier releases use
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from driver.common.flags import SettingsError, Subcommands, env_default
 from driver.nvml.mock import MockNvml, MockProcess
 from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env, forget_timeslices
 from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
+from driver.nvml.usage_profiles import SHAPES, WORKLOAD_PROFILES, UsageProfile
 
 
 @dataclass(frozen=True)
@@ -108,22 +110,100 @@ def cmd_mock_driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def _whole(value: str) -> int:
+    """A whole number 0 or more, else -1."""
+    try:
+        return max(-1, int(value))
+    except ValueError:
+        return -1
+
+
+def _mib(value: str) -> int:
+    """MiB (or MiB a day)."""
+    number = _whole(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of MiB (0 or more)")
+    return number
+
+
+def _percent(value: str) -> int:
+    number = _whole(value)
+    if not 0 <= number <= 100:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole percent (0-100)")
+    return number
+
+
+def _time_scale(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number above 0")
+    return number
+
+
+def _workload(value: str) -> UsageProfile:
+    if value not in WORKLOAD_PROFILES:
+        known = ", ".join(WORKLOAD_PROFILES)
+        raise argparse.ArgumentTypeError(f"{value!r} is not a bundled example workload (one of {known})")
+    return WORKLOAD_PROFILES[value]
+
+
 def add_usage_flags(parser: argparse.ArgumentParser) -> None:
     _add_nvml_flag(parser)
     parser.add_argument("--gpu", type=int, required=True, help="GPU index")
     parser.add_argument("--utilization", type=int, help="the GPU's utilisation in percent (-1: simulated again)")
     parser.add_argument("--pid", type=int, help="a compute process on the GPU (or with --gi/--ci its MIG device)")
-    parser.add_argument("--sm", type=int, default=0, help="the process's SM utilisation in percent")
-    parser.add_argument("--memory", type=int, default=0, help="the process's GPU memory in MiB")
+    parser.add_argument("--sm", type=_percent, help="the process's SM utilisation in percent (0; --shape's level)")
+    parser.add_argument("--memory", type=_mib, help="the process's GPU memory in MiB (0; --shape's level)")
     parser.add_argument("--gi", type=int, help="the GPU instance id of its MIG device (with --ci)")
     parser.add_argument("--ci", type=int, default=0, help="the compute instance id (with --gi)")
     parser.add_argument("--end", action="store_true", help="the process --pid ends")
+    parser.add_argument(
+        "--shape", choices=SHAPES, help="its use moves over time from --memory and --sm (docs/rightsizing.md)"
+    )
+    parser.add_argument("--burst-memory", type=_mib, help="bursty: its memory in MiB for 10 minutes every 6 hours")
+    parser.add_argument("--burst-sm", type=_percent, help="bursty: its SM utilisation in percent in a burst")
+    parser.add_argument("--growth", type=_mib, help="growing: the memory in MiB it adds a day")
+    parser.add_argument(
+        "--workload", type=_workload, metavar="KIND/NAME", help="its use moves as a bundled example's (Job/trainer)"
+    )
+    parser.add_argument("--time-scale", type=_time_scale, help="profile seconds a second (86400: a day a second; 1)")
+
+
+# Flags by their argparse dest: what a --shape profile is made of (--workload has its own), and
+# what only a profile uses.
+_SHAPE_FLAGS = {"shape": "--shape", "memory": "--memory", "sm": "--sm"}
+_PROFILE_ONLY_FLAGS = {"burst_memory": "--burst-memory", "burst_sm": "--burst-sm", "growth": "--growth"}
+
+
+def _given(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    return [flag for dest, flag in flags.items() if getattr(args, dest) is not None]
+
+
+def _profile(args: argparse.Namespace) -> UsageProfile | None:
+    """The process's usage profile: an example workload's, one of --shape, or None (a fixed use)."""
+    if args.workload is not None:
+        if given := _given(args, _SHAPE_FLAGS | _PROFILE_ONLY_FLAGS):
+            raise SettingsError(f"mock usage: --workload has its own use profile: leave out {', '.join(given)}")
+        return args.workload
+    if args.shape is not None:
+        return UsageProfile(
+            args.shape, args.memory or 0, args.sm or 0, args.burst_memory or 0, args.burst_sm or 0, args.growth or 0
+        )
+    if given := _given(args, _PROFILE_ONLY_FLAGS | {"time_scale": "--time-scale"}):
+        raise SettingsError(f"mock usage: {given[0]} needs --shape or --workload")
+    return None
 
 
 def cmd_mock_usage(args: argparse.Namespace) -> int:
     _require_mock(args.nvml, "mock usage")
     if (args.utilization is None) == (args.pid is None):
-        raise SettingsError("mock usage: give --utilization, or --pid (with --sm, --memory, --gi/--ci, or --end)")
+        raise SettingsError(
+            "mock usage: give --utilization, or --pid (with --sm, --memory, --shape or --workload, --gi/--ci, or --end)"
+        )
+    profile = _profile(args)
     mock: MockNvml = open_backend(args.nvml)
     mock.nvmlInit()
     try:
@@ -132,7 +212,9 @@ def cmd_mock_usage(args: argparse.Namespace) -> int:
         elif args.end:
             mock.end_process(args.gpu, args.pid)
         else:
-            mock.set_process(args.gpu, MockProcess(args.pid, args.sm, args.memory, args.gi, args.ci))
+            fixed = (args.sm or 0, args.memory or 0)
+            process = MockProcess(args.pid, *fixed, args.gi, args.ci, profile, time_scale=args.time_scale or 1.0)
+            mock.set_process(args.gpu, process)
     except mock.NVMLError as err:
         raise SettingsError(f"mock usage on GPU {args.gpu}: {err}") from err
     return 0

@@ -14,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
+import math
 import os
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ from driver.nvml.geometry import (
     memory_slots,
 )
 from driver.nvml.machine import ARCHITECTURES, MachineProfile
+from driver.nvml.usage_profiles import UsageProfile, Use
 
 UUID_NAMESPACE = uuid.UUID("6f1c7a8e-2f43-4d1e-9a51-0b7c1d2e3f40")
 FULL_GI_ID = 0  # the 7g instance always gets id 0, as on real GPUs
@@ -112,13 +115,40 @@ class GpuInstanceState:
 @dataclass
 class MockProcess:
     """A compute process a test says runs on the GPU (`set_process`): on the GPU itself, or on the
-    MIG device of GPU instance gi_id / compute instance ci_id; its SM utilisation in percent."""
+    MIG device of GPU instance gi_id / compute instance ci_id; its SM utilisation in percent.
+
+    With a usage profile, NVML reports the profile's use at the time since `started` (wall clock,
+    set by `set_process` when None) times `time_scale` (86400: a day a second) in place of
+    sm_percent and memory_mib."""
 
     pid: int
     sm_percent: int = 0
     memory_mib: int = 0
     gi_id: int | None = None
     ci_id: int = 0
+    profile: UsageProfile | None = None
+    started: float | None = None
+    time_scale: float = 1.0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MockProcess:
+        profile = raw.get("profile")
+        return cls(**{**raw, "profile": UsageProfile(**profile) if profile else None})
+
+    def use(self, now: float) -> Use:
+        """What it uses at wall time `now`: its profile's value, else what it was set to."""
+        if self.profile is None:
+            return Use(self.memory_mib, self.sm_percent)
+        started = now if self.started is None else self.started
+        return self.profile.at(max(0.0, (now - started) * self.time_scale), self.pid)
+
+    def valid(self) -> bool:
+        return (
+            0 <= self.sm_percent <= 100
+            and self.memory_mib >= 0
+            and 0 < self.time_scale < math.inf
+            and (self.profile is None or self.profile.valid())
+        )
 
 
 @dataclass
@@ -167,7 +197,7 @@ class MachineState:
                 cis = {int(k): ComputeInstanceState(**v) for k, v in gi.pop("compute_instances").items()}
                 instances[int(gi_id)] = GpuInstanceState(**gi, compute_instances=cis)
             gpu["gpu_instances"] = instances
-            gpu["processes"] = [MockProcess(**process) for process in gpu.get("processes", [])]
+            gpu["processes"] = [MockProcess.from_dict(process) for process in gpu.get("processes", [])]
             gpus.append(GpuState(**gpu))
         events = [MockEvent(**event) for event in raw.get("events", [])]
         driver = {key: raw[key] for key in ("driver_loaded", "driver_generation", "driver_version") if key in raw}
@@ -204,9 +234,12 @@ class MockNvml:
 
     NVMLError = NVMLError
 
-    def __init__(self, machine: MachineProfile, state_file: Path | None = None) -> None:
+    def __init__(
+        self, machine: MachineProfile, state_file: Path | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         self.machine = machine
         self._state_file = state_file
+        self._clock = clock  # wall time: when profiled processes start, what NVML reports at a call
         self._lock = threading.RLock()
         self._initialized = 0
         self._generation = 0  # the driver load this process's NVML was initialised under
@@ -365,23 +398,25 @@ class MockNvml:
 
     def nvmlDeviceGetMemoryInfo(self, device: object, version: int | None = None) -> pynvml.c_nvmlMemory_t:
         """A MIG device handle reports its instance's memory, as NVML does; used memory follows the
-        simulated load (see SIMULATED_*)."""
+        simulated load (see SIMULATED_*) and the processes' use now, up to the total (a process
+        cannot hold more than the device has)."""
         index = self._gpu_index(device)
+        now = self._clock()
         with self._machine() as machine:
             gpu = machine.gpus[index]
             if isinstance(device, MockMigDevice):
                 total_mib = self._mig_spec_of(gpu, device.gi_id).memory_mib
-                used_mib = SIMULATED_MIG_RESERVED_MIB + sum(p.memory_mib for p in _on_mig(gpu, device))
+                used_mib = SIMULATED_MIG_RESERVED_MIB + sum(p.use(now).memory_mib for p in _on_mig(gpu, device))
             else:
                 total_mib = self.machine.gpu.memory_mib
                 used_mib = SIMULATED_MIG_RESERVED_MIB * sum(
                     len(gi.compute_instances) for gi in gpu.gpu_instances.values()
                 )
                 used_mib += SIMULATED_MPS_SERVER_MIB if _mps_serving(gpu) else 0
-                used_mib += sum(p.memory_mib for p in gpu.processes)
+                used_mib += sum(p.use(now).memory_mib for p in gpu.processes)
         memory = pynvml.c_nvmlMemory_t()
         memory.total = total_mib * 1024 * 1024
-        memory.used = used_mib * 1024 * 1024
+        memory.used = min(used_mib, total_mib) * 1024 * 1024
         memory.free = memory.total - memory.used
         return memory
 
@@ -399,6 +434,7 @@ class MockNvml:
         """The compute processes on a GPU (all of them, with their instance ids, in MIG mode) or on
         a MIG device (its own), as pynvml returns them."""
         index = self._gpu_index(device)
+        now = self._clock()
         with self._machine() as machine:
             gpu = machine.gpus[index]
             if gpu.lost:
@@ -411,7 +447,7 @@ class MockNvml:
         infos = []
         for process in processes:
             info = pynvml.c_nvmlProcessInfo_v3_t()
-            info.pid, info.usedGpuMemory = process.pid, process.memory_mib * 1024 * 1024
+            info.pid, info.usedGpuMemory = process.pid, process.use(now).memory_mib * 1024 * 1024
             info.gpuInstanceId = NO_INSTANCE if process.gi_id is None else process.gi_id
             info.computeInstanceId = NO_INSTANCE if process.gi_id is None else process.ci_id
             infos.append(pynvml.nvmlStructToFriendlyObject(info))
@@ -423,13 +459,15 @@ class MockNvml:
         """One sample per process on the GPU, now; NOT_FOUND when there is none, NOT_SUPPORTED on
         MIG devices and GPUs in MIG mode (NVML samples no processes there)."""
         gpu = self._gpu_outside_mig(device)
-        now_us = int(time.time() * 1_000_000)
+        now = self._clock()
+        now_us = int(now * 1_000_000)
         if not gpu.processes or now_us <= timeStamp:
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
         samples = []
         for process in gpu.processes:
             sample = pynvml.c_nvmlProcessUtilizationSample_t()
-            sample.pid, sample.timeStamp, sample.smUtil = process.pid, now_us, process.sm_percent
+            sm_percent = min(100, round(process.use(now).compute))  # NVML's is a whole percent
+            sample.pid, sample.timeStamp, sample.smUtil = process.pid, now_us, sm_percent
             samples.append(sample)
         return samples
 
@@ -855,9 +893,12 @@ class MockNvml:
 
     def set_process(self, gpu: int, process: MockProcess) -> None:
         """A compute process runs on the GPU, or on one of its MIG devices (replacing one of the same
-        pid): NOT_FOUND for a MIG device that does not exist."""
-        if not 0 <= process.sm_percent <= 100 or process.memory_mib < 0:
+        pid): NOT_FOUND for a MIG device that does not exist; a profiled one starts now unless it
+        says when."""
+        if not process.valid():
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if process.profile is not None and process.started is None:
+            process = replace(process, started=self._clock())
 
         def run(state: GpuState) -> None:
             if process.gi_id is not None:
@@ -888,3 +929,208 @@ class MockNvml:
             serial = (machine.events[-1].serial if machine.events else 0) + 1
             machine.events.append(MockEvent(serial, index, event_type, data, gi_id, ci_id))
             del machine.events[:-MAX_EVENTS_KEPT]
+
+    # --- GPM: GPU Performance Monitoring (Hopper and newer) ----------------------------------------
+    # A sample holds counters that only grow, of the whole GPU or of one GPU instance: the SM-seconds
+    # busy and the seconds with a process computing; a metric is their change between two samples
+    # over the time between them. The mock advances a GPU's counters at each of its samples by the
+    # load of its processes then (a process's compute is percent of the whole GPU's SMs, up to its
+    # compute instance's), held since the GPU's sample before: exact for steady processes, and a
+    # change between two samples counts from the earlier one.
+
+    GPM_FIRST_ARCHITECTURE = ARCHITECTURES["hopper"]
+
+    @functools.cached_property
+    def _gpm(self) -> _GpmState:
+        return _GpmState()
+
+    def nvmlGpmQueryDeviceSupport(self, device: object) -> pynvml.c_nvmlGpmSupport_t:
+        """isSupportedDevice 1 on Hopper and newer, 0 before: NVML answers rather than fails."""
+        index = self._gpm_gpu(device)
+        self._with_gpu(MockDevice(index), lambda gpu: None)  # a lost GPU answers GPU_IS_LOST
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self._gpm_supported())
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        """A sample buffer: pynvml's c_nvmlGpmSample_t (a pointer), so that it fits the fields of
+        c_nvmlGpmMetricsGet_t as a real one does."""
+        with self._machine():
+            target = pynvml.struct_c_nvmlGpmSample_t()
+            self._gpm.buffers[ctypes.addressof(target)] = _GpmBuffer(target)
+        return ctypes.pointer(target)
+
+    def nvmlGpmSampleFree(self, gpmSample: object) -> None:
+        with self._lock:
+            del self._gpm.buffers[self._gpm_address(gpmSample)]
+
+    def nvmlGpmSampleGet(self, device: object, gpmSample: object) -> Any:
+        """A sample of the whole GPU, in MIG mode too: NOT_SUPPORTED before Hopper."""
+        self._gpm_take(device, None, gpmSample)
+        return gpmSample
+
+    def nvmlGpmMigSampleGet(self, device: object, gpuInstanceId: int, gpmSample: object) -> Any:
+        """A sample of one GPU instance of the GPU: NOT_SUPPORTED before Hopper and outside MIG
+        mode, NOT_FOUND for an instance that does not exist."""
+        if not isinstance(gpuInstanceId, int) or gpuInstanceId < 0:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._gpm_take(device, gpuInstanceId, gpmSample)
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        """The first numMetrics metrics asked for, between sample1 and sample2: ARGUMENT_VERSION_MISMATCH
+        for a version other than NVML_GPM_METRICS_GET_VERSION; INVALID_ARGUMENT for more metrics
+        than the array holds, or samples not taken, of different GPUs or instances, or out of
+        order. A metric the mock does not simulate (all but SM_UTIL and GRAPHICS_UTIL) answers
+        NOT_SUPPORTED in its own nvmlReturn, as a metric a sample's scope lacks does."""
+        if not isinstance(metricsGet, pynvml.c_nvmlGpmMetricsGet_t):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise _fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if metricsGet.numMetrics > pynvml.NVML_GPM_METRIC_MAX:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._machine():
+            first, second = self._gpm_reading(metricsGet.sample1), self._gpm_reading(metricsGet.sample2)
+        if (first.gpu, first.gi_id) != (second.gpu, second.gi_id) or second.at <= first.at:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        values = first.metrics_until(second)
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            value = values.get(metric.metricId)
+            metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED if value is None else pynvml.NVML_SUCCESS
+            metric.value = math.nan if value is None else value
+        return metricsGet
+
+    def _gpm_supported(self) -> bool:
+        return ARCHITECTURES[self.machine.gpu.architecture] >= self.GPM_FIRST_ARCHITECTURE
+
+    def _gpm_gpu(self, device: object) -> int:
+        """The GPU index of a GPU handle: GPM takes the GPU's (a GPU instance by its id), not a MIG
+        device's."""
+        if not isinstance(device, MockDevice):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._gpu_index(device)
+
+    def _gpm_address(self, sample: object) -> int:
+        """The address of a sample buffer this mock allocated and has not freed, else INVALID_ARGUMENT."""
+        address = ctypes.cast(sample, ctypes.c_void_p).value if isinstance(sample, pynvml.c_nvmlGpmSample_t) else None
+        if address is None or address not in self._gpm.buffers:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return address
+
+    def _gpm_reading(self, sample: object) -> _GpmReading:
+        reading = self._gpm.buffers[self._gpm_address(sample)].reading
+        if reading is None:  # allocated, never taken
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return reading
+
+    def _gpm_take(self, device: object, gi_id: int | None, sample: object) -> None:
+        index = self._gpm_gpu(device)
+        now = self._clock()
+        with self._machine() as machine:
+            buffer = self._gpm.buffers[self._gpm_address(sample)]
+            gpu = machine.gpus[index]
+            if gpu.lost:
+                raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if not self._gpm_supported():
+                raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            multiprocessors = self.machine.gpu.multiprocessors
+            if gi_id is not None:
+                self._require_mig(gpu)
+                multiprocessors = self._mig_spec_of(gpu, gi_id).multiprocessors  # NOT_FOUND: no such instance
+            counters = self._gpm.counters.setdefault(index, _GpmCounters(now))
+            counters.advance(now, self._gpm_load(index, gpu, now))
+            buffer.reading = _GpmReading(
+                index,
+                gi_id,
+                now,
+                multiprocessors,
+                counters.sm_busy_s.get(gi_id, 0.0),
+                counters.active_s.get(gi_id, 0.0),
+            )
+
+    def _gpm_load(self, index: int, gpu: GpuState, now: float) -> dict[int | None, tuple[float, bool]]:
+        """By scope (None: the whole GPU; else a GPU instance id): its SMs busy now, and whether a
+        process computes on it."""
+        gpu_sms = self.machine.gpu.multiprocessors
+
+        def busy(processes: list[MockProcess], sms: float) -> tuple[float, bool]:
+            computes = [p.use(now).compute for p in processes]
+            return min(sms, sum(computes) / 100 * gpu_sms), any(c > 0 for c in computes)
+
+        load: dict[int | None, tuple[float, bool]] = {}
+        for gi_id, instance in gpu.gpu_instances.items():
+            spec = self.machine.gpu.mig_profiles[instance.profile_id]
+            slices = GEOMETRY_BY_ID[instance.profile_id].compute_slices
+            per_ci = [
+                busy(
+                    _on_mig(gpu, MockMigDevice(index, gi_id, ci_id)),
+                    spec.multiprocessors * COMPUTE_INSTANCE_PROFILE_SLICES[ci.profile_id] / slices,
+                )
+                for ci_id, ci in instance.compute_instances.items()
+            ]
+            load[gi_id] = (sum(sms for sms, _ in per_ci), any(active for _, active in per_ci))
+        outside_sms, outside_active = busy([p for p in gpu.processes if p.gi_id is None], gpu_sms)
+        load[None] = (
+            outside_sms + sum(sms for sms, _ in load.values()),
+            outside_active or any(active for _, active in load.values()),
+        )
+        return load
+
+
+@dataclass(frozen=True)
+class _GpmReading:
+    """What a taken GPM sample holds: the GPU and GPU instance (None: the whole GPU), when (wall
+    seconds), the scope's SMs, and its counters then."""
+
+    gpu: int
+    gi_id: int | None
+    at: float
+    multiprocessors: int
+    sm_busy_s: float  # SM-seconds busy
+    active_s: float  # seconds with a process computing
+
+    def metrics_until(self, later: _GpmReading) -> dict[int, float]:
+        """The metrics the mock simulates, in percent, between this sample and a later one."""
+        elapsed = later.at - self.at
+        sm_util = 100 * (later.sm_busy_s - self.sm_busy_s) / (self.multiprocessors * elapsed)
+        graphics_util = 100 * (later.active_s - self.active_s) / elapsed
+        return {  # capped: float sums may pass 100 by a rounding error
+            pynvml.NVML_GPM_METRIC_SM_UTIL: min(100.0, sm_util),
+            pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: min(100.0, graphics_util),
+        }
+
+
+@dataclass
+class _GpmBuffer:
+    """A sample buffer from nvmlGpmSampleAlloc: the ctypes object its pointer points to (kept alive
+    while allocated: its address names it) and, once taken, its reading."""
+
+    target: Any
+    reading: _GpmReading | None = None
+
+
+@dataclass
+class _GpmCounters:
+    """One GPU's GPM counters by scope (None: the whole GPU; else a GPU instance id), advanced to `at`."""
+
+    at: float
+    sm_busy_s: dict[int | None, float] = field(default_factory=dict)
+    active_s: dict[int | None, float] = field(default_factory=dict)
+
+    def advance(self, now: float, load: dict[int | None, tuple[float, bool]]) -> None:
+        elapsed = max(0.0, now - self.at)  # a wall clock stepped back counts nothing
+        for scope, (busy_sms, active) in load.items():
+            self.sm_busy_s[scope] = self.sm_busy_s.get(scope, 0.0) + busy_sms * elapsed
+            self.active_s[scope] = self.active_s.get(scope, 0.0) + (elapsed if active else 0.0)
+        self.at = now
+
+
+@dataclass
+class _GpmState:
+    """The mock's GPM state in this process (samples are process memory, as NVML's are): the
+    allocated sample buffers by address, each GPU's counters by index."""
+
+    buffers: dict[int, _GpmBuffer] = field(default_factory=dict)
+    counters: dict[int, _GpmCounters] = field(default_factory=dict)

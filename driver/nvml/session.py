@@ -8,7 +8,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from driver.nvml.geometry import (
     GEOMETRY_BY_ID,
     MIG_GEOMETRY,
 )
+from driver.nvml.gpm import GpmReader
 from driver.nvml.machine import MigProfileSpec, load_machine
 from driver.nvml.mock import NO_INSTANCE, MockNvml
 
@@ -67,11 +68,13 @@ class RawGpu:
 
 @dataclass(frozen=True)
 class DeviceUsage:
-    """A GPU's or MIG device's memory and, where NVML measures it, its utilisation."""
+    """A GPU's or MIG device's memory and, where NVML measures it, its utilisation: a GPU's busy
+    time, a MIG device's SMs busy in its GPU instance (GPM, driver/nvml/gpm.py)."""
 
     memory_used_bytes: int
     memory_total_bytes: int
-    gpu_percent: int | None  # None on MIG devices and GPUs in MIG mode: NVML does not support it
+    # None on GPUs in MIG mode (NVML does not support it), on MIG devices without a GPM measure
+    gpu_percent: float | None
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class NvmlSession:
         self.nvml = backend
         self._handles: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._gpm = GpmReader(backend)
         self.driver_loads = 0  # how often NVML was initialised anew (driver_missing): each time a new driver
         try:
             backend.nvmlInit()
@@ -154,6 +158,7 @@ class NvmlSession:
                 raise
         with self._lock:
             self._handles.clear()
+            self._gpm.forget()
             with contextlib.suppress(pynvml.NVMLError):  # not initialised any more is fine
                 self.nvml.nvmlShutdown()
             try:
@@ -290,10 +295,17 @@ class NvmlSession:
         return self._usage(self.handle(index))
 
     def mig_usage(self, index: int) -> dict[str, DeviceUsage]:
-        """Each MIG device's usage by its MIG UUID; empty while MIG mode is off."""
+        """Each MIG device's usage by its MIG UUID, with its GPU instance's SM utilisation where GPM
+        measures it; empty while MIG mode is off."""
         if not self.mig_enabled(index):
             return {}
-        return {self.nvml.nvmlDeviceGetUUID(mig): self._usage(mig) for mig in self._mig_handles(self.handle(index))}
+        handle, usages = self.handle(index), {}
+        for mig in self._mig_handles(handle):
+            mig_uuid, gi_id = self.nvml.nvmlDeviceGetUUID(mig), self.nvml.nvmlDeviceGetGpuInstanceId(mig)
+            measured = self._gpm.instance_percent(index, handle, gi_id, mig_uuid)
+            usages[mig_uuid] = replace(self._usage(mig), gpu_percent=measured)
+        self._gpm.keep_only(index, usages)
+        return usages
 
     def processes(self, index: int) -> list[NvmlProcess]:
         """The compute processes on the GPU or, in MIG mode, on each of its MIG devices."""

@@ -47,9 +47,10 @@ def test_usage_metrics_follow_the_mock_and_fgpu_status_reports_them(start_plugin
         idle = fgpu("status", "--idle=2s", metrics, "-o", "json", env=env)["idleClaims"]
         assert [(c["claim"], c["kind"]) for c in idle] == [(f"default/{notebook['name']}", "mig")]
 
-        # A process on the notebook's MIG device is use; the trainer's GPU goes quiet.
+        # A process computing on the notebook's MIG device is use (GPM measures its H100 instance
+        # busy: 30% of the GPU's SMs is 66% of a 3g.40gb's); the trainer's GPU goes quiet.
         (gi_id,) = json.loads(state.read_text())["gpus"][4]["gpu_instances"]
-        fgpu("mock", "usage", "--gpu=4", "--pid=4242", f"--gi={gi_id}", "--ci=0", env=env)
+        fgpu("mock", "usage", "--gpu=4", "--pid=4242", f"--gi={gi_id}", "--ci=0", "--sm=30", env=env)
         fgpu("mock", "usage", "--gpu=1", "--utilization=0", env=env)
         time.sleep(3)
         idle = fgpu("status", "--idle=2s", metrics, "-o", "json", env=env)["idleClaims"]

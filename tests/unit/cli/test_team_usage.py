@@ -176,7 +176,10 @@ def test_metrics_count_team_gpu_seconds_and_idle_claims_from_nvml(team_node):
     now[0] += 1200
     mock.set_utilization(0, 0)
     mock.set_process(1, MockProcess(101, sm_percent=0))  # the notebook holds its share, computing nothing
-    mock.set_process(2, MockProcess(202, memory_mib=100, gi_id=mig.gi_id, ci_id=mig.compute_instances[0][0]))
+    # The evaluation computes on its MIG device (use with GPM measuring its instance or not).
+    mock.set_process(
+        2, MockProcess(202, sm_percent=30, memory_mib=100, gi_id=mig.gi_id, ci_id=mig.compute_instances[0][0])
+    )
     collector.sample_usage()
     mock.end_process(2, 202)  # a scrape samples too: by then the MIG device's process has ended
     now[0] += 1800  # one hour after the first sample

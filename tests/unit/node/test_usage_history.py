@@ -44,23 +44,28 @@ def test_each_kind_is_measured_on_the_whole_gpus_scale():
     own, other = NvmlProcess(11, None, 30, 2 * GIB), NvmlProcess(12, None, 40, 5 * GIB)
     shared = GpuActivity(70, (own, other), {11: POD, 12: "someone-else"}, DeviceUsage(7 * GIB, 80 * GIB, 70))
     mps = device("mps", mps_memory_bytes=10 * GIB, mps_thread_percentage=25)
-    # A share: its own pods' processes only.
-    assert measure(mps, (POD,), shared, H100, 10 * GIB) == DeviceUse(Size("mps", 10240, 25), 2048, 30.0, False)
+    # A share: its own pods' processes only; it was given its allocation (MPS: and its compute limit;
+    # time-sliced: no compute of its own).
+    mps_use = DeviceUse(Size("mps", 10240, 25), 2048, 30.0, False, 10240, 25.0)
+    assert measure(mps, (POD,), shared, H100, 10 * GIB) == mps_use
     ts = device("timeslice")
-    assert measure(ts, (POD,), shared, H100, 20 * GIB) == DeviceUse(Size("timeslice", 20480), 2048, 30.0, False)
-    # A whole GPU: the GPU's memory and utilisation.
-    assert measure(device("whole"), (), shared, H100, None) == DeviceUse(Size("whole"), 7168, 70.0, False)
+    ts_use = DeviceUse(Size("timeslice", 20480), 2048, 30.0, False, 20480, None)
+    assert measure(ts, (POD,), shared, H100, 20 * GIB) == ts_use
+    # A whole GPU: the GPU's memory and utilisation; it was given all of it.
+    whole_use = DeviceUse(Size("whole"), 7168, 70.0, False, 81920, 100.0)
+    assert measure(device("whole"), (), shared, H100, None) == whole_use
     # A MIG partition: its device's memory; with a process, its SMs' share of the GPU (NVML measures
     # no utilisation there); a MIG-MPS share, its limit of that.
     on_mig = NvmlProcess(13, "MIG-1", None, 30 * GIB)
     mig_activity = GpuActivity(None, (on_mig,), {13: POD}, None, {"MIG-1": DeviceUsage(31 * GIB, 40 * GIB, None)})
     mig = device("mig", mig_uuid="MIG-1", mig_profile="3g.40gb")
-    assert measure(mig, (), mig_activity, H100, None) == DeviceUse(Size("mig", profile="3g.40gb"), 31744, 45.5, False)
+    mig_use = DeviceUse(Size("mig", profile="3g.40gb"), 31744, 45.5, False, 40960, 45.5)
+    assert measure(mig, (), mig_activity, H100, None) == mig_use
     idle = GpuActivity(None, (), {}, None, {"MIG-1": DeviceUsage(0, 40 * GIB, None)})
     assert measure(mig, (), idle, H100, None).compute_percent == 0.0  # type: ignore[union-attr]
     mig_mps = device("mig-mps", mig_uuid="MIG-1", mig_profile="3g.40gb", mps_thread_percentage=50)
     use = measure(mig_mps, (POD,), mig_activity, H100, 30 * GIB)
-    assert use == DeviceUse(Size("mig-mps", 30720, 50, "3g.40gb"), 30720, 22.7, True)  # at its 30Gi limit
+    assert use == DeviceUse(Size("mig-mps", 30720, 50, "3g.40gb"), 30720, 22.7, True, 30720, 22.7)  # at its limit
     assert measure(mig, (), GpuActivity(None), H100, None) is None  # NVML did not list the MIG device
 
 
@@ -177,10 +182,13 @@ def test_a_write_that_fails_keeps_the_history_for_the_next(sampled, monkeypatch)
     assert not api.configmaps
 
 
-def claim_usage_series(collector: NodeCollector) -> dict[tuple[str, str, str, str], float]:
+CLAIM_LABELS = ("claim_namespace", "claim", "kind", "workload_kind", "workload")
+
+
+def claim_usage_series(collector: NodeCollector) -> dict[tuple[str, ...], float]:
     registry = node_registry(collector)
     return {
-        (s.name, s.labels["claim_namespace"], s.labels["claim"], s.labels["kind"]): s.value
+        (s.name, *(s.labels[label] for label in CLAIM_LABELS)): s.value
         for family in registry.collect()
         for s in family.samples
         if s.name.startswith(("fgpu_claim_memory", "fgpu_claim_compute"))
@@ -188,7 +196,8 @@ def claim_usage_series(collector: NodeCollector) -> dict[tuple[str, str, str, st
 
 
 PER_CLAIM = (("fgpu_claim_memory_used_bytes", 2 * GIB), ("fgpu_claim_compute_ratio", 0.08),
-             ("fgpu_claim_memory_at_limit", 0.0))  # fmt: skip
+             ("fgpu_claim_memory_at_limit", 0.0), ("fgpu_claim_memory_allocated_bytes", 10 * GIB),
+             ("fgpu_claim_compute_allocated_ratio", 0.25))  # fmt: skip
 
 
 @pytest.mark.parametrize("tenant_labels", [True, False])
@@ -202,13 +211,17 @@ def test_claims_use_is_per_claim_only_with_tenant_labels_else_by_kind(node, tmp_
     collector = NodeCollector("node-a", env.claims, env.session, env.gpus, ClaimHolders(api),
                               proc_root=tmp_path, tenant_labels=tenant_labels)  # fmt: skip
     series = claim_usage_series(collector)
-    if tenant_labels:
-        assert series == {(name, "team", claim, "mps"): value for claim in ("web", "api") for name, value in PER_CLAIM}
+    if tenant_labels:  # with the workload that owns the claim's pod
+        expected = {(name, "team", claim, "mps", "Deployment", "web"): value
+                    for claim in ("web", "api") for name, value in PER_CLAIM}  # fmt: skip
+        assert series == expected
     else:
         assert series == {
-            ("fgpu_claim_memory_used_bytes", "", "", "mps"): 4 * GIB,
-            ("fgpu_claim_compute_ratio", "", "", "mps"): 0.16,
-            ("fgpu_claim_memory_at_limit", "", "", "mps"): 0.0,
+            ("fgpu_claim_memory_used_bytes", "", "", "mps", "", ""): 4 * GIB,
+            ("fgpu_claim_compute_ratio", "", "", "mps", "", ""): 0.16,
+            ("fgpu_claim_memory_at_limit", "", "", "mps", "", ""): 0.0,
+            ("fgpu_claim_memory_allocated_bytes", "", "", "mps", "", ""): 20 * GIB,
+            ("fgpu_claim_compute_allocated_ratio", "", "", "mps", "", ""): 0.5,
         }
 
 
