@@ -17,17 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes.client import AdmissionregistrationV1Api, ApiException, AppsV1Api, CoreV1Api, ResourceV1Api
+from kubernetes.client import ApiException, AppsV1Api, CoreV1Api, ResourceV1Api
 
 from driver.sizing import store
 from driver.sizing.history import DAY_S, ClaimRecord, Sample, UsageHistory, Workload, record
 from driver.sizing.initial import ORIGINAL_ANNOTATION, RIGHTSIZE
 from driver.sizing.owner import POD_CLAIM_NAME
 from driver.sizing.sizes import Size
-from testbed.cluster.harness import Cluster, free_port
+from testbed.cluster.harness import Cluster
 from testbed.workloads import unique
-from tests.support.chart import find, render
-from tests.support.webhook import pointed_at_host, serve_webhook
+from tests.support.webhook import rightsize_webhook
 
 pytestmark = pytest.mark.cluster
 
@@ -72,27 +71,9 @@ def deployment(name: str, claim_template: str) -> dict[str, Any]:
 def webhook(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """The webhook serving /rightsize and the chart's rightsize entries pointed at it; yields the
     history namespace and its log."""
-    assert cluster.pki is not None
-    core, admission = CoreV1Api(cluster.api_client()), AdmissionregistrationV1Api(cluster.api_client())
-    history_ns, port, name = unique("fgpu-history"), free_port(), unique("fgpu-rightsize")
-    core.create_namespace({"metadata": {"name": history_ns}})
     log = tmp_path / "webhook.log"
-    flags = (f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}")
-    process = serve_webhook(cluster, port, "rightsize-webhook", *flags, log=log)
-    config = find(render({"webhook.rightsize.enabled": "true"}), "MutatingWebhookConfiguration")
-    config["webhooks"] = [w for w in config["webhooks"] if w["name"].startswith("rightsize-")]
-    assert [w["name"] for w in config["webhooks"]] == [
-        "rightsize-namespaces.gpu.fgpu.dev",
-        "rightsize-templates.gpu.fgpu.dev",
-    ]
-    admission.create_mutating_webhook_configuration(pointed_at_host(config, cluster, port, "/rightsize", name))
-    try:
+    with rightsize_webhook(cluster, log) as history_ns:
         yield history_ns, log
-    finally:
-        admission.delete_mutating_webhook_configuration(name)
-        process.terminate()
-        process.wait(timeout=10)
-        core.delete_namespace(history_ns)
 
 
 def claim_of(cluster: Cluster, namespace: str, name: str, timeout_s: float = 60) -> dict[str, Any]:

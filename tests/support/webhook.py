@@ -4,16 +4,22 @@ certificate the test cluster's CA signed, and waited for until it serves."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import ssl
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from testbed.cluster.harness import Cluster
+from kubernetes.client import AdmissionregistrationV1Api, CoreV1Api
+
+from testbed.cluster.harness import Cluster, free_port
+from testbed.workloads import unique
 from tests.support import ROOT
+from tests.support.chart import find, render
 
 
 def wait_serving(process: subprocess.Popen[bytes], port: int, cafile: str | None = None) -> None:
@@ -67,3 +73,29 @@ def pointed_at_host(config: dict[str, Any], cluster: Cluster, port: int, path: s
     for webhook in config["webhooks"]:
         webhook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
     return config
+
+
+@contextlib.contextmanager
+def rightsize_webhook(cluster: Cluster, log: Path) -> Iterator[str]:
+    """`fgpu webhook` serving /rightsize with a usage-history namespace of its own, and the chart's
+    rightsize entries of the MutatingWebhookConfiguration pointed at it; yields the history
+    namespace (where node plugins write their ConfigMaps). Its output goes to `log`."""
+    core, admission = CoreV1Api(cluster.api_client()), AdmissionregistrationV1Api(cluster.api_client())
+    history_ns, port, name = unique("fgpu-history"), free_port(), unique("fgpu-rightsize")
+    core.create_namespace({"metadata": {"name": history_ns}})
+    flags = (f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}")
+    process = serve_webhook(cluster, port, "rightsize-webhook", *flags, log=log)
+    config = find(render({"webhook.rightsize.enabled": "true"}), "MutatingWebhookConfiguration")
+    config["webhooks"] = [w for w in config["webhooks"] if w["name"].startswith("rightsize-")]
+    assert [w["name"] for w in config["webhooks"]] == [
+        "rightsize-namespaces.gpu.fgpu.dev",
+        "rightsize-templates.gpu.fgpu.dev",
+    ]
+    admission.create_mutating_webhook_configuration(pointed_at_host(config, cluster, port, "/rightsize", name))
+    try:
+        yield history_ns
+    finally:
+        admission.delete_mutating_webhook_configuration(name)
+        process.terminate()
+        process.wait(timeout=10)
+        core.delete_namespace(history_ns)
