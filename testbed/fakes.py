@@ -129,7 +129,13 @@ class InMemoryKubeApi:
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject:
         self._check()
         stored = {**copy.deepcopy(event), "metadata": {**event["metadata"], "namespace": namespace}}
-        self.events.append(stored)
+        name = event["metadata"].get("name")
+        with self._lock:
+            if name and any(
+                e["metadata"].get("name") == name and e["metadata"]["namespace"] == namespace for e in self.events
+            ):
+                raise ConflictError(f'conflict: events "{name}" already exists')  # the API server's 409
+            self.events.append(stored)
         return stored
 
     def get_node(self, name: str) -> JsonObject:

@@ -43,11 +43,12 @@ from driver.node.cdi import CdiWriter
 from driver.node.claim_locks import KeyedLocks, NodeClaimLock
 from driver.node.claim_plan import ClaimPlanner
 from driver.node.claim_result import ClaimResult
-from driver.node.claim_status import ClaimStatusWriter, claim_generation
+from driver.node.claim_status import ClaimStatusWriter, claim_generation, field_manager
 from driver.node.conflicts import HeldDevices
 from driver.node.instance_lock import InstanceLock
 from driver.node.partition_use import Partitioners, PartitionUse
 from driver.node.prepare_again import PrepareAgain
+from driver.node.rightsized_events import RightsizedEvents
 from driver.node.state import PreparedClaim, PreparedClaims, PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ClaimPreparer:
         self._driver_missing = driver_missing
         self._hooks = test_hooks
         self.status = ClaimStatusWriter(api, driver_name, node_name)
+        self.rightsized = RightsizedEvents(api, field_manager(driver_name, node_name))  # the process starts it
         self.locks = KeyedLocks()  # one claim UID at a time: kubelet retries while a call runs
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="claims")
         self._planner = ClaimPlanner(pool=node_name, targets=self.targets, cdi=cdi, owner=instance.id)
@@ -139,6 +141,7 @@ class ClaimPreparer:
         devices = tuple(device for device, _ in made)
         self._hooks.reached(Step.PREPARE_COMPLETED)
         self.status.publish(ref, devices, claim_generation(claim))  # best effort: the reconciler repairs it
+        self.rightsized.prepared(ref, claim)  # only queued: the answer does not wait for the Event
         return ClaimResult(devices=devices, summary="; ".join(f"{d.device}: {done}" for d, done in made))
 
     def _make(self, ref: ClaimRef, planned: PreparedClaim) -> list[tuple[PreparedDevice, str]]:

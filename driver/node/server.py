@@ -208,6 +208,7 @@ class PluginProcess:
         self.mig_mode_watch.start()
         self.reconciler.start()
         self.prepare_retries.start()
+        self.preparer.rightsized.start()
         if settings.health_monitor:
             self.health_monitor.start()
 
@@ -309,6 +310,7 @@ class PluginProcess:
         self.publisher.stop()
         self.reconciler.stop()
         self.prepare_retries.stop()
+        self.preparer.rightsized.stop()
         for server in (self._dra_server, self._health_server):
             if server is not None:
                 server.stop(grace=5).wait()

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from driver.sizing.initial import ORIGINAL_ANNOTATION
 from testbed.cluster.harness import Cluster
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import wait_for
@@ -115,12 +116,20 @@ def plugin(identity: PluginIdentity) -> Iterator[PluginUnderTest]:
         shutil.rmtree(under_test.root, ignore_errors=True)
 
 
-def create_shared_claim(api: kubernetes.client.ResourceV1Api, devices: dict[str, str]) -> dict[str, str]:
+def create_shared_claim(
+    api: kubernetes.client.ResourceV1Api,
+    devices: dict[str, str],
+    annotations: dict[str, str] | None = None,
+    capacity: dict[str, str] | None = None,
+) -> dict[str, str]:
     """A claim allocated on node-a as kube-scheduler does it (node selector included): fgpu's
-    devices by request, and a NIC of another driver whose status that driver already wrote."""
+    devices by request (each asking `capacity`), and a NIC of another driver whose status that
+    driver already wrote."""
     name = f"claim-{uuid.uuid4().hex[:8]}"
-    requests = [{"name": r, "exactly": {"deviceClassName": "gpu.fgpu.dev"}} for r in [*devices, "nic"]]
-    body = {"metadata": {"name": name}, "spec": {"devices": {"requests": requests}}}
+    asked = {"capacity": {"requests": capacity}} if capacity else {}
+    requests = [{"name": r, "exactly": {"deviceClassName": "gpu.fgpu.dev", **asked}} for r in devices]
+    requests.append({"name": "nic", "exactly": {"deviceClassName": "gpu.fgpu.dev"}})
+    body = {"metadata": {"name": name, "annotations": annotations or {}}, "spec": {"devices": {"requests": requests}}}
     created = api.create_namespaced_resource_claim("default", body)
     results = [{"request": r, "driver": "gpu.fgpu.dev", "pool": "node-a", "device": d} for r, d in devices.items()]
     node = {"key": "metadata.name", "operator": "In", "values": ["node-a"]}
@@ -188,6 +197,37 @@ def test_a_refused_write_makes_one_event_and_waits_for_the_claim_to_change(plugi
     assert len(claim_events(core_api, claim)) == 1
     assert plugin.unprepare([claim]) == {claim["uid"]: ""}
     assert status_devices(resource_api, claim) == {"eth1": NIC_ENTRY}
+
+
+def test_a_sized_claim_gets_one_rightsized_event_however_often_it_is_prepared(plugin, resource_api, core_api):
+    """The webhook's sizing (driver/admission/rightsize.py) as the claim shows it: the annotation
+    with the template's requests, the request's capacity as sized."""
+    original = {ORIGINAL_ANNOTATION: json.dumps({"gpu": {"compute": "25", "memory": "10Gi"}})}
+    sized_to = {"memory": "2560Mi", "compute": "9"}
+    plain = create_shared_claim(resource_api, {"gpu": "gpu-1"}, capacity=sized_to)
+    sized = create_shared_claim(resource_api, {"gpu": "gpu-4"}, original, sized_to)
+    last = create_shared_claim(resource_api, {"gpu": "gpu-6"}, original, sized_to)
+    try:
+        for claim in (plain, sized):
+            assert plugin.prepare([claim])[claim["uid"]].error == ""
+        (event,) = wait_for(lambda: claim_events(core_api, sized))
+        assert (event.type, event.reason, event.involved_object.uid) == ("Normal", "RightSized", sized["uid"])
+        assert event.message == (
+            "request gpu sized to compute 9, memory 2560Mi from compute 25, memory 10Gi "
+            f"by its workload's usage history ({ORIGINAL_ANNOTATION})"
+        )
+        assert event.source.component == "gpu.fgpu.dev/node-a"
+        assert plugin.unprepare([sized]) == {sized["uid"]: ""}
+        assert plugin.prepare([sized])[sized["uid"]].error == ""  # afresh: the claim read again
+        assert plugin.prepare([last])[last["uid"]].error == ""
+        wait_for(lambda: claim_events(core_api, last))  # written in order: the second try's is done by now
+        assert len(claim_events(core_api, sized)) == 1
+        assert claim_events(core_api, plain) == []
+        assert "RightSized event" not in plugin.logs()  # no write failed, none was refused
+    finally:
+        assert plugin.unprepare([plain, sized, last]) == dict.fromkeys((plain["uid"], sized["uid"], last["uid"]), "")
+        for claim in (plain, sized, last):  # their GPUs are the scheduler's again, for the tests below
+            resource_api.delete_namespaced_resource_claim(claim["name"], claim["namespace"])
 
 
 def claim_events(core: kubernetes.client.CoreV1Api, claim: dict[str, str]) -> list[Any]:
