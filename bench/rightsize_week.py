@@ -1,8 +1,10 @@
 """Benchmark (issue 42): a simulated week of the bundled example workloads (examples/*.yaml) on mock
 H100s, with a usage profile each (steady, bursty, growing): GPU-hours allocated without and with
-automatic sizing (each new claim sized to the recommendation, as the webhook's Initial mode would),
+automatic sizing (each new claim sized by the webhook's Initial mode: its own sizing code on the
+template's request, the recommendation and the mock nodes' offers, kind and partition changes included),
 out-of-memory events sizing caused, and how many steps each steady workload's recommendation is
 from the best size for its true use. Also the usage history's size for 1,000 claims over 7 days.
+The profiles are the NVML mock's (driver/nvml/usage_profiles.py): tests run the plugin on the same use.
 
 Each replica's claim lives `--lifetime-h` hours (a rollout, a Job's next run), then a new one is
 made; a claim whose processes run out of memory is replaced at once. Claims that are not made from
@@ -18,16 +20,18 @@ import argparse
 import gzip
 import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from driver.common.quantity import parse_quantity
 from driver.common.yamlfile import load_yaml_documents
+from driver.nvml.usage_profiles import WANDER, WORKLOAD_PROFILES, UsageProfile
 from driver.sizing.history import DAY_S, HOUR_S, ClaimRecord, Sample, UsageHistory, Workload, expire, record, to_json
+from driver.sizing.initial import size_claim
+from driver.sizing.offers import Offers
 from driver.sizing.recommend import Policy, WorkloadKey, recommend_workload
+from driver.sizing.request import request_size
 from driver.sizing.sizes import (
     KIND_OF_CLASS,
     GpuModel,
@@ -42,56 +46,15 @@ from driver.sizing.sizes import (
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PRODUCT = "NVIDIA H100 80GB HBM3"  # examples select H100s; the mock machine dgx-h100
-NOISE = 0.02  # steady use wanders +-2% around its level
 MIB = 2**20
 
 
-@dataclass(frozen=True)
-class UsageProfile:
-    """A workload's true use: `steady` at its level, `bursty` at its level with a spike to
-    `burst_mib` / `burst_compute` for 10 minutes every 6 hours, `growing` by `growth_mib_per_day`."""
-
-    shape: str
-    memory_mib: int
-    compute: float
-    burst_mib: int = 0
-    burst_compute: float = 0.0
-    growth_mib_per_day: int = 0
-
-    def at(self, t: int, rng: random.Random) -> tuple[int, float]:
-        wander = 1 + rng.uniform(-NOISE, NOISE)
-        if self.shape == "bursty" and t % (6 * HOUR_S) < 600:
-            return int(self.burst_mib * wander), self.burst_compute * wander
-        memory = self.memory_mib + self.growth_mib_per_day * t / DAY_S
-        return int(memory * wander), self.compute * wander
-
-    def best(self, original: Size, gpu: GpuModel, policy: Policy) -> Size:
-        """The size the rules would give with the true use known (the steady ones'): the peak and
-        p95 of a uniform +-2% wander."""
-        need = Need(int(self.memory_mib * (1 + NOISE) * (1 + policy.memory_margin)), 0.0)
-        p95 = self.compute * (1 + NOISE * 0.9)
-        return fit(original, Need(need.memory_mib, p95 * (1 + policy.compute_margin)), gpu)
-
-
-# Which example workload behaves how: levels in MiB and percent of the GPU.
-PROFILES = {
-    "Deployment/inference": UsageProfile("steady", 2048, 4.0),
-    "Job/trainer": UsageProfile("bursty", 20_480, 25.0, burst_mib=30_720, burst_compute=35.0),
-    "Pod/mig-mps-a": UsageProfile("steady", 3072, 8.0),
-    "Pod/mig-mps-b": UsageProfile("bursty", 2048, 5.0, burst_mib=5120, burst_compute=12.0),
-    "Pod/mig-pair": UsageProfile("steady", 6144, 10.0),
-    "Pod/mig-1g": UsageProfile("steady", 4096, 5.0),
-    "Pod/mig-3g": UsageProfile("growing", 10_240, 20.0, growth_mib_per_day=1536),
-    "Pod/mps-share": UsageProfile("steady", 2048, 8.0),
-    "Pod/cuda-job": UsageProfile("bursty", 15_360, 20.0, burst_mib=25_600, burst_compute=30.0),
-    "Pod/inference-small": UsageProfile("bursty", 3072, 6.0, burst_mib=6144, burst_compute=15.0),
-    "Pod/inference-large": UsageProfile("steady", 12_288, 20.0),
-    "Pod/training-mig": UsageProfile("steady", 25_600, 38.0),
-    "Pod/timeslice-a": UsageProfile("steady", 512, 10.0),
-    "Pod/timeslice-b": UsageProfile("steady", 512, 10.0),
-    "Pod/whole-gpu": UsageProfile("steady", 10_240, 15.0),
-    "Pod/h100-or-3g": UsageProfile("steady", 8192, 12.0),
-}
+def best(profile: UsageProfile, original: Size, gpu: GpuModel, policy: Policy) -> Size:
+    """The size the rules would give a steady profile with its true use known: the peak and p95 of
+    a uniform +-WANDER wander."""
+    memory = int(profile.memory_mib * (1 + WANDER) * (1 + policy.memory_margin))
+    p95 = profile.compute * (1 + WANDER * 0.9)
+    return fit(original, Need(memory, p95 * (1 + policy.compute_margin)), gpu)
 
 
 @dataclass(frozen=True)
@@ -104,6 +67,7 @@ class ExampleWorkload:
     devices: int  # replicas times the request's count
     size: Size
     sizable: bool
+    spec: dict[str, Any] = field(default_factory=dict, compare=False)  # the request as its template writes it
 
     @property
     def label(self) -> str:
@@ -141,7 +105,15 @@ def example_workloads(gpu: GpuModel) -> list[ExampleWorkload]:
                     devices = replicas * int(request.get("exactly", {}).get("count", 1))
                     found.append(
                         ExampleWorkload(
-                            path.name, kind, name, template, request["name"], devices, size, sizable and bool(template)
+                            path.name,
+                            kind,
+                            name,
+                            template,
+                            request["name"],
+                            devices,
+                            size,
+                            sizable and bool(template),
+                            request,
                         )
                     )
     return found
@@ -169,19 +141,15 @@ def _size_of(request: dict[str, Any], gpu: GpuModel) -> tuple[Size, bool]:
     """The size a request asks for; firstAvailable counts as its first choice, not sized."""
     if "firstAvailable" in request:
         return Size(KIND_OF_CLASS[request["firstAvailable"][0]["deviceClassName"]]), False
-    exactly = request["exactly"]
-    kind = KIND_OF_CLASS[exactly["deviceClassName"]]
-    capacity = exactly.get("capacity", {}).get("requests", {})
-    memory = int(parse_quantity(capacity["memory"])) // MIB if "memory" in capacity else None
-    if kind in ("timeslice", "mig-timeslice") and memory is None:
-        memory = 1024  # a time-sliced share's default (driver/inventory/devices.py)
-    compute = int(capacity["compute"]) if "compute" in capacity else None
-    profile = None
-    for selector in exactly.get("selectors", []):
-        match = re.search(r'profile(?: == |\.startsWith\()"([^"]+)"', selector["cel"]["expression"])
-        if match:
-            profile = next(o.name for o in gpu.mig_ladder if o.name.startswith(match.group(1)))
-    return Size(kind, memory, compute, profile), True
+    return request_size(request["exactly"], gpu), True
+
+
+def offered(gpu: GpuModel) -> Offers:
+    """What the mock DGX H100 nodes publish: whole GPUs, MPS and time-sliced shares, every MIG
+    profile, and MPS shares inside each (driver/inventory/devices.py)."""
+    kinds: list[tuple[str, str | None]] = [("whole", None), ("mps", None), ("timeslice", None)]
+    kinds += [(kind, option.name) for option in gpu.mig_ladder for kind in ("mig", "mig-mps")]
+    return Offers(frozenset((gpu.product_name, kind, profile) for kind, profile in kinds))
 
 
 def simulate(
@@ -190,7 +158,7 @@ def simulate(
     gpu = gpu_model(PRODUCT)
     outcome = Outcome(workload.label, profile.shape, workload.size.describe(), sized=workload.sizable)
     for auto in (False, True):
-        history, rng = UsageHistory(sample_s), random.Random(workload.label)
+        history = UsageHistory(sample_s)
         key = WorkloadKey("bench", Workload(workload.kind, workload.name), workload.template, workload.request)
         size, serial = workload.size, 0
         pending: list[Sample] = []  # this hour's samples, not yet in the history
@@ -200,7 +168,7 @@ def simulate(
             if auto and t % HOUR_S == 0 and pending:  # the plugin closes a bucket each hour
                 history, pending = record(history, claims, pending), []
             for index, claim in enumerate(claims):
-                memory, compute = profile.at(t, rng)
+                memory, compute = profile.at(t, f"{workload.label}/{index}")  # each replica its own wander
                 limit = memory_limit_mib(claim.size, gpu)
                 oom = memory > limit
                 fraction = gpu_fraction(claim.size, gpu) * sample_s / HOUR_S
@@ -214,16 +182,19 @@ def simulate(
                 if (renew or oom) and workload.sizable:
                     history, pending = record(history, claims, pending), []
                     serial += 1
-                    size = _recommended(history, key, t, policy)
+                    size = _webhook_size(workload, history, key, t, policy)[1]
                     claims[index] = _claim(workload, key, f"{index}-{serial}", size, original=workload.size)
                     if size.describe() not in outcome.sizes_used:
                         outcome.sizes_used.append(size.describe())
         if auto:
             history = record(history, claims, pending)
-            final = _recommended(history, key, days * DAY_S, policy) if workload.sizable else workload.size
+            if workload.sizable:
+                recommended, final = _webhook_size(workload, history, key, days * DAY_S, policy)
+            else:
+                recommended = final = workload.size
             outcome.final = final.describe()
-            if profile.shape == "steady" and workload.sizable:
-                outcome.steps_from_best = steps_between(final, profile.best(workload.size, gpu, policy), gpu)
+            if profile.shape == "steady" and workload.sizable:  # the rules' distance, sized or not
+                outcome.steps_from_best = steps_between(recommended, best(profile, workload.size, gpu, policy), gpu)
     return outcome
 
 
@@ -235,9 +206,16 @@ def _claim(
     )
 
 
-def _recommended(history: UsageHistory, key: WorkloadKey, now: int, policy: Policy) -> Size:
+def _webhook_size(
+    workload: ExampleWorkload, history: UsageHistory, key: WorkloadKey, now: int, policy: Policy
+) -> tuple[Size, Size]:
+    """The recommendation as of `now`, and the size the webhook's Initial mode gives a new claim of
+    the workload's template: its pure sizing (driver/sizing/initial.py) on the template's request."""
     claims = list(expire(history, now).claims.values())
-    return recommend_workload(key, claims, history.sample_seconds, now, policy).recommended
+    rec = recommend_workload(key, claims, history.sample_seconds, now, policy)
+    claim = {"spec": {"devices": {"requests": [workload.spec]}}}
+    sizing = size_claim(claim, {workload.request: rec}, now, policy, offered(gpu_model(PRODUCT)))
+    return rec.recommended, sizing.sized[0].after if sizing.sized else workload.size
 
 
 def history_size(claims: int = 1000, days: int = 7) -> dict[str, int]:
@@ -261,7 +239,9 @@ def history_size(claims: int = 1000, days: int = 7) -> dict[str, int]:
 
 def run(days: int, sample_s: int, lifetime_h: int, policy: Policy = Policy()) -> dict[str, Any]:
     gpu = gpu_model(PRODUCT)
-    outcomes = [simulate(w, PROFILES[w.label], days, sample_s, lifetime_h, policy) for w in example_workloads(gpu)]
+    outcomes = [
+        simulate(w, WORKLOAD_PROFILES[w.label], days, sample_s, lifetime_h, policy) for w in example_workloads(gpu)
+    ]
     off, auto = sum(o.gpu_hours_off for o in outcomes), sum(o.gpu_hours_auto for o in outcomes)
     steady = [o.steps_from_best for o in outcomes if o.profile == "steady" and o.sized]
     return {

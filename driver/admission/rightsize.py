@@ -9,8 +9,8 @@ workload the pod's owner: driver/sizing/owner.py). The recommendations are compu
 node's ConfigMap, merged, at most once a minute (a burst of claims reads them once); the namespaces'
 labels are kept as long. Never a refusal: a claim not opted in, without history, whose pod or
 history cannot be read, or anything unexpected is admitted as it came, with a log line. The user
-sees a change in the admission warnings and the claim's annotation; no Event (the claim has no name
-or uid yet, docs/rightsizing.md says why).
+sees a change in the admission warnings and the claim's annotation; the claim has no name or uid yet
+for an Event, so the node plugin writes it at prepare (driver/node/rightsized_events.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from driver.admission.review import admission_request, allowed
+from driver.common.flags import DEFAULT_DRIVER_NAME
 from driver.sizing import store
 from driver.sizing.initial import INITIAL, OFF, ORIGINAL_ANNOTATION, RIGHTSIZE, mode, size_claim
+from driver.sizing.offers import Offers, offers_in
 from driver.sizing.owner import POD_CLAIM_NAME, template_of, workload_of
 from driver.sizing.recommend import Policy, Recommendation, WorkloadKey, recommend
 
@@ -33,6 +35,7 @@ ERROR_TTL_S = 10.0  # an unreadable history is not asked for again sooner: a bur
 MAX_NAMESPACES = 1024  # labels cached at most; then the cache starts over
 
 JsonObject = dict[str, Any]
+T = TypeVar("T")
 
 
 class RightsizeApi(Protocol):
@@ -42,39 +45,64 @@ class RightsizeApi(Protocol):
     def read_pod(self, namespace: str, name: str) -> JsonObject | None: ...
     def read_namespace(self, name: str) -> JsonObject | None: ...
     def list_usage_histories(self, namespace: str) -> list[JsonObject]: ...
+    def list_driver_slices(self, driver: str) -> list[JsonObject]: ...
+
+
+class _Cached(Generic[T]):
+    """One read's result, kept TTL_S (a failure ERROR_TTL_S, raised again meanwhile); the caller
+    holds the lock, so the others of a burst wait for its result."""
+
+    def __init__(self) -> None:
+        self._value: tuple[float, T | Exception] | None = None
+
+    def get(self, now: float, read: Callable[[], T]) -> T:
+        cached = self._value
+        if cached is None or now - cached[0] >= (ERROR_TTL_S if isinstance(cached[1], Exception) else TTL_S):
+            try:
+                value: T | Exception = read()
+            except Exception as err:  # KubeError, HistoryError, ...: the claim is admitted as it came
+                value = err
+            self._value = cached = (now, value)
+        if isinstance(cached[1], Exception):
+            raise cached[1]
+        return cached[1]
 
 
 class Rightsizer:
-    """The recommendations and namespace labels, each cached for TTL_S (a failed read for ERROR_TTL_S)."""
+    """The recommendations, the offers and the namespace labels, each cached for TTL_S (a failed
+    read for ERROR_TTL_S)."""
 
     def __init__(
         self, api: RightsizeApi, history_namespace: str, policy: Policy = Policy(),
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, driver: str = DEFAULT_DRIVER_NAME,
     ) -> None:  # fmt: skip
         self.api = api
         self.policy = policy
         self.clock = clock
         self._history_namespace = history_namespace
+        self._driver = driver
         self._lock = threading.Lock()  # one read at a time: the others of a burst wait for its result
-        self._recommendations: tuple[float, Mapping[WorkloadKey, Recommendation] | Exception] | None = None
+        self._recommendations: _Cached[Mapping[WorkloadKey, Recommendation]] = _Cached()
+        self._offers: _Cached[Offers] = _Cached()
         self._labels: dict[str, tuple[float, Mapping[str, str]]] = {}
 
     def recommendations(self) -> Mapping[WorkloadKey, Recommendation]:
         with self._lock:
             now = self.clock()
-            cached = self._recommendations
-            if cached is None or now - cached[0] >= (ERROR_TTL_S if isinstance(cached[1], Exception) else TTL_S):
-                try:
-                    history = store.merged(self.api.list_usage_histories(self._history_namespace))
-                    value: Mapping[WorkloadKey, Recommendation] | Exception = {
-                        rec.key: rec for rec in recommend(history, now, self.policy)
-                    }
-                except Exception as err:  # KubeError, HistoryError, ...: the claim is admitted as it came
-                    value = err
-                self._recommendations = cached = (now, value)
-            if isinstance(cached[1], Exception):
-                raise cached[1]
-            return cached[1]
+            return self._recommendations.get(now, lambda: self._recommend(now))
+
+    def _recommend(self, now: float) -> Mapping[WorkloadKey, Recommendation]:
+        history = store.merged(self.api.list_usage_histories(self._history_namespace))
+        return {rec.key: rec for rec in recommend(history, now, self.policy)}
+
+    def offers(self) -> Offers:
+        """What the driver's ResourceSlices publish; unread (nothing offered, the reason kept) where
+        they cannot be read: then only shares are sized."""
+        with self._lock:
+            try:
+                return self._offers.get(self.clock(), lambda: offers_in(self.api.list_driver_slices(self._driver)))
+            except Exception as err:  # KubeError, ...
+                return Offers(unread=f"ResourceSlices of {self._driver} not read: {err}")
 
     def namespace_labels(self, name: str) -> Mapping[str, str]:
         with self._lock:
@@ -133,7 +161,7 @@ def _sized(
         for r in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or ()
         if (rec := recommendations.get(WorkloadKey(namespace, workload, template, str(r.get("name", ""))))) is not None
     }
-    sizing = size_claim(claim, by_request, sizer.clock(), sizer.policy)
+    sizing = size_claim(claim, by_request, sizer.clock(), sizer.policy, sizer.offers())
     if sizing.skipped:
         LOG.info("claim of %s %s/%s (template %s) not sized: %s", workload.kind, namespace, workload.name, template,
                  "; ".join(sizing.skipped))  # fmt: skip

@@ -137,6 +137,11 @@ class ClientCertApi:
         LOG.warning("usage history: more than %d ConfigMaps in %s; sizing reads the first", MAX_HISTORIES, namespace)
         return items[:MAX_HISTORIES]
 
+    def list_driver_slices(self, driver: str) -> list[dict[str, Any]]:
+        """Every node's ResourceSlices of `driver` (automatic sizing's offers: once a minute)."""
+        page = self._call(self._resource.list_resource_slice, field_selector=f"spec.driver={driver}")
+        return list(page.get("items") or ())
+
     def read_webhook_configuration(self, name: str, kind: str = VALIDATING) -> dict[str, Any] | None:
         if kind == MUTATING:
             return self._read(self._admission.read_mutating_webhook_configuration, name)

@@ -271,7 +271,9 @@ def run_webhook(settings: WebhookSettings) -> None:
     api = ClientCertApi(settings.kubeconfig) if settings.gate_pods or settings.rightsize_history_namespace else None
     claims = api if settings.gate_pods else None
     sizer = (
-        Rightsizer(api, settings.rightsize_history_namespace) if api and settings.rightsize_history_namespace else None
+        Rightsizer(api, settings.rightsize_history_namespace, driver=settings.driver_name)
+        if api and settings.rightsize_history_namespace
+        else None
     )
     server = WebhookServer(settings, tls[0], claims, client_ca, rightsizer=sizer)
     if rotator.stopped.is_set():

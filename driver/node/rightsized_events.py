@@ -34,6 +34,7 @@ from driver.kube.errors import ConflictError, KubeError
 from driver.kube.events import object_event
 from driver.node.background import BackgroundWorker
 from driver.sizing.initial import ORIGINAL_ANNOTATION
+from driver.sizing.request import pinned_profile
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ ANNOTATION_LIMIT = 8192
 REQUESTS_LIMIT = 32
 CAPACITIES_LIMIT = 8
 VALUE_LIMIT = 64
+SELECTORS_LIMIT = 32  # the API's limit per request
+PROFILE_NAME = re.compile(r"[0-9a-z.+]{1,32}")  # 1g.10gb, 1g.10gb+me, 3g
 CAPACITY_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_./]{0,62}")  # a qualified name: nothing to break a line
 CLASS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 # A request sizing moved to another kind or partition keeps these fields of it (the Event shows its class).
@@ -57,9 +60,11 @@ class RequestSize:
 
     device_class: str  # "" where sizing kept the class
     capacities: Mapping[str, str]
+    profile: str = ""  # the MIG profile its selectors pin, where sizing changed its class or partition
 
     def describe(self) -> str:
         shown = [f"class {self.device_class}"] if self.device_class else []
+        shown += [f"profile {self.profile}"] if self.profile else []
         shown += [f"{key} {value}" for key, value in sorted(self.capacities.items())]
         return ", ".join(shown) or "the class's default"
 
@@ -122,7 +127,7 @@ def _original(entry: Any, where: str) -> RequestSize:
     capacity = entry.get("capacity") or {}
     if not isinstance(capacity, dict):
         raise ValueError(f"{where}: capacity is not an object")
-    return RequestSize(device_class, _capacities(capacity.get("requests") or {}, where))
+    return RequestSize(device_class, _capacities(capacity.get("requests") or {}, where), _profile(entry, where))
 
 
 def _current(request: JsonObject, kind_changed: bool) -> RequestSize:
@@ -132,7 +137,21 @@ def _current(request: JsonObject, kind_changed: bool) -> RequestSize:
     if not isinstance(exactly, dict):
         raise ValueError(f"{where} is not an `exactly` request, which sizing changes")
     capacities = _capacities((exactly.get("capacity") or {}).get("requests") or {}, where)
-    return RequestSize(str(exactly.get("deviceClassName", "")) if kind_changed else "", capacities)
+    if not kind_changed:
+        return RequestSize("", capacities)
+    return RequestSize(str(exactly.get("deviceClassName", "")), capacities, _profile(exactly, where))
+
+
+def _profile(exactly: Mapping[str, Any], where: str) -> str:
+    """The MIG profile the request's selectors pin ("" where none does), checked: a few selectors,
+    a profile name."""
+    selectors = exactly.get("selectors") or []
+    if not isinstance(selectors, list) or len(selectors) > SELECTORS_LIMIT:
+        raise ValueError(f"{where}: selectors is not a list of at most {SELECTORS_LIMIT}")
+    profile = pinned_profile({"selectors": [s for s in selectors if isinstance(s, dict)]}) or ""
+    if profile and not PROFILE_NAME.fullmatch(profile):
+        raise ValueError(f"{where}: {profile[:VALUE_LIMIT]!r} is not a MIG profile name")
+    return profile
 
 
 def _capacities(value: Any, where: str) -> dict[str, str]:

@@ -176,7 +176,7 @@ class UsageRecorder(BackgroundWorker):
             size=o.use.size,
             pinned=annotations.get(PIN_ANNOTATION) == "off",
             # Sized at create (the webhook's Initial mode): after an out-of-memory, back to this.
-            original=original_size(annotations, o.request, o.use.size),
+            original=original_size(annotations, o.request, o.use.size, o.gpu_product),
         )
         self._records[o.claim_uid] = made
         return made

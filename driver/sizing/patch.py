@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from driver.sizing.recommend import Recommendation
-from driver.sizing.sizes import DEVICE_CLASSES, MIG_KINDS, Size, capacity_key, gpu_model
+from driver.sizing.request import capacity_requests, resize_ops
+from driver.sizing.sizes import DEVICE_CLASSES, capacity_key, gpu_model
 
 
 @dataclass(frozen=True)
@@ -38,35 +39,9 @@ def template_patches(recommendations: Iterable[Recommendation]) -> list[Template
 def request_ops(rec: Recommendation) -> list[dict[str, Any]]:
     """The operations that turn the template's request into the recommended size."""
     base = f"/spec/spec/devices/requests/{rec.request_index}/exactly"
-    current, target = rec.current, rec.recommended
+    current = rec.current
     test = {"op": "test", "path": f"{base}/deviceClassName", "value": DEVICE_CLASSES[current.kind]}
-    ops: list[dict[str, Any]] = [test]
-    if target.kind != current.kind:
-        ops.append({"op": "replace", "path": f"{base}/deviceClassName", "value": DEVICE_CLASSES[target.kind]})
-    if (target.kind, target.profile) != (current.kind, current.profile):
-        ops.append({"op": "add", "path": f"{base}/selectors", "value": [_selector(target, rec.gpu)]})
-    requests = _capacity(target)
-    if requests:
-        ops.append({"op": "add", "path": f"{base}/capacity", "value": {"requests": requests}})
-    elif _capacity(current):
-        ops.append({"op": "remove", "path": f"{base}/capacity"})
-    return ops
-
-
-def _selector(size: Size, product: str) -> dict[str, Any]:
-    """What pins the new size: a MIG partition by its profile, anything else by the GPU product the
-    usage was seen on (a MIG request's profile selector would match no whole GPU)."""
-    attribute, value = ("profile", size.profile) if size.kind in MIG_KINDS else ("productName", product)
-    return {"cel": {"expression": f'device.attributes["gpu.fgpu.dev"].{attribute} == "{value}"'}}
-
-
-def _capacity(size: Size) -> dict[str, str]:
-    requests = {}
-    if size.memory_mib is not None:
-        requests["memory"] = f"{size.memory_mib}Mi"
-    if size.compute_percent is not None:
-        requests["compute"] = str(size.compute_percent)
-    return requests
+    return [test, *resize_ops(base, current, rec.recommended, rec.gpu, capacity_requests(current))]
 
 
 def _bigness(rec: Recommendation) -> tuple[int, float, float]:

@@ -77,7 +77,7 @@ class Size:
         if self.profile:
             parts.append(self.profile)
         if self.memory_mib is not None:
-            parts.append(_mib_text(self.memory_mib))
+            parts.append(mib_text(self.memory_mib))
         if self.compute_percent is not None:
             parts.append(f"{self.compute_percent}%")
         return " ".join(parts)
@@ -215,5 +215,5 @@ def _partition(size: Size, gpu: GpuModel) -> MigOption:
     return gpu.mig(size.profile)
 
 
-def _mib_text(mib: int) -> str:
+def mib_text(mib: int) -> str:
     return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"

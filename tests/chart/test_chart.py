@@ -689,7 +689,9 @@ def test_automatic_sizing_is_off_by_default_and_when_enabled_sends_only_new_clai
     default = render()
     assert not [w for w in find(default, "MutatingWebhookConfiguration")["webhooks"] if "rightsize" in w["name"]]
     assert not webhook_args(default).rightsize_history_namespace
-    assert not [r for r in find(default, "ClusterRole", "webhook")["rules"] if "pods" in r["resources"]]
+    assert not [
+        r for r in find(default, "ClusterRole", "webhook")["rules"] if {"pods", "resourceslices"} & set(r["resources"])
+    ]
 
     objects = render({"webhook.rightsize.enabled": True, "webhook.gatePods.enabled": False}, namespace="gpus")
     by_namespace, by_template = find(objects, "MutatingWebhookConfiguration")["webhooks"]
@@ -713,7 +715,8 @@ def test_automatic_sizing_is_off_by_default_and_when_enabled_sends_only_new_clai
     assert args.rightsize_history_namespace == "gpus" and args.mutating_webhook_configuration == "fgpu-webhook"
     rules = {(r, v) for rule in find(objects, "ClusterRole", "webhook")["rules"] for r in rule["resources"]
              for v in rule["verbs"]}  # fmt: skip
-    assert {("pods", "get"), ("namespaces", "get")} <= rules and ("pods", "list") not in rules
+    assert {("pods", "get"), ("namespaces", "get"), ("resourceslices", "list")} <= rules
+    assert ("pods", "list") not in rules and ("resourceslices", "watch") not in rules
     history = find(objects, "Role", "webhook-usage-history")
     assert (history["metadata"]["namespace"], history["rules"]) == (
         "gpus", [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]

@@ -20,7 +20,7 @@ from testbed.node_plugin import NodePlugin
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import NS, wait_for, wait_until
 from tests.support.controller import CONTROLLER, ControlledNodes, running_controller
-from tests.support.pools import complete_pool
+from tests.support.pools import complete_pool, serving
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,8 @@ def node_plugin(real_node: RealNode, cluster) -> Iterator[NodePlugin]:
     plugin = NodePlugin.on(real_node)
     # Shares inside 3g partitions too (not offered by default): each is a device per placement.
     plugin.extra_args += ["--offer=whole,mig,mps,timeslice,mig-mps", "--mig-share-profiles=3g.40gb"]
-    plugin.start_registered()
-    try:
-        wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
+    with serving(plugin, resource_api):
         yield plugin
-    finally:
-        plugin.remove()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Right-sizing end to end on the real node (issue 42): a Deployment on 10Gi MPS shares whose
 process uses 2Gi is recommended 2.5Gi from the history the plugin sampled; in Initial mode the
-claim of a new replica is made at that size and its container sees the smaller limit; when that
-replica's process reaches its limit, the next replica gets the original size back.
+claim of a new replica is made at that size, with an Event saying so, and its container sees the
+smaller limit; when that replica's process reaches its limit, the next replica gets the original
+size back.
 
 The GPU is the NVML mock: the container's process (busybox's `sleep`, in the pod's cgroup) is given
 its GPU memory and SM use with `fgpu mock usage`, as a CUDA process would hold them. A day of
@@ -30,9 +31,9 @@ from driver.sizing import store
 from driver.sizing.initial import ORIGINAL_ANNOTATION, RIGHTSIZE
 from testbed.cluster.node import RealNode
 from testbed.node_plugin import NodePlugin
-from testbed.workloads import claim_template, delete_namespace, deployment, report, unique, wait_until
+from testbed.workloads import claim_template, delete_namespace, deployment, pod_events, report, unique, wait_until
 from tests.support import ROOT
-from tests.support.pools import complete_pool
+from tests.support.pools import serving
 from tests.support.webhook import rightsize_webhook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
@@ -77,12 +78,8 @@ def plugin(cluster, real_node: RealNode, history: str) -> Iterator[NodePlugin]:
     plugin.extra_args += [f"--usage-history-namespace={history}", "--usage-history-interval=1",
                           "--usage-sample-period=0.05"]  # fmt: skip
     plugin.extra_env = {**plugin.extra_env, CLOCK_OFFSET_ENV: "-90000"}
-    plugin.start_registered()
-    try:
-        wait_until("the node's pool", lambda: complete_pool(resource_api, real_node.name))
+    with serving(plugin, resource_api):
         yield plugin
-    finally:
-        plugin.remove()
 
 
 def samples(core_api, namespace: str, node: str) -> int:
@@ -120,6 +117,10 @@ def scale_to(apps, core_api, resource_api, namespace: str, count: int) -> tuple[
         return added[0] if len(running) == count and added else None
 
     return wait_until(f"replica {count} running", new_one)
+
+
+def events_of(core_api, claim: dict[str, Any]) -> list[str]:
+    return pod_events(core_api, claim["metadata"]["name"], claim["metadata"]["namespace"])
 
 
 def memory_of(claim: dict[str, Any]) -> str:
@@ -180,6 +181,10 @@ def test_a_deployment_using_2gi_of_10gi_shares_gets_2_5gi_replicas_and_its_origi
     assert json.loads(second_claim["metadata"]["annotations"][ORIGINAL_ANNOTATION]) == {"gpu": ORIGINAL}
     assert report(core_api, second.metadata.name, team).env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2560M"
     assert report(core_api, first.metadata.name, team).env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+    # The claim says so in an Event (the plugin's, at prepare); the first claim has none.
+    sized = "RightSized: request gpu sized to compute 9, memory 2560Mi from compute 25, memory 10Gi"
+    wait_until("the sized claim's Event", lambda: any(e.startswith(sized) for e in events_of(core_api, second_claim)))
+    assert not [e for e in events_of(core_api, first_claim) if e.startswith("RightSized")]
 
     # It grows to its limit (an out-of-memory); the next replica gets the original size back, once the
     # webhook reads the history again (it keeps what it read for a minute).

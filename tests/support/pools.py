@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from testbed.node_plugin import NodePlugin
+from testbed.workloads import wait_until
+
 
 def node_slices(resource_api, node: str) -> list:
     return resource_api.list_resource_slice(field_selector=f"spec.nodeName={node},spec.driver=gpu.fgpu.dev").items
@@ -15,3 +21,14 @@ def complete_pool(resource_api, node: str) -> list:
     newest = max(s.spec.pool.generation for s in slices)
     current = [s for s in slices if s.spec.pool.generation == newest]
     return current if len(current) == current[0].spec.pool.resource_slice_count else []
+
+
+@contextlib.contextmanager
+def serving(plugin: NodePlugin, resource_api) -> Iterator[NodePlugin]:
+    """The plugin on its real node, registered with kubelet and its pool published; removed after."""
+    plugin.start_registered()
+    try:
+        wait_until("the node's pool", lambda: complete_pool(resource_api, plugin.node))
+        yield plugin
+    finally:
+        plugin.remove()

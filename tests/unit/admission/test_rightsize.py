@@ -44,11 +44,24 @@ def history(memory: int = 2048, days: float = 2, size: Size = SHARE, oom_at: int
     return record(UsageHistory(60), [replace(base, **changes)], samples)
 
 
+def device(kind: str, profile: str | None = None) -> dict[str, Any]:
+    """A device as a ResourceSlice publishes it: what sizing reads of it."""
+    attributes = {"type": {"string": kind}, "productName": {"string": H100}}
+    return {"name": f"gpu-0-{kind}", "attributes": attributes | ({"profile": {"string": profile}} if profile else {})}
+
+
+EVERYTHING = [device("gpu"), device("mps"), device("timeslice"), device("mig", "1g.10gb"), device("mig", "3g.40gb")]
+
+
 class Api:
-    def __init__(self, histories: list[UsageHistory], labels: dict[str, str] | None = None, error=None) -> None:
+    def __init__(
+        self, histories: list[UsageHistory], labels: dict[str, str] | None = None, error=None,
+        devices: list[dict[str, Any]] = EVERYTHING,
+    ) -> None:  # fmt: skip
         self.configmaps = [store.configmap(f"node-{i}", "fgpu", h) for i, h in enumerate(histories)]
         self.labels = {RIGHTSIZE: "initial"} if labels is None else labels
         self.error = error
+        self.slices = [{"spec": {"driver": "gpu.fgpu.dev", "devices": devices}}]
         self.reads: list[str] = []
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -64,6 +77,10 @@ class Api:
         if self.error:
             raise self.error
         return self.configmaps
+
+    def list_driver_slices(self, driver: str) -> list[dict[str, Any]]:
+        self.reads.append(f"slices {driver}")
+        return self.slices
 
 
 def claim(requests: dict[str, str] | None = None, annotations: dict[str, str] | None = None, **exactly: Any):
@@ -109,7 +126,7 @@ def test_a_claim_of_an_opted_in_namespace_is_sized_annotated_and_warned() -> Non
          "value": '{"gpu":{"compute":"25","memory":"10Gi"}}'},
     ]  # fmt: skip
     sized, quota = response["warnings"]
-    assert "request gpu sized compute 25 memory 10Gi -> compute 9 memory 2560Mi (fits the observed use" in sized
+    assert "request gpu sized mps 10Gi 25% -> mps 2560Mi 9% (fits the observed use" in sized
     assert ORIGINAL_ANNOTATION in sized and all(len(w) <= 256 for w in response["warnings"])
     assert "counts 2560Mi of Kueue quota gpu.fgpu.dev/share-memory, not 10Gi" in quota
 
@@ -169,12 +186,11 @@ def test_only_a_create_is_sized(operation: str) -> None:
         claim(requests={"memory": "lots"}),  # malformed
         claim(requests={"memory": "2560Mi", "compute": "9"}),  # already the right size
         {**claim(), "spec": {"devices": {"requests": [{"name": "gpu", "firstAvailable": []}]}}},
-        {**claim(), "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": WHOLE}}]}}},
         {**claim(), "spec": {"devices": {"requests": [{"name": "other", "exactly": {}}]}}},  # no history
         {**claim(), "spec": "garbage"},
     ],
     ids=["no-template", "sized-already", "no-pod", "pod-recreated", "malformed", "right-size", "first-available",
-         "whole-gpu", "no-history", "garbage"],
+         "no-history", "garbage"],
 )  # fmt: skip
 def test_anything_else_is_admitted_unchanged(obj: dict[str, Any]) -> None:
     assert review(obj, Api([history()])) == {"uid": "r1", "allowed": True}
@@ -199,7 +215,7 @@ def test_a_burst_reads_the_histories_once_then_again_after_a_minute() -> None:
         assert patched(review(claim(), api, sizer=sizer))
     now[0] += 61
     review(claim(), api, sizer=sizer)
-    assert api.reads.count("histories fgpu") == 2
+    assert api.reads.count("histories fgpu") == api.reads.count("slices gpu.fgpu.dev") == 2
 
 
 def test_the_mode_and_the_original_size_as_the_plugin_reads_it() -> None:
@@ -207,7 +223,101 @@ def test_the_mode_and_the_original_size_as_the_plugin_reads_it() -> None:
     assert mode({}, {RIGHTSIZE: "initial"}) == mode({RIGHTSIZE: "initial"}, {}) == "initial"
     assert mode({}, {}) == "off"
     annotations = {ORIGINAL_ANNOTATION: '{"gpu":{"compute":"25","memory":"10Gi"}}'}
-    assert original_size(annotations, "gpu", Size("mps", 2560, 9)) == SHARE
-    assert original_size(annotations, "other", Size("mps", 2560, 9)) is None
-    assert original_size({ORIGINAL_ANNOTATION: "not json"}, "gpu", SHARE) is None
-    assert original_size({}, "gpu", SHARE) is None
+    # The format of a share sized in place (and of every claim sized before kinds changed).
+    assert original_size(annotations, "gpu", Size("mps", 2560, 9), H100) == SHARE
+    assert original_size(annotations, "other", Size("mps", 2560, 9), H100) is None
+    assert original_size({ORIGINAL_ANNOTATION: "not json"}, "gpu", SHARE, H100) is None
+    assert original_size({}, "gpu", SHARE, H100) is None
+    unknown_class = {ORIGINAL_ANNOTATION: '{"gpu":{"deviceClassName":"other.example.com"}}'}
+    assert original_size(unknown_class, "gpu", SHARE, H100) is None
+
+
+def kind_claim(device_class: str, selectors: list[dict[str, Any]] | None = None, **exactly: Any) -> dict[str, Any]:
+    """A claim of the template `t` asking for another kind than a share."""
+    obj = claim(deviceClassName=device_class, **exactly)
+    request = obj["spec"]["devices"]["requests"][0]["exactly"]
+    del request["capacity"]
+    if selectors is not None:
+        request["selectors"] = selectors
+    return obj
+
+
+def pin(attribute: str, value: str) -> dict[str, Any]:
+    return {"cel": {"expression": f'device.attributes["gpu.fgpu.dev"].{attribute} == "{value}"'}}
+
+
+def test_a_whole_gpu_moves_to_a_mig_partition_the_original_request_kept_and_read_back() -> None:
+    asked = [pin("productName", H100)]
+    response = review(kind_claim(WHOLE, asked), Api([history(size=Size("whole"))]))
+    ops = patched(response)
+    base = "/spec/devices/requests/0/exactly"
+    assert ops[:2] == [
+        {"op": "replace", "path": f"{base}/deviceClassName", "value": "mig.gpu.fgpu.dev"},
+        {"op": "add", "path": f"{base}/selectors", "value": [pin("profile", "1g.10gb")]},
+    ]
+    original = ops[2]["value"]
+    assert json.loads(original) == {"gpu": {"deviceClassName": WHOLE, "selectors": asked}}
+    # The node plugin restores this after an out-of-memory: the whole GPU, not a partition's size.
+    annotations = {ORIGINAL_ANNOTATION: original}
+    assert original_size(annotations, "gpu", Size("mig", profile="1g.10gb"), H100) == Size("whole")
+    sized, quota = response["warnings"]
+    assert "request gpu sized whole -> mig 1g.10gb" in sized
+    assert "moves to Kueue quota gpu.fgpu.dev/mig-slices (1) from gpu.fgpu.dev/gpus (1)" in quota
+
+
+def test_a_whole_gpu_without_mig_moves_to_an_mps_share_pinned_to_its_product() -> None:
+    l4 = "NVIDIA L4"
+    devices = [{"name": "gpu-0-mps", "attributes": {"type": {"string": "mps"}, "productName": {"string": l4}}}]
+    response = review(kind_claim(WHOLE), Api([history(size=Size("whole"), gpu=l4)], devices=devices))
+    base = "/spec/devices/requests/0/exactly"
+    assert patched(response)[:3] == [
+        {"op": "replace", "path": f"{base}/deviceClassName", "value": "mps.gpu.fgpu.dev"},
+        {"op": "add", "path": f"{base}/selectors", "value": [pin("productName", l4)]},
+        {"op": "add", "path": f"{base}/capacity", "value": {"requests": {"memory": "2560Mi", "compute": "9"}}},
+    ]
+    assert (
+        "moves to Kueue quota gpu.fgpu.dev/share-memory (2560Mi) from gpu.fgpu.dev/gpus (1)" in response["warnings"][1]
+    )
+
+
+def test_a_mig_partition_shrinks_to_a_smaller_profile() -> None:
+    two_g = Size("mig", profile="2g.20gb")
+    response = review(kind_claim("mig.gpu.fgpu.dev", [pin("profile", "2g.20gb")]), Api([history(size=two_g)]))
+    ops = patched(response)
+    assert ops[0] == {"op": "add", "path": "/spec/devices/requests/0/exactly/selectors",
+                      "value": [pin("profile", "1g.10gb")]}  # fmt: skip
+    assert original_size({ORIGINAL_ANNOTATION: ops[1]["value"]}, "gpu", Size("mig", profile="1g.10gb"), H100) == two_g
+    assert "now counts 1 of Kueue quota gpu.fgpu.dev/mig-slices, not 2" in response["warnings"][1]
+
+
+@pytest.mark.parametrize(
+    ("devices", "changes", "why"),
+    [
+        ([device("gpu"), device("mps"), device("mig", "3g.40gb")], {}, "no node publishes mig 1g.10gb of " + H100),
+        (EVERYTHING, {"count": 2}, "it asks for more than one device"),
+        (EVERYTHING, {"allocationMode": "All"}, "it asks for more than one device"),
+        (EVERYTHING, {"adminAccess": True}, "it asks for admin access"),
+    ],
+    ids=["not-offered", "count-2", "all", "admin-access"],
+)
+def test_a_move_to_a_kind_not_offered_or_not_plainly_safe_is_skipped(caplog, devices, changes, why) -> None:
+    caplog.set_level(logging.INFO, "fgpu.webhook")
+    api = Api([history(size=Size("whole"))], devices=devices)
+    assert review(kind_claim(WHOLE, **changes), api) == {"uid": "r1", "allowed": True}
+    assert f"recommended mig 1g.10gb, not made: {why}" in caplog.text
+
+
+def test_a_move_is_skipped_where_a_constraint_names_the_request_or_the_offers_cannot_be_read(caplog) -> None:
+    caplog.set_level(logging.INFO, "fgpu.webhook")
+    constrained = kind_claim(WHOLE)
+    constrained["spec"]["devices"]["constraints"] = [{"matchAttribute": "gpu.fgpu.dev/uuid"}]
+    assert "patch" not in review(constrained, Api([history(size=Size("whole"))]))
+    assert "not made: a constraint of the claim applies to it" in caplog.text
+    assert "patch" not in review(kind_claim(WHOLE), SlicesUnreadable([history(size=Size("whole"))]))
+    assert "the offers are not known (ResourceSlices of gpu.fgpu.dev not read: refused)" in caplog.text
+    assert patched(review(claim(), SlicesUnreadable([history()])))  # a share is still sized in place
+
+
+class SlicesUnreadable(Api):
+    def list_driver_slices(self, driver: str) -> list[dict[str, Any]]:
+        raise KubeUnavailableError("refused")

@@ -1,16 +1,19 @@
 """A small form of bench/rightsize_week.py (3 days, a sample each 5 minutes): every example workload
-has a usage profile, sizing causes no out-of-memory, steady workloads end within one step of their
-best size, GPU-hours fall; and the history stays about a kilobyte and a half per claim."""
+has a usage profile (the NVML mock's, driver/nvml/usage_profiles.py), sizing causes no out-of-memory,
+steady workloads end within one step of their best size, GPU-hours fall; and the history stays about
+a kilobyte and a half per claim."""
 
 from __future__ import annotations
 
-from bench.rightsize_week import PRODUCT, PROFILES, example_workloads, history_size, run
+from bench.rightsize_week import PRODUCT, example_workloads, history_size, run
+from driver.nvml.usage_profiles import WORKLOAD_PROFILES
 from driver.sizing.sizes import Size, gpu_model
 
 
 def test_the_examples_are_read_with_their_sizes_and_each_has_a_profile():
     workloads = {w.label: w for w in example_workloads(gpu_model(PRODUCT))}
-    assert set(workloads) == set(PROFILES)
+    assert set(workloads) == set(WORKLOAD_PROFILES)
+    assert all(profile.valid() for profile in WORKLOAD_PROFILES.values())  # the mock would take each
     assert (workloads["Deployment/inference"].devices, workloads["Deployment/inference"].size) == (
         3,
         Size("mps", 8192, 10),

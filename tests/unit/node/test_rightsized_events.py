@@ -95,6 +95,23 @@ def test_a_request_moved_to_another_kind_shows_its_classes():
     )
 
 
+def test_a_partition_moved_to_a_smaller_profile_shows_both_profiles():
+    def pinned(profile: str) -> list[dict]:
+        return [{"cel": {"expression": f'device.attributes["gpu.fgpu.dev"].profile == "{profile}"'}}]
+
+    original = {"gpu": {"deviceClassName": "mig.gpu.fgpu.dev", "selectors": pinned("2g.20gb")}}
+    claim = sized_claim(original=json.dumps(original))
+    claim["spec"]["devices"]["requests"][0]["exactly"] = {"deviceClassName": "mig.gpu.fgpu.dev",
+                                                          "selectors": pinned("1g.10gb")}  # fmt: skip
+    assert rightsized_event(claim, sized_requests(claim), REPORTER, NOW)["message"].startswith(
+        "request gpu sized to class mig.gpu.fgpu.dev, profile 1g.10gb from class mig.gpu.fgpu.dev, profile 2g.20gb by"
+    )
+    original["gpu"]["selectors"] = pinned("2g\\nInjected")
+    claim["metadata"]["annotations"][ORIGINAL_ANNOTATION] = json.dumps(original)
+    with pytest.raises(ValueError, match="is not a MIG profile name"):
+        sized_requests(claim)
+
+
 @pytest.mark.parametrize(
     ("original", "why"),
     [
