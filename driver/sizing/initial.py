@@ -17,7 +17,9 @@ patch` does for templates), and is made only where it is plainly the same reques
 - the request asks for one device (`count` 1, allocationMode ExactCount): n partitions or shares are
   not n GPUs (a share of one GPU may be placed next to another share of it);
 - no admin access, and no constraint or config of the claim names the request (or all requests): a
-  matchAttribute or an opaque config written for one kind need not hold for another.
+  matchAttribute or an opaque config written for one kind need not hold for another;
+- its selectors read nothing of a device but its product and its sizes (SIZING_FIELDS): the new
+  size's selector replaces them, so anything else they ask (a capability, a driver) would be lost.
 Otherwise it is skipped, with the reason in the log. The warnings name the Kueue quota resource the
 claim now counts against where it moves to another one (docs/kueue.md).
 
@@ -29,6 +31,7 @@ deviceClassName, selectors and capacity; `original_size` reads both back.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,6 +51,12 @@ ORIGINAL_FIELDS = ("deviceClassName", "selectors", "capacity")  # of a request t
 QUOTA_GPUS = "gpu.fgpu.dev/gpus"
 QUOTA_MIG_SLICES = "gpu.fgpu.dev/mig-slices"
 SHARE_QUOTA = "gpu.fgpu.dev/share-memory"
+# What a move may drop from a request's selectors: its product (the new selector pins it again) and
+# the sizes it asks (a MIG profile, memory, compute: what sizing replaces). Anything else (a
+# capability, a driver version, a topology) a move would lose, so it is not made.
+SIZING_FIELDS = frozenset({"attributes.productName", "attributes.profile", "capacity.memory", "capacity.compute"})
+# device.attributes["domain"].name / device.capacity["domain"].name / device.<field>
+_DEVICE_REFERENCE = re.compile(r'device\.(attributes|capacity)(?:\["[^"]*"\]\.(\w+)|\.(\w+))?|device\.(\w+)')
 
 JsonObject = dict[str, Any]
 
@@ -197,7 +206,22 @@ def _why_not_move(request: JsonObject, devices: JsonObject, target: Size, produc
     for field in ("constraints", "config"):
         if any(not item.get("requests") or name in item["requests"] for item in devices.get(field) or ()):
             return f"a {field[:-1] if field == 'constraints' else field} of the claim applies to it"
+    kept_out = sorted(_selected_fields(exactly) - SIZING_FIELDS)
+    if kept_out:
+        return f"its selectors ask for {', '.join(kept_out)}, which the new size's selector would drop"
     return offers.why_not(product, target)
+
+
+def _selected_fields(exactly: JsonObject) -> set[str]:
+    """What the request's CEL selectors read of a device: `attributes.<name>`, `capacity.<name>`,
+    or the bare `device.<field>` (driver, allowMultipleAllocations, ...)."""
+    fields: set[str] = set()
+    for item in exactly.get("selectors") or ():
+        expression = str(((item or {}).get("cel") or {}).get("expression", ""))
+        for reference in _DEVICE_REFERENCE.finditer(expression):
+            table, name, bare = reference.group(1), reference.group(2) or reference.group(3), reference.group(4)
+            fields.add(bare or (f"{table}.{name}" if name else table))  # a table read whole: not known, kept
+    return fields
 
 
 def _not_below(asked: Size, target: Size, gpu: GpuModel) -> Size:

@@ -318,6 +318,33 @@ def test_a_move_is_skipped_where_a_constraint_names_the_request_or_the_offers_ca
     assert patched(review(claim(), SlicesUnreadable([history()])))  # a share is still sized in place
 
 
+@pytest.mark.parametrize(
+    ("expression", "why"),
+    [
+        ('device.attributes["gpu.fgpu.dev"].architecture == "Hopper"', "attributes.architecture"),
+        ('device.driver == "gpu.fgpu.dev"', "driver"),
+        ('device.attributes["gpu.fgpu.dev"]["productName"] == "x"', "attributes"),
+    ],
+    ids=["an-attribute", "the-driver", "read-whole"],
+)
+def test_a_move_that_would_drop_what_the_selectors_ask_is_skipped(caplog, expression: str, why: str) -> None:
+    caplog.set_level(logging.INFO, "fgpu.webhook")
+    asked = [pin("productName", H100), {"cel": {"expression": expression}}]
+    assert "patch" not in review(kind_claim(WHOLE, asked), Api([history(size=Size("whole"))]))
+    assert f"its selectors ask for {why}, which the new size's selector would drop" in caplog.text
+
+
+def test_a_move_drops_the_product_and_the_sizes_the_selectors_ask() -> None:
+    """examples/whole-gpu.yaml: an H100 with at least 64Gi; the product is pinned again, the size
+    is what sizing replaces."""
+    expression = (
+        'device.attributes["gpu.fgpu.dev"].productName.startsWith("NVIDIA H100") && '
+        'device.capacity["gpu.fgpu.dev"].memory.compareTo(quantity("64Gi")) >= 0'
+    )
+    ops = patched(review(kind_claim(WHOLE, [{"cel": {"expression": expression}}]), Api([history(size=Size("whole"))])))
+    assert ops[1]["value"] == [pin("profile", "1g.10gb")]
+
+
 class SlicesUnreadable(Api):
     def list_driver_slices(self, driver: str) -> list[dict[str, Any]]:
         raise KubeUnavailableError("refused")
