@@ -75,12 +75,14 @@ L4X4 = InstanceType("l4x4", "l4x4", cpu="48", memory="192Gi", price=4.0)
 @dataclass(frozen=True)
 class NodePool:
     """A Karpenter NodePool of one GPU node type, at most `max_nodes` nodes, emptied nodes
-    removed after `consolidate_after`."""
+    removed after `consolidate_after`. Karpenter tries NodePools by `weight`, highest first, then
+    by name in reverse order, and takes the first whose types fit a pod."""
 
     name: str
     instance_types: tuple[str, ...]
     max_nodes: int = 2
     consolidate_after: str = "0s"
+    weight: int | None = None
 
     def body(self) -> dict[str, Any]:
         requirements = [
@@ -92,6 +94,7 @@ class NodePool:
             "kind": "NodePool",
             "metadata": {"name": self.name},
             "spec": {
+                **({"weight": self.weight} if self.weight is not None else {}),
                 "limits": {"nodes": str(self.max_nodes)},
                 "disruption": {
                     "consolidationPolicy": "WhenEmptyOrUnderutilized",

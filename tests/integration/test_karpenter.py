@@ -1,7 +1,8 @@
 """Karpenter (its kwok provider, DRA on) scales kwok nodes whose GPUs fgpu publishes: a pending pod
 with a GPU claim makes it add a node of a type whose template (`fgpu slice-template --format
 karpenter`) has a device for it; `fgpu simulate-fleet` publishes the node's slices; kube-scheduler
-allocates and binds (no fgpu controller); kwok runs the pod. An emptied node is consolidated away."""
+allocates and binds (fgpu's controller only for the gang); kwok runs the pod. An emptied node is
+consolidated away."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +20,19 @@ import kubernetes
 import pytest
 
 from driver.fleet.machine_types import MACHINE_LABEL
+from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.harness import Cluster
 from testbed.cluster.karpenter_manager import DGX_H100, L4X4, KarpenterManager, NodePool
 from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
 from testbed.workloads import wait_until
+from tests.support.controller import by_kube_scheduler, running_controller
 
 pytestmark = pytest.mark.cluster
 
 FLEET = (sys.executable, "-m", "driver.cli", "simulate-fleet")
 H100 = 'device.attributes["gpu.fgpu.dev"].productName.startsWith("NVIDIA H100")'
 L4 = 'device.attributes["gpu.fgpu.dev"].productName == "NVIDIA L4"'
+MIG_1G = 'device.attributes["gpu.fgpu.dev"].profile == "1g.10gb"'
 NODE_UP_S = 180  # a provisioning batch, kwok's node, its slices, scheduling
 CONSOLIDATED_S = 180
 MPS_PODS = 20
@@ -36,6 +41,14 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 OFFER_ANNOTATION = "gpu.fgpu.dev/offer"
 # L4 nodes offer whole GPUs and MPS shares only: the offer reaches the node as an annotation.
 INSTANCE_TYPES = (DGX_H100, dataclasses.replace(L4X4, offer="whole,mps"))
+H100_POOL = NodePool("dgx-h100", ("dgx-h100",), max_nodes=3)
+L4_POOL = NodePool("l4x4", ("l4x4",), max_nodes=2)
+TEST_SELECTOR = "test=karpenter"
+# Karpenter may otherwise replace a node whose pods fit a cheaper type (an H100 node holding one
+# GPU's claim that may fall back to an L4) while the test still looks at them.
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+GANG = 4
+GANG_GPUS = 8  # a whole DGX H100 per member
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +70,14 @@ def fleet(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @contextlib.contextmanager
-def _karpenter(cluster: Cluster, workdir: Path, share_counters_once: bool = False) -> Iterator[KarpenterManager]:
-    """Karpenter with a DGX H100 pool (3 nodes at most) and an L4 pool; at the end the test's pods
-    go first, then Karpenter's nodes (while the publisher runs, so their slices go too)."""
+def _karpenter(
+    cluster: Cluster, workdir: Path, share_counters_once: bool = False, h100_pool: NodePool = H100_POOL
+) -> Iterator[KarpenterManager]:
+    """Karpenter with a DGX H100 pool (3 nodes at most unless the test says) and an L4 pool; at the
+    end the test's pods go first, then Karpenter's nodes (while the publisher runs, so their slices
+    go too)."""
     manager = KarpenterManager(cluster, workdir, INSTANCE_TYPES, share_counters_once=share_counters_once,
-                               node_pools=(NodePool("dgx-h100", ("dgx-h100",), max_nodes=3),
-                                           NodePool("l4x4", ("l4x4",), max_nodes=2)))  # fmt: skip
+                               node_pools=(h100_pool, L4_POOL))  # fmt: skip
     try:
         yield manager.start()
     finally:
@@ -73,30 +88,46 @@ def _karpenter(cluster: Cluster, workdir: Path, share_counters_once: bool = Fals
 def _delete_test_pods(cluster: Cluster) -> None:
     core = kubernetes.client.CoreV1Api(cluster.api_client())
     resource = kubernetes.client.ResourceV1Api(cluster.api_client())
-    core.delete_collection_namespaced_pod("default", label_selector="test=karpenter", grace_period_seconds=0)
-    resource.delete_collection_namespaced_resource_claim("default", label_selector="test=karpenter")
-    resource.delete_collection_namespaced_resource_claim_template("default", label_selector="test=karpenter")
+    core.delete_collection_namespaced_pod("default", label_selector=TEST_SELECTOR, grace_period_seconds=0)
+    resource.delete_collection_namespaced_resource_claim("default", label_selector=TEST_SELECTOR)
+    resource.delete_collection_namespaced_resource_claim_template("default", label_selector=TEST_SELECTOR)
     # The next test makes pods of the same names.
     with contextlib.suppress(AssertionError):
         wait_until("the test's pods gone", lambda: not _test_pods(core))
 
 
 def _test_pods(core_api) -> list[Any]:
-    return core_api.list_namespaced_pod("default", label_selector="test=karpenter").items
+    return core_api.list_namespaced_pod("default", label_selector=TEST_SELECTOR).items
 
 
-def _request(device_class: str, capacity: dict[str, str] | None = None, product: str = H100) -> dict[str, Any]:
-    exactly: dict[str, Any] = {"deviceClassName": device_class, "selectors": [{"cel": {"expression": product}}]}
+def _devices(
+    device_class: str, selector: str = H100, capacity: dict[str, str] | None = None, count: int = 1
+) -> dict[str, Any]:
+    """What a request asks (its `exactly`, or one of its firstAvailable alternatives)."""
+    devices: dict[str, Any] = {"deviceClassName": device_class, "selectors": [{"cel": {"expression": selector}}]}
     if capacity:
-        exactly["capacity"] = {"requests": capacity}
-    return {"name": "gpu", "exactly": exactly}
+        devices["capacity"] = {"requests": capacity}
+    if count > 1:
+        devices["count"] = count
+    return devices
 
 
-def _claim(name: str, request: dict[str, Any]) -> dict[str, Any]:
+def _request(
+    device_class: str, capacity: dict[str, str] | None = None, selector: str = H100, count: int = 1
+) -> dict[str, Any]:
+    return {"name": "gpu", "exactly": _devices(device_class, selector, capacity, count)}
+
+
+def _first_available(alternatives: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A request for the first of the alternatives (name -> devices) that can be allocated."""
+    return {"name": "gpu", "firstAvailable": [{"name": name, **devices} for name, devices in alternatives.items()]}
+
+
+def _claim(name: str, request: dict[str, Any], labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
-        "metadata": {"name": name, "labels": {"test": "karpenter"}},
+        "metadata": {"name": name, "labels": {"test": "karpenter", **(labels or {})}},
         "spec": {"devices": {"requests": [request]}},
     }
 
@@ -110,24 +141,39 @@ def _claim_template(name: str, request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _pod(name: str, claim: dict[str, str]) -> dict[str, Any]:
+def _pod(name: str, claim: dict[str, str], gated: bool = False) -> dict[str, Any]:
+    """A pod of the test with that claim; `gated`: held at fgpu's gate for its controller."""
     container = {"name": "main", "image": "registry.invalid/cuda:12", "resources": {"claims": [{"name": "gpu"}]}}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"test": "karpenter"}},
-        "spec": {
-            **ON_FLEET_NODES,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [container],
-            "resourceClaims": [{"name": "gpu", **claim}],
-        },
+    spec: dict[str, Any] = {
+        **ON_FLEET_NODES,
+        "terminationGracePeriodSeconds": 0,
+        "containers": [container],
+        "resourceClaims": [{"name": "gpu", **claim}],
     }
+    if gated:
+        spec["schedulingGates"] = [{"name": SCHEDULING_GATE}]
+    metadata = {"name": name, "labels": {"test": "karpenter"}, "annotations": {DO_NOT_DISRUPT: "true"}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _claimed_pod(core_api, resource_api, name: str, request: dict[str, Any]) -> None:
+    """A claim with this request and a pod using it, both named `name`."""
+    resource_api.create_namespaced_resource_claim("default", _claim(name, request))
+    core_api.create_namespaced_pod("default", _pod(name, {"resourceClaimName": name}))
+
+
+def _placed(karpenter: KarpenterManager, core_api, resource_api, name: str) -> tuple[str, list[Any]]:
+    """Once the pod of `_claimed_pod` runs: its node's instance type, and its claim's results (all
+    on that node)."""
+    node = _all_running(karpenter, core_api, resource_api, [name])[name]
+    results = resource_api.read_namespaced_resource_claim(name, "default").status.allocation.devices.results
+    assert {result.pool for result in results} == {node}
+    return core_api.read_node(node).metadata.labels[INSTANCE_TYPE_LABEL], results
 
 
 def _running(core_api, names: list[str]) -> dict[str, str] | None:
     """Pod name -> node once every named pod runs."""
-    pods = core_api.list_namespaced_pod("default", label_selector="test=karpenter").items
+    pods = core_api.list_namespaced_pod("default", label_selector=TEST_SELECTOR).items
     nodes = {p.metadata.name: p.spec.node_name for p in pods if p.status.phase == "Running"}
     return nodes if set(names) <= nodes.keys() else None
 
@@ -143,7 +189,7 @@ def _all_running(karpenter: KarpenterManager, core_api, resource_api, names: lis
 
 def _state(karpenter: KarpenterManager, core_api, resource_api) -> str:
     lines = []
-    for pod in core_api.list_namespaced_pod("default", label_selector="test=karpenter").items[:3]:
+    for pod in core_api.list_namespaced_pod("default", label_selector=TEST_SELECTOR).items[:3]:
         conditions = [(c.type, c.status, c.reason, c.message) for c in pod.status.conditions or []]
         lines.append(f"pod {pod.metadata.name} {pod.status.phase} on {pod.spec.node_name}: {conditions}")
     for claim in karpenter.node_claims():
@@ -183,8 +229,7 @@ def test_a_pending_whole_gpu_pod_gets_an_h100_node_that_is_removed_once_empty(
 
 def _whole_gpu_scale_up_and_down(karpenter: KarpenterManager, core_api, resource_api) -> None:
     started = time.monotonic()
-    resource_api.create_namespaced_resource_claim("default", _claim("karpenter-whole", _request("gpu.fgpu.dev")))
-    core_api.create_namespaced_pod("default", _pod("karpenter-whole", {"resourceClaimName": "karpenter-whole"}))
+    _claimed_pod(core_api, resource_api, "karpenter-whole", _request("gpu.fgpu.dev"))
     node_name = _all_running(karpenter, core_api, resource_api, ["karpenter-whole"])["karpenter-whole"]
     running_s = time.monotonic() - started
     node = core_api.read_node(node_name)
@@ -209,16 +254,54 @@ def test_an_l4_share_gets_an_l4_node_with_its_offer(
     fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
 ) -> None:
     with _karpenter(cluster, tmp_path) as karpenter:
-        request = _request("mps.gpu.fgpu.dev", {"memory": "10Gi"}, product=L4)
-        resource_api.create_namespaced_resource_claim("default", _claim("karpenter-l4", request))
-        core_api.create_namespaced_pod("default", _pod("karpenter-l4", {"resourceClaimName": "karpenter-l4"}))
-        node_name = _all_running(karpenter, core_api, resource_api, ["karpenter-l4"])["karpenter-l4"]
-        node = core_api.read_node(node_name)
-        assert node.metadata.labels[INSTANCE_TYPE_LABEL] == "l4x4"
-        assert node.metadata.annotations[OFFER_ANNOTATION] == "whole,mps"
+        _claimed_pod(core_api, resource_api, "karpenter-l4", _request("mps.gpu.fgpu.dev", {"memory": "10Gi"}, L4))
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-l4")
+        assert instance_type == "l4x4"
+        node_name = result.pool
+        assert core_api.read_node(node_name).metadata.annotations[OFFER_ANNOTATION] == "whole,mps"
         slices = resource_api.list_resource_slice(field_selector=f"spec.nodeName={node_name}").items
         kinds = {d.attributes["type"].string for s in slices for d in s.spec.devices or []}
         assert kinds == {"gpu", "mps"}  # the offer, not the publisher's default
+
+
+def test_a_mig_1g_pod_gets_a_mig_capable_node_not_the_cheaper_l4(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """Karpenter launches the cheapest type that fits: the L4 type (a 25th of the price) would win if
+    it did not simulate the MIG request on the templates, where only the DGX H100 has 1g.10gb."""
+    with _karpenter(cluster, tmp_path) as karpenter:
+        _claimed_pod(core_api, resource_api, "karpenter-mig", _request("mig.gpu.fgpu.dev", selector=MIG_1G))
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-mig")
+        assert instance_type == "dgx-h100"
+        assert "-mig-1g10gb-" in result.device
+        assert [c["metadata"]["labels"][INSTANCE_TYPE_LABEL] for c in karpenter.node_claims()] == ["dgx-h100"]
+
+
+H100_ELSE_L4 = _first_available({
+    "h100": _devices("gpu.fgpu.dev", H100),
+    "l4": _devices("gpu.fgpu.dev", L4),
+})  # fmt: skip
+
+
+def test_a_first_available_claim_gets_an_l4_node_when_the_h100_pool_is_at_its_limit(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """The H100 pool allows one node. Karpenter does not take a firstAvailable claim's order as a
+    preference between node types (it tries NodePools by weight, then by name in reverse: the L4
+    pool first), so the H100 pool carries the preference as its weight. The first claim gets an
+    H100 node, a 7-GPU pod fills it, the next claim falls back to an L4 node."""
+    h100_pool = dataclasses.replace(H100_POOL, max_nodes=1, weight=10)
+    with _karpenter(cluster, tmp_path, h100_pool=h100_pool) as karpenter:
+        _claimed_pod(core_api, resource_api, "karpenter-first", H100_ELSE_L4)
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-first")
+        assert (instance_type, result.request) == ("dgx-h100", "gpu/h100")
+        _claimed_pod(core_api, resource_api, "karpenter-rest", _request("gpu.fgpu.dev", count=7))
+        assert _placed(karpenter, core_api, resource_api, "karpenter-rest")[1][0].pool == result.pool
+
+        _claimed_pod(core_api, resource_api, "karpenter-fallback", H100_ELSE_L4)
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-fallback")
+        assert (instance_type, result.request) == ("l4x4", "gpu/l4")
+        assert len(karpenter.node_claims("dgx-h100")) == 1
 
 
 def _mps_shares(karpenter: KarpenterManager, core_api, resource_api) -> tuple[int, set[str]]:
@@ -264,3 +347,81 @@ def test_twenty_mps_shares_with_the_templates_as_they_are(
     with _karpenter(cluster, tmp_path) as karpenter:
         launched, _ = _mps_shares(karpenter, core_api, resource_api)
         assert launched == 2
+
+
+@dataclasses.dataclass
+class _GangSeen:
+    """What one watch of the test's pods saw, in the API server's order."""
+
+    marked: set[str] = dataclasses.field(default_factory=set)  # gated, and marked unschedulable by fgpu
+    allocated_at_first_binding: int | None = None  # the gang's claims allocated when a member was bound
+    error: BaseException | None = None
+
+
+def _marked_by_fgpu(pod: Any) -> bool:
+    """Held at fgpu's gate with the condition that makes autoscalers see it (docs/autoscaling.md)."""
+    return bool(pod.spec.scheduling_gates) and any(
+        c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+        and (c.message or "").startswith("fgpu:")
+        for c in pod.status.conditions or []
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _watching_gang(core_api, resource_api, claims: list[str]) -> Iterator[_GangSeen]:
+    """Follows the test's pods: which were marked unschedulable at fgpu's gate, and how many of the
+    gang's claims were allocated when the first member was bound, read from the API server as the
+    binding is seen: an allocation written before that binding is in the read."""
+    seen, watch = _GangSeen(), kubernetes.watch.Watch()
+
+    def allocated() -> int:
+        listed = resource_api.list_namespaced_resource_claim("default", label_selector=TEST_SELECTOR).items
+        return sum(1 for claim in listed if claim.metadata.name in claims and claim.status.allocation)
+
+    def follow() -> None:
+        try:
+            for event in watch.stream(core_api.list_namespaced_pod, "default", label_selector=TEST_SELECTOR,
+                                      timeout_seconds=2 * NODE_UP_S):  # fmt: skip
+                pod = event["object"]
+                if _marked_by_fgpu(pod):
+                    seen.marked.add(pod.metadata.name)
+                if pod.spec.node_name and seen.allocated_at_first_binding is None:
+                    seen.allocated_at_first_binding = allocated()
+        except BaseException as error:  # reported by the test
+            seen.error = error
+
+    threading.Thread(target=follow, name="gang-watch", daemon=True).start()
+    try:
+        yield seen
+    finally:
+        watch.stop()  # the thread ends at the next event: the test's pods are deleted next
+
+
+def test_a_gang_of_four_8_gpu_pods_gets_four_h100_nodes_and_none_runs_before_all_are_placed(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """fgpu's controller places the gang's opt-in claims all or none: while no node holds them it
+    marks the gated pods unschedulable, Karpenter adds a node for each, and once all four are up the
+    controller places the gang and lifts the gates. The pool allows exactly the gang's nodes: a
+    Karpenter round that began before the controller wrote the allocations sometimes plans new
+    nodes for members already placed (1 run in 4 launched 6; docs/autoscaling.md)."""
+    names = [f"karpenter-gang-{i}" for i in range(GANG)]
+    gang = {OPT_IN_LABEL: OPT_IN_VALUE, GANG_LABEL: "karpenter", GANG_SIZE_LABEL: str(GANG)}
+    h100_pool = dataclasses.replace(H100_POOL, max_nodes=GANG)
+    with _karpenter(cluster, tmp_path, h100_pool=h100_pool) as karpenter, \
+            running_controller(cluster.kubeconfig, "--lease-namespace=default"), \
+            _watching_gang(core_api, resource_api, names) as seen:  # fmt: skip
+        started = time.monotonic()
+        for name in names:
+            resource_api.create_namespaced_resource_claim(
+                "default", _claim(name, _request("gpu.fgpu.dev", count=GANG_GPUS), gang)
+            )
+            core_api.create_namespaced_pod("default", _pod(name, {"resourceClaimName": name}, gated=True))
+        placed = _all_running(karpenter, core_api, resource_api, names)
+        print(f"a gang of {GANG} x {GANG_GPUS} GPUs: Running after {time.monotonic() - started:.1f}s")
+        assert seen.error is None
+        assert seen.marked == set(names)  # what Karpenter added the nodes for
+        assert seen.allocated_at_first_binding == GANG
+        assert len(set(placed.values())) == GANG
+        assert len(karpenter.node_claims("dgx-h100")) == GANG
+        assert not [name for name in names if by_kube_scheduler(resource_api, name)]
