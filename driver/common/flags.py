@@ -109,10 +109,23 @@ def interval(value: str) -> float:
 
 def seconds(value: str) -> float:
     """A duration in seconds: a finite number, not negative."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    number = _number(value)
     if not 0 <= number < math.inf:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (0 or more)")
     return number
+
+
+def above_zero(value: str) -> float:
+    """A finite number above 0 (a factor, a rate)."""
+    number = _number(value)
+    if not 0 < number < math.inf:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number above 0")
+    return number
+
+
+def _number(value: str) -> float:
+    """The flag's float, NaN where it is none (every range check then refuses it)."""
+    try:
+        return float(value)
+    except ValueError:
+        return math.nan

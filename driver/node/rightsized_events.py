@@ -33,7 +33,7 @@ from driver.kube.client import JsonObject, KubeApi
 from driver.kube.errors import ConflictError, KubeError
 from driver.kube.events import object_event
 from driver.node.background import BackgroundWorker
-from driver.sizing.initial import ORIGINAL_ANNOTATION
+from driver.sizing.initial import ORIGINAL_ANNOTATION, ORIGINAL_FIELDS
 from driver.sizing.request import pinned_profile
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ SELECTORS_LIMIT = 32  # the API's limit per request
 PROFILE_NAME = re.compile(r"[0-9a-z.+]{1,32}")  # 1g.10gb, 1g.10gb+me, 3g
 CAPACITY_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_./]{0,62}")  # a qualified name: nothing to break a line
 CLASS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
-# A request sizing moved to another kind or partition keeps these fields of it (the Event shows its class).
-KIND_FIELDS = frozenset({"deviceClassName", "selectors", "capacity"})
 QUEUE_LIMIT = 1024  # claims waiting for their Event; past it one is dropped, with a log line
 
 
@@ -115,10 +113,10 @@ def _requests(claim: JsonObject) -> list[JsonObject]:
 
 def _original(entry: Any, where: str) -> RequestSize:
     """A request's entry in the annotation: its capacity requests, or where sizing changed its kind
-    or partition, its KIND_FIELDS."""
+    or partition, its ORIGINAL_FIELDS."""
     if not (isinstance(entry, dict) and "deviceClassName" in entry):
         return RequestSize("", _capacities(entry, where))
-    unknown = sorted(set(entry) - KIND_FIELDS)
+    unknown = sorted(set(entry) - set(ORIGINAL_FIELDS))
     if unknown:
         raise ValueError(f"{where}: {unknown[0][:VALUE_LIMIT]!r} is not a field sizing keeps")
     device_class = entry["deviceClassName"]

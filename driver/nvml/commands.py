@@ -8,7 +8,6 @@ out of `--help`, with a note on stderr: docs and scripts of earlier releases use
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from driver.common.flags import SettingsError, Subcommands, env_default
+from driver.common.flags import SettingsError, Subcommands, above_zero, env_default
 from driver.nvml.mock import MockNvml, MockProcess
 from driver.nvml.mock_driver_root import SMI_STATE_ENV, fake_tools_env, forget_timeslices
 from driver.nvml.session import MOCK_STATE_ENV, is_mock, open_backend
@@ -133,16 +132,6 @@ def _percent(value: str) -> int:
     return number
 
 
-def _time_scale(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not 0 < number < math.inf:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number above 0")
-    return number
-
-
 def _workload(value: str) -> UsageProfile:
     if value not in WORKLOAD_PROFILES:
         known = ", ".join(WORKLOAD_PROFILES)
@@ -169,7 +158,7 @@ def add_usage_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", type=_workload, metavar="KIND/NAME", help="its use moves as a bundled example's (Job/trainer)"
     )
-    parser.add_argument("--time-scale", type=_time_scale, help="profile seconds a second (86400: a day a second; 1)")
+    parser.add_argument("--time-scale", type=above_zero, help="profile seconds a second (86400: a day a second; 1)")
 
 
 # Flags by their argparse dest: what a --shape profile is made of (--workload has its own), and

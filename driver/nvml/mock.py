@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import functools
 import json
 import math
 import os
@@ -240,6 +239,7 @@ class MockNvml:
         self.machine = machine
         self._state_file = state_file
         self._clock = clock  # wall time: when profiled processes start, what NVML reports at a call
+        self._gpm = _GpmState()
         self._lock = threading.RLock()
         self._initialized = 0
         self._generation = 0  # the driver load this process's NVML was initialised under
@@ -939,10 +939,6 @@ class MockNvml:
     # change between two samples counts from the earlier one.
 
     GPM_FIRST_ARCHITECTURE = ARCHITECTURES["hopper"]
-
-    @functools.cached_property
-    def _gpm(self) -> _GpmState:
-        return _GpmState()
 
     def nvmlGpmQueryDeviceSupport(self, device: object) -> pynvml.c_nvmlGpmSupport_t:
         """isSupportedDevice 1 on Hopper and newer, 0 before: NVML answers rather than fails."""
