@@ -32,6 +32,7 @@ class InMemoryControllerApi:
         self.write_delay_s = 0.0
         self.ledger_writes = 0
         self.evicted: list[str] = []  # pod names, in order
+        self.taint_writes = 0
         self.budgeted: set[str] = set()  # pods a PodDisruptionBudget protects: their eviction is refused
         self._lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0
@@ -156,6 +157,10 @@ class InMemoryControllerApi:
         self.store["pods"].pop(f"{namespace}/{name}")
         self.evicted.append(name)
         return None
+
+    def set_node_taints(self, node: dict[str, Any], taints: list[Any]) -> dict[str, Any]:
+        self.taint_writes += 1
+        return self._replace("nodes", {**node, "spec": {**(node.get("spec") or {}), "taints": taints}})
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
         if self.lease_outage:

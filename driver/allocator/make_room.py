@@ -75,7 +75,7 @@ class Move:
     to: Placement
 
 
-class _Scratch:
+class Scratch:
     """Adds and releases made while planning, undone in reverse order: an add and a release are
     exact inverses on the allocator's state (whole numbers and fractions, counted shares and their
     tenants: each allocation with the claim that holds it). With a room, the holder's pods are
@@ -115,8 +115,8 @@ class _Scratch:
 
 
 @contextmanager
-def _scratch(allocator: ClusterAllocator, room: PlannedRoom | None = None) -> Iterator[_Scratch]:
-    scratch = _Scratch(allocator, room)
+def trying(allocator: ClusterAllocator, room: PlannedRoom | None = None) -> Iterator[Scratch]:
+    scratch = Scratch(allocator, room)
     try:
         yield scratch
     finally:
@@ -202,7 +202,7 @@ def _node_options(
     def fits() -> dict[str, Any] | None:
         return _fits_on(allocator, node, claim, budget, room)
 
-    with _scratch(allocator, room) as scratch:
+    with trying(allocator, room) as scratch:
         scratch.release_all(movable)
         if fits() is None:
             return []  # not even with every movable allocation gone
@@ -213,7 +213,7 @@ def _node_options(
     ordered = sorted(by_gpu, key=lambda gpu: (_cost(allocator, by_gpu[gpu]), gpu))
     options: dict[frozenset[int], tuple[tuple[Holder, ...], Placement]] = {}
     for seed in ordered[:SEEDS_PER_NODE]:
-        with _scratch(allocator, room) as scratch:
+        with trying(allocator, room) as scratch:
             released: list[Holder] = []
             for gpu in [seed, *(g for g in ordered if g != seed)]:
                 group = [h for h in by_gpu[gpu] if h not in released]
@@ -276,7 +276,7 @@ def _gang_options(
     first, *rest = sorted(claims, key=_size, reverse=True)
     found: dict[frozenset[int], tuple[tuple[Holder, ...], tuple[Placement, ...]]] = {}
     for victims, placement in _claim_options(allocator, first, movable, budget, room)[:limit]:
-        with _scratch(allocator, room) as scratch:
+        with trying(allocator, room) as scratch:
             scratch.release_all(victims)
             scratch.add(placement.node, placement.allocation, placement.claim)
             chosen, placed = list(victims), [placement]
@@ -320,7 +320,7 @@ def _moves(
     """Where the victims fit again, largest first, with the pending placements on top of the
     state as it is (victims still in their old places, their pods still counted there): never
     into the room they made."""
-    with _scratch(allocator, room) as scratch:
+    with trying(allocator, room) as scratch:
         for placement in placements:
             scratch.add(placement.node, placement.allocation, placement.claim)
         for victim in victims:
@@ -435,7 +435,7 @@ def compaction(
     moved: set[int] = set()
     emptied: set[GpuId] = set()
     filled: set[GpuId] = set()  # GPUs moves went to: not emptied afterwards
-    with _scratch(allocator) as scratch:
+    with trying(allocator) as scratch:
         for plan in _emptyings(allocator, holders, pays):
             if budget.exhausted:
                 break
@@ -452,7 +452,7 @@ def compaction(
 
 
 def _empty(
-    allocator: ClusterAllocator, scratch: _Scratch, plan: _Emptying, emptied: set[GpuId], budget: SearchBudget
+    allocator: ClusterAllocator, scratch: Scratch, plan: _Emptying, emptied: set[GpuId], budget: SearchBudget
 ) -> list[Move] | None:
     """The plan's holders placed again, largest first, on GPUs in use other than those it and the
     plans before it empty; None (and nothing changed) when one has nowhere to go. Each is placed

@@ -45,6 +45,8 @@ class ControllerApi(Protocol):
 
     def evict_pod(self, namespace: str, name: str) -> str | None: ...
 
+    def set_node_taints(self, node: JsonObject, taints: list[JsonObject]) -> JsonObject: ...
+
     def get_lease(self, namespace: str, name: str) -> JsonObject: ...
 
     def create_lease(self, namespace: str, lease: JsonObject) -> JsonObject: ...
@@ -121,6 +123,16 @@ class ClientControllerApi(ClientKubeApi):
         except TooManyRequestsError as error:
             return error.reason
         return None
+
+    def set_node_taints(self, node: JsonObject, taints: list[JsonObject]) -> JsonObject:
+        """Replace the node's taints, on the node as read (its resourceVersion tested: the kubelet,
+        an autoscaler or a person may be changing them too)."""
+        meta = node["metadata"]
+        patch = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+            {"op": "add", "path": "/spec/taints", "value": taints},  # add replaces a member that exists
+        ]
+        return self._call(self._core.patch_node, meta["name"], patch)
 
     def get_lease(self, namespace: str, name: str) -> JsonObject:
         return self._call(self._coordination.read_namespaced_lease, name, namespace)

@@ -24,7 +24,8 @@ def run_controller(settings: ControllerSettings) -> None:
     controller = Controller(api, settings.identity, settings.policy, settings.lease_namespace, settings.timings,
                             settings.evictions_per_minute, settings.compact, from_environment(),
                             settings.preempt_across_namespaces, stall_s=settings.stall_s,
-                            place_pods=settings.place_pods, lifetime_hints=settings.lifetime_hints)  # fmt: skip
+                            place_pods=settings.place_pods, lifetime_hints=settings.lifetime_hints,
+                            empty_nodes=settings.empty_nodes)  # fmt: skip
     if settings.health_port > 0:
         from driver.controller.progress import serve_health
 

@@ -32,6 +32,7 @@ from driver.controller import metrics
 from driver.controller.allocators import AllocatorCache
 from driver.controller.api import ControllerApi
 from driver.controller.clock import WallClock
+from driver.controller.emptying import NodeEmptier
 from driver.controller.fit import RoomReader
 from driver.controller.gates import GatedPods, GateLifter
 from driver.controller.leader import LeaderElector, LeaseTimings
@@ -75,6 +76,7 @@ class Controller:
         stall_s: float = STALL_S,
         place_pods: bool = False,
         lifetime_hints: bool = True,
+        empty_nodes: bool = False,
     ) -> None:
         """`evictions_per_minute`: making room (making_room.py) evicts at most that many pods a
         minute; 0 turns it off. `compact`: with it, also move pods while nothing waits. `hooks`:
@@ -84,7 +86,8 @@ class Controller:
         allocator's SEARCH_STEPS). `stall_s`: seconds without progress after which this replica
         is stalled (progress.py). `place_pods`: also place the pods without claims of the
         namespaces labelled gpu.fgpu.dev/place-pods=fgpu (placed_pods.py). `lifetime_hints`: shares
-        placed by when their claims say they end (ClusterAllocator)."""
+        placed by when their claims say they end (ClusterAllocator). `empty_nodes`: with `compact`,
+        compaction empties whole nodes first, for the autoscaler to remove (emptying.py)."""
         wall_clock = WallClock(hooks.clock_offset_s)
         self.progress = Progress(stall_s)
         self.search_steps = search_steps or SEARCH_STEPS
@@ -130,7 +133,8 @@ class Controller:
         self.gates = GateLifter(replica, gated, self.pod_placer.owns if self.pod_placer is not None else None)
         self.writer = ClaimWriter(replica, self.gates.lift_pods, self.refusals.placed, wall_clock, hooks)
         self.placer = Placer(replica, self.allocators, self.writer, reporter, self._room)
-        self.room_maker = RoomMaker(replica, self.budget, reporter, self._room, preempt_across_namespaces)
+        self.emptier = NodeEmptier(api, self.informers["nodes"], wall_clock) if self.compact and empty_nodes else None
+        self.room_maker = RoomMaker(replica, self.budget, reporter, self._room, preempt_across_namespaces, self.emptier)
         self.unschedulable = UnschedulableMarker(api, self.informers["pods"], gated, reporter.reason_of, wall_clock)
 
     # --- running ------------------------------------------------------------------------------
@@ -210,14 +214,18 @@ class Controller:
             self.placer.place(current, waiting)
         if self.pod_placer is not None and not self.stale.is_set():
             self.pod_placer.place(current)  # after the claims: GPU pods choose first
-        if current.unplaced and not self.stale.is_set():
+        # Emptying taints go when something waits (the node may take it) and when they are old.
+        lifted = self.emptier is not None and self.emptier.lift(every=bool(current.unplaced)) > 0
+        if current.unplaced and lifted:
+            self.changed.set()  # placed again on the nodes lifted before room is made or a pod marked
+        elif current.unplaced and not self.stale.is_set():
             self.room_maker.make_room(current)
         elif self.compact and not waiting and not current.reserved and not self.replica.any_gated():
             self.room_maker.compact(current.allocator)
         if self.stale.is_set():
             self.refresh()
             return
-        if current.unplaced:
+        if current.unplaced and not lifted:
             self.unschedulable.mark(current.unplaced, self.room_maker.reservations())
         self.gates.lift_all()
 

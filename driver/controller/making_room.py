@@ -33,15 +33,17 @@ from typing import Any
 
 from driver.allocator.allocate import SearchBudget
 from driver.allocator.cluster import ClusterAllocator
+from driver.allocator.empty_nodes import emptying_nodes
 from driver.allocator.make_room import COMPACTION_MOVES, Plan, compaction, make_room
 from driver.allocator.model import ObjectError, claim_from_object
 from driver.controller import metrics
+from driver.controller.emptying import NodeEmptier
 from driver.controller.ledger import RESERVED_KEY, PoolId, entries_for, entries_of, entry_results, pool_of
 from driver.controller.pass_context import Pass
 from driver.controller.refusals import pods_by_claim
 from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
-from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, priority
+from driver.controller.victims import Candidate, EvictionBudget, candidates, may_preempt, owners, priority
 from driver.kube.errors import KubeError
 from driver.kube.informer import object_key
 from driver.scheduling.nodefit import NodeRoom
@@ -63,10 +65,11 @@ class RoomMaker:
         reporter: Reporter,
         room: Callable[[], NodeRoom],
         preempt_across_namespaces: bool = False,
+        emptier: NodeEmptier | None = None,
     ) -> None:
-        """`budget`: None turns making room off."""
+        """`budget`: None turns making room off. `emptier`: compaction empties whole nodes first."""
         self._replica, self._budget, self._reporter, self._room = replica, budget, reporter, room
-        self._across = preempt_across_namespaces
+        self._across, self._emptier = preempt_across_namespaces, emptier
         self._api, self._informers, self._ledgers = replica.api, replica.informers, replica.ledgers
         self._spared: dict[str, float] = {}  # claim uid -> until (time.monotonic()): an eviction was refused
 
@@ -123,7 +126,8 @@ class RoomMaker:
         for preempt in (False, True):
             if preempt and not may_preempt(pending_pods):
                 return
-            found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared), within=within)
+            found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared), within=within,
+                               siblings_of=owners(pending_pods))  # fmt: skip
             by_holder = {id(c.holder): c for c in found}
             holders = [c.holder for c in found]
             # The room is the planner's to read: a plan's pending pods run where it places them,
@@ -227,26 +231,56 @@ class RoomMaker:
         return None
 
     def compact(self, allocator: ClusterAllocator) -> None:
-        """Nothing waits: move movable pods off lightly used GPUs into holes on GPUs in use, so that
-        whole GPUs are free for the next large claim (the planner's `compaction`), within the
-        eviction budget. The moved pods' new claims are placed as any other (no reservation): a
-        pass after the moves waits until nothing waits again."""
+        """Nothing waits: with an emptier, first empty whole nodes onto nodes that stay in use
+        (emptying.py; the planner's `emptying_nodes`), for the autoscaler to remove; then, when no
+        node was emptied, move movable pods off lightly used GPUs into holes on GPUs in use, so
+        that whole GPUs are free for the next large claim (the planner's `compaction`). Both within
+        the eviction budget. The moved pods' new claims are placed as any other (no reservation):
+        a pass after the moves waits until nothing waits again."""
         assert self._budget is not None
-        left = min(self._budget.left(time.monotonic()), COMPACTION_MOVES)
+        left = self._budget.left(time.monotonic())
         if left < 1:
             return
         pods_of = pods_by_claim(self._informers["pods"].items())
         claims = self._informers["claims"].items()
         found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True)
         by_holder = {id(c.holder): c for c in found}
-        for move in compaction(allocator, [c.holder for c in found], left):
-            victim = by_holder[id(move.holder)]
-            for pod in victim.pods:
-                if self._evict_pod(victim, pod) is not None:
-                    return
-                metrics.EVICTIONS.labels("compaction").inc()
-                message = f"evicted by fgpu to compact: its GPU empties, and the pod fits on {move.to.node}"
-                self._reporter.event("v1", "Pod", pod, "Compacted", message, False)
+        if self._emptier is not None and self._empty_nodes(allocator, found, by_holder, left):
+            return  # the allocator's state is as before those moves: GPUs are compacted on the next
+        for move in compaction(allocator, [c.holder for c in found], min(left, COMPACTION_MOVES)):
+            message = f"evicted by fgpu to compact: its GPU empties, and the pod fits on {move.to.node}"
+            if not self._move(by_holder[id(move.holder)], "compaction", "Compacted", message):
+                return
+
+    def _empty_nodes(
+        self, allocator: ClusterAllocator, found: list[Candidate], by_holder: dict[int, Candidate], left: int
+    ) -> bool:
+        """Empty the nodes that may be (each tainted first); whether any was begun."""
+        assert self._emptier is not None
+        movable = {p["metadata"].get("uid") for c in found if c.holder.movable for p in c.pods}
+        may_empty = self._emptier.may_empty(self._informers["pods"].items(), movable)
+        if not may_empty:
+            return False
+        begun = False
+        for plan in emptying_nodes(allocator, [c.holder for c in found], may_empty, left):
+            if not self._emptier.taint(plan.node):
+                continue
+            begun = True
+            for move in plan.moves:
+                to = move.to.node
+                message = f"evicted by fgpu to empty node {plan.node} for the autoscaler: the pod fits on {to}"
+                if not self._move(by_holder[id(move.holder)], "emptying", "EmptyingNode", message):
+                    return True  # refused: the node stays tainted until the taint expires or something waits
+        return begun
+
+    def _move(self, victim: Candidate, reason: str, event: str, message: str) -> bool:
+        """Evict a movable victim's pods, telling each; whether all went."""
+        for pod in victim.pods:
+            if self._evict_pod(victim, pod) is not None:
+                return False
+            metrics.EVICTIONS.labels(reason).inc()
+            self._reporter.event("v1", "Pod", pod, event, message, False)
+        return True
 
     def _tell(self, objects: list[dict[str, Any]], message: str, warning: bool = False) -> None:
         for obj in objects:

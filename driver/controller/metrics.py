@@ -34,6 +34,7 @@ REPLACED_BY_SCHEDULER = Counter(
 )
 EVICTIONS = Counter(
     "fgpu_controller_evictions_total",
-    "Pods evicted to make room for a claim (movable, preemption) and evictions a PodDisruptionBudget refused",
+    "Pods evicted to make room for a claim (movable, preemption), to empty GPUs (compaction) or nodes (emptying),"
+    " and evictions a PodDisruptionBudget refused",
     ["reason"],
 )

@@ -36,6 +36,7 @@ class ControllerSettings:
     preempt_across_namespaces: bool  # making room may preempt lower-priority pods of any namespace
     place_pods: bool = False  # also place the pods without claims of the namespaces that opt in
     lifetime_hints: bool = True  # shares placed by when their claims say they end (docs/allocator.md)
+    empty_nodes: bool = False  # compaction empties whole nodes first, for the autoscaler to remove
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,11 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         help="with --make-room: while nothing waits, move movable pods so that lightly used GPUs empty",
     )
     parser.add_argument(
+        "--empty-nodes",
+        action="store_true",
+        help="with --compact-when-idle: first empty whole nodes of movable pods, for the autoscaler to remove",
+    )
+    parser.add_argument(
         "--preempt-across-namespaces",
         action="store_true",
         help="with --make-room: preempt lower-priority pods of any namespace, not only the pending claim's",
@@ -97,6 +103,8 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         raise SettingsError(f"--leader-elect-*: {err}") from err
     if args.compact_when_idle and not args.make_room:
         raise SettingsError("--compact-when-idle moves pods as making room does: give --make-room too")
+    if args.empty_nodes and not args.compact_when_idle:
+        raise SettingsError("--empty-nodes is a way of compacting: give --compact-when-idle too")
     if args.preempt_across_namespaces and not args.make_room:
         raise SettingsError("--preempt-across-namespaces widens making room: give --make-room too")
     return ControllerSettings(
@@ -113,4 +121,5 @@ def controller_settings(args: argparse.Namespace) -> ControllerSettings:
         preempt_across_namespaces=args.preempt_across_namespaces,
         place_pods=args.place_pods,
         lifetime_hints=args.lifetime_hints,
+        empty_nodes=args.empty_nodes,
     )

@@ -8,7 +8,8 @@ whatever its annotation, as kube-scheduler preempts, but only in the pending cla
 unless the controller is told to preempt across namespaces (making_room.py says why). Movable pods
 of a higher priority than the pending pod are not moved for it. A member of a gang (our labels, a
 PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
-gang, and whole gangs are not moved yet."""
+gang, and whole gangs are not moved yet. Nor is a pod owned by the same controller as the pending
+pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def movable(pod: JsonObject) -> bool:
     meta = pod["metadata"]
     annotated = (meta.get("annotations") or {}).get(MOVABLE_ANNOTATION) == "true"
     return annotated and any(ref.get("controller") for ref in meta.get("ownerReferences") or ())
+
+
+def owners(pods: Iterable[JsonObject]) -> set[str]:
+    """The uids of the controllers that own the pods."""
+    refs = (ref for pod in pods for ref in pod["metadata"].get("ownerReferences") or ())
+    return {ref["uid"] for ref in refs if ref.get("controller") and ref.get("uid")}
 
 
 def priority(pod: JsonObject) -> int:
@@ -72,11 +79,14 @@ def candidates(
     spared: AbstractSet[str] = frozenset(),
     held_too: bool = False,
     within: str | None = None,
+    siblings_of: AbstractSet[str] = frozenset(),
 ) -> list[Candidate]:
     """The allocated claims the planner may take from: those whose pods are all movable and not
     of a higher priority than the pending pod, or, with `preempt`, of a lower priority (with
     `within`, only in that namespace). Claims in `spared` (uids: an eviction of theirs was refused
-    lately), claims no pod uses and claims that cannot be read are left alone; with `held_too` the
+    lately), claims whose pods have an owner in `siblings_of` (the pending pods' controllers: a
+    ReplicaSet's pod evicted for its sibling is only made again, and waits in turn), claims no pod
+    uses and claims that cannot be read are left alone; with `held_too` the
     others are listed as well, not movable (compaction must see what holds a GPU)."""
     found = []
     for claim in claims:
@@ -90,7 +100,7 @@ def candidates(
         in_reach = within is None or claim["metadata"].get("namespace") == within
         preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
-        takeable = takeable and not _in_gang(claim, pods)
+        takeable = takeable and not _in_gang(claim, pods) and not owners(pods) & siblings_of
         if not (takeable or held_too):
             continue
         try:

@@ -188,8 +188,11 @@ def test_making_room_is_off_unless_enabled_and_then_may_evict() -> None:
     args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.evictionsPerMinute": 3})
     assert "--make-room" in args and "--evictions-per-minute=3" in args and "--compact-when-idle" not in args
     assert ("pods/eviction", "create") in granted and ("pods", "delete") not in granted
-    args, _ = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.compactWhenIdle": True})
-    assert "--compact-when-idle" in args
+    args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.compactWhenIdle": True})
+    assert "--compact-when-idle" in args and "--empty-nodes" not in args and ("nodes", "patch") not in granted
+    args, granted = controller({"controller.makeRoom.enabled": True, "controller.makeRoom.compactWhenIdle": True,
+                                "controller.makeRoom.emptyNodes": True})  # fmt: skip
+    assert "--empty-nodes" in args and ("nodes", "patch") in granted
 
 
 def test_the_controller_may_patch_pod_status_to_mark_pods_unschedulable_and_no_more() -> None:

@@ -20,7 +20,14 @@ import kubernetes
 import pytest
 
 from driver.fleet.machine_types import MACHINE_LABEL
-from driver.scheduling.opt_in import GANG_LABEL, GANG_SIZE_LABEL, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
+from driver.scheduling.opt_in import (
+    GANG_LABEL,
+    GANG_SIZE_LABEL,
+    MOVABLE_ANNOTATION,
+    OPT_IN_LABEL,
+    OPT_IN_VALUE,
+    SCHEDULING_GATE,
+)
 from testbed.cluster.harness import Cluster
 from testbed.cluster.karpenter_manager import DGX_H100, L4X4, KarpenterManager, NodePool
 from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
@@ -425,3 +432,85 @@ def test_a_gang_of_four_8_gpu_pods_gets_four_h100_nodes_and_none_runs_before_all
         assert len(set(placed.values())) == GANG
         assert len(karpenter.node_claims("dgx-h100")) == GANG
         assert not [name for name in names if by_kube_scheduler(resource_api, name)]
+
+
+def _replica_set(name: str, replicas: int, template: str, movable: bool) -> dict[str, Any]:
+    """A ReplicaSet of MPS-share pods from one opt-in claim template, gated for fgpu's controller as
+    the webhook would; `movable`: fgpu may move them (evict, and the ReplicaSet makes them again)."""
+    pod = _pod(name, {"resourceClaimTemplateName": template}, gated=True)
+    labels = {**pod["metadata"]["labels"], "app": name}
+    annotations = {**pod["metadata"]["annotations"], **({MOVABLE_ANNOTATION: "true"} if movable else {})}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": name, "labels": {"test": "karpenter"}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod["spec"]},
+        },
+    }
+
+
+def _pods_of(core_api, app: str) -> dict[str, str]:
+    """The app's Running pods that are not going -> their nodes."""
+    pods = core_api.list_namespaced_pod("default", label_selector=f"app={app}").items
+    return {
+        p.metadata.name: p.spec.node_name
+        for p in pods
+        if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
+    }
+
+
+def _all_of(core_api, app: str, count: int) -> dict[str, str]:
+    def running() -> dict[str, str] | None:
+        found = _pods_of(core_api, app)
+        return found if len(found) == count else None
+
+    return wait_until(f"{count} {app} pods Running", running, NODE_UP_S, interval=1.0)
+
+
+def test_with_empty_nodes_fgpu_moves_the_shares_of_a_node_so_that_karpenter_removes_it(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """14 shares that stay fill most of one DGX H100 (16 shares of 30Gi); 4 movable ones then need a
+    second node for 2 of them. Once 4 of those that stay are gone, fgpu's controller
+    (--empty-nodes) taints the second node, moves its 2 shares onto the first, and Karpenter
+    removes the emptied node. The pods carry karpenter.sh/do-not-disrupt: Karpenter does not move
+    them itself, it only removes the node once it is empty."""
+    apps_api = kubernetes.client.AppsV1Api(cluster.api_client())
+    template = _claim_template("karpenter-share", _request("mps.gpu.fgpu.dev", {"memory": MPS_MEMORY}))
+    template["spec"]["metadata"] = {"labels": {OPT_IN_LABEL: OPT_IN_VALUE}}
+    flags = ("--lease-namespace=default", "--policy=binpack", "--make-room", "--compact-when-idle", "--empty-nodes")
+    with _karpenter(cluster, tmp_path, share_counters_once=True) as karpenter, \
+            running_controller(cluster.kubeconfig, *flags):  # fmt: skip
+        try:
+            resource_api.create_namespaced_resource_claim_template("default", template)
+            apps_api.create_namespaced_replica_set("default", _replica_set("stays", 14, "karpenter-share", False))
+            first = set(_all_of(core_api, "stays", 14).values())
+            assert len(first) == 1
+            apps_api.create_namespaced_replica_set("default", _replica_set("moves", 4, "karpenter-share", True))
+            moves = _all_of(core_api, "moves", 4)
+            second = set(moves.values()) - first
+            assert len(second) == 1 and len(karpenter.node_claims()) == 2
+            to_move = sorted(name for name, node in moves.items() if node in second)
+            assert len(to_move) == 2
+
+            emptied = time.monotonic()
+            apps_api.patch_namespaced_replica_set_scale("stays", "default", {"spec": {"replicas": 10}})
+            wait_until("the emptied node removed", lambda: not _node_names(core_api) & second, CONSOLIDATED_S,
+                       interval=1.0)  # fmt: skip
+            removed_s = time.monotonic() - emptied
+            assert set(_all_of(core_api, "moves", 4).values()) == first
+            for name in to_move:
+                selector = f"involvedObject.name={name},reason=EmptyingNode"
+                (event,) = core_api.list_namespaced_event("default", field_selector=selector).items
+                assert f"to empty node {next(iter(second))} for the autoscaler" in event.message
+            assert len(karpenter.node_claims()) == 1
+            print(f"emptying: the second node removed {removed_s:.1f}s after 4 shares went from the first")
+        finally:
+            apps_api.delete_collection_namespaced_replica_set("default", label_selector=TEST_SELECTOR)
+
+
+def _node_names(core_api) -> set[str]:
+    return {n.metadata.name for n in core_api.list_node().items}

@@ -13,7 +13,7 @@ from bench import make_room as make_room_bench
 from bench.allocator import packing_trace
 from driver.allocator.cluster import ClusterAllocator
 from driver.allocator.make_room import GpuId, Holder, Move, compaction, gpus_of
-from tests.unit.allocator.test_make_room import Cluster
+from tests.support.holders import Cluster
 
 
 def device(move: Move) -> str:

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+from driver.controller.clock import WallClock
+from driver.controller.emptying import EMPTYING_S, EMPTYING_TAINT, NodeEmptier
+from driver.controller.fit import allocated_node
 from driver.controller.victims import EvictionBudget
 from testbed.controller_api import InMemoryControllerApi
 from tests.support.controller_cluster import (
@@ -322,3 +325,106 @@ def test_a_claim_that_fits_by_its_devices_but_waits_for_cpu_gets_room_made(h100_
     assert api.evicted == ["infer"]
     (reservation,) = ledger_entries(api).values()
     assert reservation.claim == "ml/train" and reservation.reservation
+
+
+def daemonset_pod(name: str, node: str) -> dict[str, Any]:
+    meta = {"name": name, "namespace": "kube-system"}
+    meta["ownerReferences"] = [{"kind": "DaemonSet", "name": "ds", "uid": "ds-1", "controller": True}]
+    return {"metadata": meta, "spec": {"nodeName": node}, "status": {"phase": "Running"}}
+
+
+def one_node_to_empty(api: InMemoryControllerApi) -> None:
+    """n1: a 10Gi share on each GPU that stays (holes to move into); n2: two movable 10Gi shares
+    and a DaemonSet's pod."""
+    for i in range(8):
+        api.put("claims", held(f"stays-{i}", f"gpu-{i}-mps"))
+        api.put("pods", running(f"stays-{i}", f"stays-{i}"))
+    for i in range(2):
+        api.put("claims", held(f"infer-{i}", f"gpu-{i}-mps", node="n2"))
+        api.put("pods", running(f"infer-{i}", f"infer-{i}", movable=True, node="n2"))
+    api.put("pods", daemonset_pod("exporter", "n2"))
+
+
+def emptying_taints(api: InMemoryControllerApi, node: str) -> list[dict[str, Any]]:
+    taints = (api.store["nodes"][f"/{node}"].get("spec") or {}).get("taints") or []
+    return [t for t in taints if t["key"] == EMPTYING_TAINT]
+
+
+def test_empty_nodes_taints_a_node_of_movable_shares_then_moves_them_all_onto_a_node_in_use(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    one_node_to_empty(api)
+    controller = replicas(api, evictions_per_minute=10, compact=True, empty_nodes=True)
+    controller.run_pass()
+    assert sorted(api.evicted) == ["infer-0", "infer-1"]  # the DaemonSet's pod stays: it does not keep a node
+    [taint] = emptying_taints(api, "n2")
+    assert taint["effect"] == "NoSchedule"
+    assert all("empty node n2 for the autoscaler: the pod fits on n1" in events_of(api, p, "EmptyingNode")[0]
+               for p in api.evicted)  # fmt: skip
+    assert emptying_taints(api, "n1") == []
+
+
+def test_without_empty_nodes_compaction_only_empties_gpus(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    one_node_to_empty(api)
+    replicas(api, evictions_per_minute=10, compact=True).run_pass()
+    assert len(api.evicted) == 2 and api.taint_writes == 0
+    assert all(events_of(api, p, "Compacted") for p in api.evicted)
+
+
+@pytest.mark.parametrize("keeps", ["a pod without claims", "a share that may not move"])
+def test_a_node_running_anything_else_is_not_emptied(h100_slices, replicas, keeps):
+    api = fake_cluster(h100_slices, nodes=2)
+    one_node_to_empty(api)
+    if keeps == "a pod without claims":
+        api.put("pods", {"metadata": {"name": "web", "namespace": "ml"}, "spec": {"nodeName": "n2"},
+                         "status": {"phase": "Running"}})  # fmt: skip
+    else:
+        api.put("claims", held("pinned", "gpu-5-mps", node="n2"))
+        api.put("pods", running("pinned", "pinned", node="n2"))
+    replicas(api, evictions_per_minute=10, compact=True, empty_nodes=True).run_pass()
+    assert api.taint_writes == 0  # GPU compaction may still move the shares
+    assert all(events_of(api, p, "Compacted") for p in api.evicted)
+
+
+def test_a_claim_that_waits_lifts_the_emptying_taint_and_is_placed_there_not_marked(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    for i in range(8):  # n1 full; n2 free but being emptied
+        api.put("claims", held(f"whole-{i}", f"gpu-{i}"))
+        api.put("pods", running(f"job-{i}", f"whole-{i}"))
+    api.store["nodes"]["/n2"]["spec"] = {"taints": [{"key": EMPTYING_TAINT, "value": "1", "effect": "NoSchedule"}]}
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10, compact=True, empty_nodes=True)
+    controller.run_pass()
+    assert emptying_taints(api, "n2") == []
+    assert not (api.get("pods", "ml/train-pod").get("status") or {}).get("conditions")  # not marked unschedulable
+    sync(controller)
+    controller.run_pass()
+    assert devices_of(api.get("claims", "ml/train")) and allocated_node(api.get("claims", "ml/train")) == "n2"
+
+
+def test_an_emptying_taint_is_lifted_after_its_time_by_this_process_clock(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    api.store["nodes"]["/n2"]["spec"] = {"taints": [{"key": EMPTYING_TAINT, "value": "9", "effect": "NoSchedule"}]}
+    controller = replicas(api)
+    now = [1000.0]
+    emptier = NodeEmptier(api, controller.informers["nodes"], WallClock(offset_s=-86400), clock=lambda: now[0])
+    assert emptier.lift(every=False) == 0  # a taint left by an earlier leader: its time starts now
+    assert emptier.taint("n1")
+    now[0] += EMPTYING_S - 1
+    assert emptier.lift(every=False) == 0
+    now[0] += 1
+    assert emptier.lift(every=False) == 2
+    assert emptying_taints(api, "n1") == emptying_taints(api, "n2") == []
+
+
+@pytest.mark.parametrize(("owner", "evicts"), [("rs-1", False), ("rs-2", True)])
+def test_no_room_is_made_by_evicting_the_pending_pods_own_replicaset_siblings(h100_slices, replicas, owner, evicts):
+    """A ReplicaSet's pod evicted for its sibling is made again and waits in turn: moving it would
+    only go round."""
+    api = fake_cluster(h100_slices)
+    fragmented(api)  # the movable shares are ReplicaSet rs-1's
+    pending_gpu(api)
+    pod = api.store["pods"]["ml/train-pod"]
+    pod["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": owner, "controller": True}]
+    replicas(api, evictions_per_minute=10).run_pass()
+    assert bool(api.evicted) is evicts

@@ -49,6 +49,7 @@ def test_flags_and_environment_reach_the_settings(monkeypatch):
     got = settings("--make-room", "--preempt-across-namespaces", "--health-port=8081", "--stalled-after=60")
     assert (got.preempt_across_namespaces, got.health_port, got.stall_s) == (True, 8081, 60.0)
     assert settings("--place-pods").place_pods and not got.place_pods
+    assert settings("--make-room", "--compact-when-idle", "--empty-nodes").empty_nodes and not got.empty_nodes
 
 
 def test_settings_that_do_not_go_together_name_their_flags():
@@ -56,5 +57,7 @@ def test_settings_that_do_not_go_together_name_their_flags():
         settings("--leader-elect-retry-period=20")
     with pytest.raises(SettingsError, match=r"^--compact-when-idle moves pods as making room does"):
         settings("--compact-when-idle")
+    with pytest.raises(SettingsError, match=r"^--empty-nodes is a way of compacting: give --compact-when-idle"):
+        settings("--make-room", "--empty-nodes")
     with pytest.raises(SettingsError, match=r"^--preempt-across-namespaces widens making room"):
         settings("--preempt-across-namespaces")
