@@ -19,10 +19,15 @@ round (Karpenter's batch, at most 5 s) and that start are taken off.
 
   python -m bench.autoscaling --pods 500 --day-s 300            # the medium form
   python -m bench.autoscaling --pods 500 --day-s 300 --lifetimes  # claims say their run time
+  python -m bench.autoscaling --pods 500 --day-s 300 --empty-nodes  # the controller empties nodes
   python -m bench.autoscaling --pods 40 --day-s 30 --json out.json --markdown out.md
 
 Pods carry karpenter.sh/do-not-disrupt (a GPU job is not restarted to pack nodes): Karpenter only
-removes nodes that empty. Karpenter runs with --share-counters-once (docs/autoscaling.md: v1.15.0
+removes nodes that empty. With --empty-nodes the controller path's share pods are movable
+inference replicas (each a ReplicaSet of one, annotated gpu.fgpu.dev/movable, deleted its run time
+after its first pod Running) and the controller runs with --make-room --compact-when-idle
+--empty-nodes: it moves them off nodes it can empty (docs/autoscaling.md), and each pod made again
+counts as a move. Karpenter runs with --share-counters-once (docs/autoscaling.md: v1.15.0
 charges a shared device's counters per share)."""
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from bench.fleet import start_controller, start_fleet
 from driver.allocator.lifetimes import EXPECTED_DURATION
 from driver.fleet.machine_types import MachineType, machine_inventory
 from driver.inventory.slices import build_slices
-from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
+from driver.scheduling.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
 from testbed.cluster.harness import stop_process
 from testbed.cluster.karpenter_manager import DGX_H100, InstanceType, KarpenterManager, NodePool
 from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
@@ -73,6 +78,8 @@ DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
 PODS_NOT_RUNNING_S = 300  # after the last arrival and the longest run: pods still waiting are reported
 DRAIN_S = 240  # after the day: how long the nodes may take to go
 COLUMNS = ("t_s", "existing", "used", "bound", "packed", "bound_alive", "pending")
+ARRIVAL_LABEL = "bench.fgpu.dev/arrival"  # on every pod: the arrival it is (a ReplicaSet's pods have other names)
+EVICTIONS_PER_MINUTE = 60  # the controller's budget with --empty-nodes: a node's shares within a minute
 ROUND_S = 5.0  # a provisioning round: Karpenter's --batch-max-duration as karpenter_manager.py sets it
 
 
@@ -179,6 +186,8 @@ class Observed:
     pod_running: dict[str, float] = field(default_factory=dict)
     pod_node: dict[str, str] = field(default_factory=dict)
     pod_deleted: dict[str, float] = field(default_factory=dict)
+    where: dict[str, tuple[str, str]] = field(default_factory=dict)  # arrival -> its pod Running now, its node
+    pods_run: dict[str, set[str]] = field(default_factory=dict)  # arrival -> the pods of it that ran
     node_added: dict[str, float] = field(default_factory=dict)
     node_removed: dict[str, float] = field(default_factory=dict)
     node_published: dict[str, float] = field(default_factory=dict)
@@ -189,11 +198,21 @@ class Observed:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_pod(self, kind: str, obj: dict[str, Any]) -> None:
-        name, now = obj["metadata"]["name"], time.monotonic()
+        """An arrival runs from its first pod Running (wait, first node); where it runs now follows
+        its pods as they are moved (evicted and made again) and end."""
+        meta, now = obj["metadata"], time.monotonic()
+        pod = meta["name"]
+        name = (meta.get("labels") or {}).get(ARRIVAL_LABEL, pod)
         node, phase = (obj.get("spec") or {}).get("nodeName"), (obj.get("status") or {}).get("phase")
         with self.lock:
-            if kind != "DELETED" and node and phase == "Running" and name not in self.pod_running:
-                self.pod_running[name], self.pod_node[name] = now, node
+            if kind == "DELETED" or meta.get("deletionTimestamp") or phase in ("Succeeded", "Failed"):
+                if self.where.get(name, ("",))[0] == pod:
+                    del self.where[name]
+            elif node and phase == "Running":
+                self.pod_running.setdefault(name, now)
+                self.pod_node.setdefault(name, node)
+                self.where[name] = (pod, node)
+                self.pods_run.setdefault(name, set()).add(pod)
 
     def on_claim(self, kind: str, obj: dict[str, Any]) -> None:
         if kind == "DELETED" or not (obj.get("status") or {}).get("allocation"):
@@ -286,7 +305,7 @@ def templates(
     return out, of_pod
 
 
-def pod_body(arrival: Arrival, template: str, gated: bool) -> dict[str, Any]:
+def pod_body(arrival: Arrival, template: str, gated: bool, movable: bool = False) -> dict[str, Any]:
     resources = {"claims": [{"name": "gpu"}], "requests": {"cpu": "1", "memory": "4Gi"}}
     spec: dict[str, Any] = {
         **ON_FLEET_NODES,
@@ -296,8 +315,17 @@ def pod_body(arrival: Arrival, template: str, gated: bool) -> dict[str, Any]:
     }
     if gated:
         spec["schedulingGates"] = [{"name": SCHEDULING_GATE}]
-    metadata = {"name": arrival.name, "annotations": {DO_NOT_DISRUPT: "true"}}
+    annotations = {DO_NOT_DISRUPT: "true", **({MOVABLE_ANNOTATION: "true"} if movable else {})}
+    metadata = {"name": arrival.name, "labels": {ARRIVAL_LABEL: arrival.name}, "annotations": annotations}
     return {"metadata": metadata, "spec": spec}
+
+
+def replica_set_body(arrival: Arrival, template: str, gated: bool) -> dict[str, Any]:
+    """A movable replica: a ReplicaSet of one pod, made again wherever it is evicted."""
+    pod = pod_body(arrival, template, gated, movable=True)
+    del pod["metadata"]["name"]
+    selector = {"matchLabels": {ARRIVAL_LABEL: arrival.name}}
+    return {"metadata": {"name": arrival.name}, "spec": {"replicas": 1, "selector": selector, "template": pod}}
 
 
 def run_day(
@@ -307,7 +335,9 @@ def run_day(
     sampled every second; then the nodes' drain."""
     client = cluster.api_client()
     core, resource = kubernetes.client.CoreV1Api(client), kubernetes.client.ResourceV1Api(client)
+    apps = kubernetes.client.AppsV1Api(client)
     opt_in = label == "fgpu-controller"
+    movable = {a.name for a in trace if opt_in and args.empty_nodes and not a.shape.gpus}
     namespace = f"day-{label}"
     core.create_namespace({"metadata": {"name": namespace}})
     wait_until(lambda: bool(core.list_namespaced_service_account(namespace).items), 60, "default service account")
@@ -332,20 +362,29 @@ def run_day(
 
     def create(arrival: Arrival) -> None:
         observed.pod_created[arrival.name] = time.monotonic()
-        core.create_namespaced_pod(
-            namespace, pod_body(arrival, template_of[arrival.name], gated=opt_in), _preload_content=False
-        )
+        template = template_of[arrival.name]
+        if arrival.name in movable:
+            body = replica_set_body(arrival, template, gated=opt_in)
+            apps.create_namespaced_replica_set(namespace, body, _preload_content=False)
+        else:
+            core.create_namespaced_pod(namespace, pod_body(arrival, template, gated=opt_in), _preload_content=False)
 
     def delete(name: str) -> None:
         observed.pod_deleted[name] = time.monotonic()
         with contextlib.suppress(kubernetes.client.ApiException):
-            core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
+            if name in movable:  # the ReplicaSet, then its pod at once (not when the garbage collector comes)
+                apps.delete_namespaced_replica_set(name, namespace, _preload_content=False)
+                core.delete_collection_namespaced_pod(
+                    namespace, label_selector=f"{ARRIVAL_LABEL}={name}", grace_period_seconds=0
+                )
+            else:
+                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
 
     def sample() -> None:
         with observed.lock:
             alive = [n for n in observed.pod_created if n not in observed.pod_deleted]
-            running = [n for n in alive if n in observed.pod_running]
-            used = {observed.pod_node[n] for n in running}
+            running = [n for n in alive if n in observed.where]
+            used = {observed.where[n][1] for n in running}
             existing = set(observed.node_added) - set(observed.node_removed)
         shapes = [by_name[n].shape for n in running]
         samples.append([
@@ -381,6 +420,8 @@ def run_day(
         not_run = [a.name for a in trace if a.name not in observed.pod_running]
         said = unbound_summary(core, namespace) if not_run else None  # what the scheduler said of one
         if not_run:
+            if movable:
+                apps.delete_collection_namespaced_replica_set(namespace)
             delete_pods(core, namespace)
         drained = day_end + DRAIN_S
         while observed.existing_nodes() and time.monotonic() < drained:
@@ -458,6 +499,7 @@ def summarize(
         "pods_beyond_round_and_start": sum(1 for b in beyond if b > 0),
         "beyond_round_and_start_p99_s": p(beyond, 0.99),
         "claims_allocated_by": _counts(observed.claim_allocator.values()),
+        "pods_moved": sum(len(pods) - 1 for pods in observed.pods_run.values()),
         "nodes_added": nodes_added,
         "nodes_removed": len(observed.node_removed),
         "nodes_removed_after_day": removed_after_day,
@@ -508,7 +550,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "pods": args.pods, "day_s": args.day_s, "seed": args.seed, "shapes": shapes,
-        "policy": args.policy, "lifetimes": args.lifetimes, "cores": os.cpu_count(),
+        "policy": args.policy, "lifetimes": args.lifetimes, "empty_nodes": args.empty_nodes, "cores": os.cpu_count(),
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fgpu-autoscaling-") as workdir:
@@ -529,7 +571,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["scheduler"] = run_day(cluster, "kube-scheduler", trace, args, per_node)
             print(json.dumps({k: v for k, v in result["scheduler"].items() if k != "series"}), flush=True)
             _no_nodes_left(karpenter)
-            controller, _ = start_controller(cluster.kubeconfig, work / "controller.log", f"--policy={args.policy}")
+            flags = [f"--policy={args.policy}"]
+            if args.empty_nodes:
+                flags += ["--make-room", f"--evictions-per-minute={EVICTIONS_PER_MINUTE}", "--compact-when-idle",
+                          "--empty-nodes"]  # fmt: skip
+            controller, _ = start_controller(cluster.kubeconfig, work / "controller.log", *flags)
             processes.append(controller)
             result["controller"] = run_day(cluster, "fgpu-controller", trace, args, per_node)
             print(json.dumps({k: v for k, v in result["controller"].items() if k != "series"}), flush=True)
@@ -565,6 +611,7 @@ ROWS = (
     ("node start (created -> Ready, untainted, slices published) p50 / p99 (s)",
      lambda r: f"{r['node_start_p50_s']} / {r['node_start_p99_s']}"),
     ("pods waiting longer than a round and their node's start", lambda r: str(r["pods_beyond_round_and_start"])),
+    ("pods moved (evicted, made again and Running)", lambda r: str(r.get("pods_moved", 0))),
     ("claims allocated by", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["claims_allocated_by"].items()))),
     ("nodes added / removed / removed after the day / left", lambda r:
      f"{r['nodes_added']} / {r['nodes_removed']} / {r['nodes_removed_after_day']} / {r['nodes_left']}"),
@@ -600,6 +647,11 @@ def main() -> None:
         "--lifetimes",
         action="store_true",
         help="the controller's claims say their pod's run time (gpu.fgpu.dev/expected-duration)",
+    )
+    parser.add_argument(
+        "--empty-nodes",
+        action="store_true",
+        help="the controller's share pods are movable replicas and it empties nodes for Karpenter (--empty-nodes)",
     )
     parser.add_argument("--json", type=Path, help="write the whole result (with the series) here")
     parser.add_argument("--markdown", type=Path, help="write the table here")

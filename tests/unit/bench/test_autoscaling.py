@@ -7,19 +7,23 @@ import math
 import random
 
 from bench.autoscaling import (
+    ARRIVAL_LABEL,
     GPUS_PER_NODE,
     ROWS,
     SHARE_SIZES_GI,
+    Observed,
     Shape,
     busy_over_bound,
     day_trace,
     lower_bound,
     markdown,
     packed,
+    pod_body,
+    replica_set_body,
     templates,
 )
 from driver.allocator.lifetimes import EXPECTED_DURATION
-from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
+from driver.scheduling.opt_in import MOVABLE_ANNOTATION, OPT_IN_LABEL, OPT_IN_VALUE
 
 
 def test_the_day_is_seeded_sorted_and_busier_at_its_peaks_than_at_night():
@@ -102,3 +106,34 @@ def test_busy_counts_only_the_samples_near_the_peak():
     rows = [[0, 1, 1, 1, 1], [1, 11, 10, 10, 10], [2, 12, 11, 8, 8], [3, 5, 4, 1, 1]]
     assert busy_over_bound(rows) == {"existing": 27.8, "used": 16.7}
     assert busy_over_bound([]) == {"existing": None, "used": None}
+
+
+def _arrival_pod(name: str, node: str, phase: str = "Running", **meta: str) -> dict:
+    metadata = {"name": name, "labels": {ARRIVAL_LABEL: "p0001"}, **meta}
+    return {"metadata": metadata, "spec": {"nodeName": node}, "status": {"phase": phase}}
+
+
+def test_an_arrival_runs_from_its_first_pod_and_follows_its_pods_as_they_move():
+    observed = Observed()
+    observed.on_pod("MODIFIED", _arrival_pod("p0001-a", "n1"))
+    first = observed.pod_running["p0001"]
+    observed.on_pod("MODIFIED", _arrival_pod("p0001-a", "n1", deletionTimestamp="2026-12-05T00:00:00Z"))  # evicted
+    assert "p0001" not in observed.where
+    observed.on_pod("ADDED", _arrival_pod("p0001-b", "n2", phase="Pending"))
+    assert "p0001" not in observed.where
+    observed.on_pod("MODIFIED", _arrival_pod("p0001-b", "n2"))
+    observed.on_pod("DELETED", _arrival_pod("p0001-a", "n1"))  # the old pod's end, seen late, moves nothing
+    assert observed.where["p0001"] == ("p0001-b", "n2")
+    assert (observed.pod_running["p0001"], observed.pod_node["p0001"]) == (first, "n1")  # its wait, its first node
+    assert observed.pods_run["p0001"] == {"p0001-a", "p0001-b"}  # one move
+
+
+def test_a_movable_replica_is_a_replica_set_of_one_pod_the_controller_may_move():
+    arrival = day_trace(1, 10, seed=1)[0]
+    body = replica_set_body(arrival, "mps10", gated=True)
+    template = body["spec"]["template"]
+    assert body["metadata"]["name"] == arrival.name and body["spec"]["replicas"] == 1
+    assert template["metadata"]["labels"] == body["spec"]["selector"]["matchLabels"] == {ARRIVAL_LABEL: arrival.name}
+    assert template["metadata"]["annotations"][MOVABLE_ANNOTATION] == "true"
+    assert "name" not in template["metadata"] and template["spec"]["schedulingGates"]
+    assert MOVABLE_ANNOTATION not in pod_body(arrival, "mps10", gated=True)["metadata"]["annotations"]
