@@ -412,8 +412,43 @@ def test_a_gang_of_four_8_gpu_pods_gets_four_h100_nodes_and_none_runs_before_all
     controller places the gang and lifts the gates. The pool allows exactly the gang's nodes: a
     Karpenter round that began before the controller wrote the allocations sometimes plans new
     nodes for members already placed (1 run in 4 launched 6; docs/autoscaling.md)."""
-    names = [f"karpenter-gang-{i}" for i in range(GANG)]
     gang = {OPT_IN_LABEL: OPT_IN_VALUE, GANG_LABEL: "karpenter", GANG_SIZE_LABEL: str(GANG)}
+    _gang_on_four_new_nodes(cluster, core_api, resource_api, tmp_path, "karpenter-gang", gang, None)
+
+
+def test_a_podgroup_gang_of_four_8_gpu_pods_gets_four_h100_nodes_and_none_runs_before_all_are_placed(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """The same gang as an upstream PodGroup (scheduling.k8s.io/v1beta1, gang policy minCount 4)
+    whose pods name it: the controller reads the group as its gang, Karpenter adds the nodes, and
+    kube-scheduler binds the members once all are placed."""
+    scheduling = kubernetes.client.SchedulingV1beta1Api(cluster.api_client())
+    group = "karpenter-podgroup"
+    scheduling.create_namespaced_pod_group("default", {
+        "apiVersion": "scheduling.k8s.io/v1beta1",
+        "kind": "PodGroup",
+        "metadata": {"name": group, "labels": {"test": "karpenter"}},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": GANG}}},
+    })  # fmt: skip
+    try:
+        _gang_on_four_new_nodes(cluster, core_api, resource_api, tmp_path, group, {OPT_IN_LABEL: OPT_IN_VALUE}, group)
+    finally:
+        scheduling.delete_namespaced_pod_group(group, "default")
+
+
+def _gang_on_four_new_nodes(
+    cluster: Cluster,
+    core_api,
+    resource_api,
+    tmp_path: Path,
+    prefix: str,
+    claim_labels: dict[str, str],
+    pod_group: str | None,
+) -> None:
+    """4 gated pods of 8 GPUs each, with opt-in claims (`claim_labels`) and in `pod_group` if
+    given, on a pool of exactly 4 DGX H100 nodes: every member marked unschedulable by fgpu, all
+    claims allocated when the first member is bound, 4 nodes, kube-scheduler allocating none."""
+    names = [f"{prefix}-{i}" for i in range(GANG)]
     h100_pool = dataclasses.replace(H100_POOL, max_nodes=GANG)
     with _karpenter(cluster, tmp_path, h100_pool=h100_pool) as karpenter, \
             running_controller(cluster.kubeconfig, "--lease-namespace=default"), \
@@ -421,11 +456,14 @@ def test_a_gang_of_four_8_gpu_pods_gets_four_h100_nodes_and_none_runs_before_all
         started = time.monotonic()
         for name in names:
             resource_api.create_namespaced_resource_claim(
-                "default", _claim(name, _request("gpu.fgpu.dev", count=GANG_GPUS), gang)
+                "default", _claim(name, _request("gpu.fgpu.dev", count=GANG_GPUS), claim_labels)
             )
-            core_api.create_namespaced_pod("default", _pod(name, {"resourceClaimName": name}, gated=True))
+            pod = _pod(name, {"resourceClaimName": name}, gated=True)
+            if pod_group is not None:
+                pod["spec"]["schedulingGroup"] = {"podGroupName": pod_group}
+            core_api.create_namespaced_pod("default", pod)
         placed = _all_running(karpenter, core_api, resource_api, names)
-        print(f"a gang of {GANG} x {GANG_GPUS} GPUs: Running after {time.monotonic() - started:.1f}s")
+        print(f"a gang ({prefix}) of {GANG} x {GANG_GPUS} GPUs: Running after {time.monotonic() - started:.1f}s")
         assert seen.error is None
         assert seen.marked == set(names)  # what Karpenter added the nodes for
         assert seen.allocated_at_first_binding == GANG
