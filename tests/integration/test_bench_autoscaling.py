@@ -30,8 +30,10 @@ def test_a_short_day_runs_every_pod_on_nodes_karpenter_adds_and_removes(tmp_path
         day = result[key]
         assert day["path"] == path
         assert day["pods_run"] == PODS and day["pods_not_run"] == 0, day["pods_not_run_said"]
-        # A moved share's pod is made again with a claim of its own: the controller places that too.
-        assert sum(day["claims_allocated_by"].values()) == PODS + day["pods_moved"]
+        # A moved share's pod is made again with a claim of its own, which the controller places too
+        # (a pod moved before it ran is no move, but its claim was allocated: hence at least).
+        allocated = sum(day["claims_allocated_by"].values())
+        assert allocated >= PODS + day["pods_moved"] if key == "controller" else allocated == PODS
         assert key == "controller" or day["pods_moved"] == 0
         # Each path's claims are allocated by it alone: kube-scheduler never writes an opt-in one.
         by_scheduler = day["claims_allocated_by"].get("kube-scheduler", 0)
