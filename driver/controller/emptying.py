@@ -26,6 +26,7 @@ from driver.controller.clock import WallClock, monotonic
 from driver.controller.fit import live_pods
 from driver.kube.errors import KubeError
 from driver.kube.informer import Informer
+from driver.scheduling.opt_in import daemonset_pod
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]
@@ -39,11 +40,6 @@ def taints_of(node: JsonObject) -> list[JsonObject]:
 
 def is_emptying(node: JsonObject) -> bool:
     return any(t.get("key") == EMPTYING_TAINT for t in taints_of(node))
-
-
-def _daemonset_pod(pod: JsonObject) -> bool:
-    refs = pod["metadata"].get("ownerReferences") or ()
-    return any(ref.get("controller") and ref.get("kind") == "DaemonSet" for ref in refs)
 
 
 class NodeEmptier:
@@ -66,7 +62,7 @@ class NodeEmptier:
                 continue
             if pod["metadata"].get("uid") in movable:
                 found.add(node)
-            elif not _daemonset_pod(pod):
+            elif not daemonset_pod(pod):
                 kept.add(node)
         emptying = {n["metadata"]["name"] for n in self._nodes.items() if is_emptying(n)}
         return found - kept - emptying

@@ -100,7 +100,7 @@ def candidates(
         in_reach = within is None or claim["metadata"].get("namespace") == within
         preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
-        takeable = takeable and not _in_gang(claim, pods) and not owners(pods) & siblings_of
+        takeable = takeable and not _in_gang(claim, pods) and not (siblings_of and owners(pods) & siblings_of)
         if not (takeable or held_too):
             continue
         try:

@@ -105,6 +105,12 @@ def places_pods(namespace: dict[str, Any]) -> bool:
     return labels.get(PLACE_PODS_LABEL) == PLACE_PODS_VALUE
 
 
+def daemonset_pod(pod: dict[str, Any]) -> bool:
+    """Whether a DaemonSet owns the pod (it runs on its node whatever is placed there)."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or ()
+    return any(isinstance(r, dict) and r.get("kind") == "DaemonSet" for r in refs)
+
+
 def placement_exempt(pod: dict[str, Any]) -> str | None:
     """Why a pod without claims is never placed by the controller, even in an opted-in namespace
     (None: it may be): it is bound already, a DaemonSet's (pinned to its node by the DaemonSet
@@ -112,7 +118,7 @@ def placement_exempt(pod: dict[str, Any]) -> str | None:
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     if spec.get("nodeName"):
         return "spec.nodeName is set"
-    if any(isinstance(r, dict) and r.get("kind") == "DaemonSet" for r in meta.get("ownerReferences") or ()):
+    if daemonset_pod(pod):
         return "a DaemonSet's pod"
     if meta.get("namespace") == SYSTEM_NAMESPACE:
         return f"in {SYSTEM_NAMESPACE}"
