@@ -1,8 +1,9 @@
 """Karpenter (its kwok provider, DRA on) scales kwok nodes whose GPUs fgpu publishes: a pending pod
 with a GPU claim makes it add a node of a type whose template (`fgpu slice-template --format
 karpenter`) has a device for it; `fgpu simulate-fleet` publishes the node's slices; kube-scheduler
-allocates and binds (fgpu's controller only for the gang); kwok runs the pod. An emptied node is
-consolidated away."""
+allocates and binds, or fgpu's controller allocates the opt-in claims of gated pods (the MIG and
+firstAvailable scenarios both ways, the gangs and node emptying) and kube-scheduler binds; kwok runs
+the pod. An emptied node is consolidated away."""
 
 from __future__ import annotations
 
@@ -163,18 +164,48 @@ def _pod(name: str, claim: dict[str, str], gated: bool = False) -> dict[str, Any
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
-def _claimed_pod(core_api, resource_api, name: str, request: dict[str, Any]) -> None:
-    """A claim with this request and a pod using it, both named `name`."""
-    resource_api.create_namespaced_resource_claim("default", _claim(name, request))
-    core_api.create_namespaced_pod("default", _pod(name, {"resourceClaimName": name}))
+@dataclasses.dataclass(frozen=True)
+class _Allocator:
+    """Who allocates the test's claims: kube-scheduler, or fgpu's controller (opt-in claims of gated
+    pods, a controller process for the test's duration)."""
+
+    controller: bool
+
+    def claim_labels(self) -> dict[str, str]:
+        return {OPT_IN_LABEL: OPT_IN_VALUE} if self.controller else {}
+
+    @contextlib.contextmanager
+    def running(self, cluster: Cluster) -> Iterator[None]:
+        if not self.controller:
+            yield
+            return
+        with running_controller(cluster.kubeconfig, "--lease-namespace=default"):
+            yield
 
 
-def _placed(karpenter: KarpenterManager, core_api, resource_api, name: str) -> tuple[str, list[Any]]:
+KUBE_SCHEDULER = _Allocator(controller=False)
+BOTH_ALLOCATORS = pytest.mark.parametrize(
+    "allocator", [KUBE_SCHEDULER, _Allocator(controller=True)], ids=["kube-scheduler", "fgpu-controller"]
+)
+
+
+def _claimed_pod(
+    core_api, resource_api, name: str, request: dict[str, Any], allocator: _Allocator = KUBE_SCHEDULER
+) -> None:
+    """A claim with this request and a pod using it, both named `name`, for `allocator`."""
+    resource_api.create_namespaced_resource_claim("default", _claim(name, request, allocator.claim_labels()))
+    core_api.create_namespaced_pod("default", _pod(name, {"resourceClaimName": name}, gated=allocator.controller))
+
+
+def _placed(
+    karpenter: KarpenterManager, core_api, resource_api, name: str, allocator: _Allocator = KUBE_SCHEDULER
+) -> tuple[str, list[Any]]:
     """Once the pod of `_claimed_pod` runs: its node's instance type, and its claim's results (all
-    on that node)."""
+    on that node, allocated by `allocator`)."""
     node = _all_running(karpenter, core_api, resource_api, [name])[name]
     results = resource_api.read_namespaced_resource_claim(name, "default").status.allocation.devices.results
     assert {result.pool for result in results} == {node}
+    assert by_kube_scheduler(resource_api, name) != allocator.controller
     return core_api.read_node(node).metadata.labels[INSTANCE_TYPE_LABEL], results
 
 
@@ -271,14 +302,16 @@ def test_an_l4_share_gets_an_l4_node_with_its_offer(
         assert kinds == {"gpu", "mps"}  # the offer, not the publisher's default
 
 
+@BOTH_ALLOCATORS
 def test_a_mig_1g_pod_gets_a_mig_capable_node_not_the_cheaper_l4(
-    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path, allocator: _Allocator
 ) -> None:
     """Karpenter launches the cheapest type that fits: the L4 type (a 25th of the price) would win if
     it did not simulate the MIG request on the templates, where only the DGX H100 has 1g.10gb."""
-    with _karpenter(cluster, tmp_path) as karpenter:
-        _claimed_pod(core_api, resource_api, "karpenter-mig", _request("mig.gpu.fgpu.dev", selector=MIG_1G))
-        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-mig")
+    with _karpenter(cluster, tmp_path) as karpenter, allocator.running(cluster):
+        mig = _request("mig.gpu.fgpu.dev", selector=MIG_1G)
+        _claimed_pod(core_api, resource_api, "karpenter-mig", mig, allocator)
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-mig", allocator)
         assert instance_type == "dgx-h100"
         assert "-mig-1g10gb-" in result.device
         assert [c["metadata"]["labels"][INSTANCE_TYPE_LABEL] for c in karpenter.node_claims()] == ["dgx-h100"]
@@ -290,23 +323,24 @@ H100_ELSE_L4 = _first_available({
 })  # fmt: skip
 
 
+@BOTH_ALLOCATORS
 def test_a_first_available_claim_gets_an_l4_node_when_the_h100_pool_is_at_its_limit(
-    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path, allocator: _Allocator
 ) -> None:
     """The H100 pool allows one node. Karpenter does not take a firstAvailable claim's order as a
     preference between node types (it tries NodePools by weight, then by name in reverse: the L4
     pool first), so the H100 pool carries the preference as its weight. The first claim gets an
     H100 node, a 7-GPU pod fills it, the next claim falls back to an L4 node."""
     h100_pool = dataclasses.replace(H100_POOL, max_nodes=1, weight=10)
-    with _karpenter(cluster, tmp_path, h100_pool=h100_pool) as karpenter:
-        _claimed_pod(core_api, resource_api, "karpenter-first", H100_ELSE_L4)
-        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-first")
+    with _karpenter(cluster, tmp_path, h100_pool=h100_pool) as karpenter, allocator.running(cluster):
+        _claimed_pod(core_api, resource_api, "karpenter-first", H100_ELSE_L4, allocator)
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-first", allocator)
         assert (instance_type, result.request) == ("dgx-h100", "gpu/h100")
-        _claimed_pod(core_api, resource_api, "karpenter-rest", _request("gpu.fgpu.dev", count=7))
-        assert _placed(karpenter, core_api, resource_api, "karpenter-rest")[1][0].pool == result.pool
+        _claimed_pod(core_api, resource_api, "karpenter-rest", _request("gpu.fgpu.dev", count=7), allocator)
+        assert _placed(karpenter, core_api, resource_api, "karpenter-rest", allocator)[1][0].pool == result.pool
 
-        _claimed_pod(core_api, resource_api, "karpenter-fallback", H100_ELSE_L4)
-        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-fallback")
+        _claimed_pod(core_api, resource_api, "karpenter-fallback", H100_ELSE_L4, allocator)
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-fallback", allocator)
         assert (instance_type, result.request) == ("l4x4", "gpu/l4")
         assert len(karpenter.node_claims("dgx-h100")) == 1
 
