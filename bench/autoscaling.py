@@ -450,6 +450,7 @@ def summarize(
     day_end: float,
 ) -> dict[str, Any]:
     waits, waits_new, waits_old, node_start, provisioning, beyond = [], [], [], [], [], []
+    late: list[dict[str, Any]] = []  # the pods beyond a round and their node's start: which, and where the time went
     for arrival in trace:
         created, running = observed.pod_created.get(arrival.name), observed.pod_running.get(arrival.name)
         if created is None or running is None:
@@ -465,6 +466,9 @@ def summarize(
             node_start.append(started)
             provisioning.append(added - created)
             beyond.append(wait - ROUND_S - started)
+            if beyond[-1] > 0:
+                late.append({"arrival": arrival.name, "shape": arrival.shape.key, "wait_s": round(wait, 2),
+                             "to_node_created_s": round(added - created, 2), "node_start_s": round(started, 2)})  # fmt: skip
         else:
             waits_old.append(wait)
     nodes_added = len(observed.node_added)
@@ -498,6 +502,7 @@ def summarize(
         "node_start_p99_s": p(node_start, 0.99),
         "pods_beyond_round_and_start": sum(1 for b in beyond if b > 0),
         "beyond_round_and_start_p99_s": p(beyond, 0.99),
+        "beyond_round_and_start": late,
         "claims_allocated_by": _counts(observed.claim_allocator.values()),
         "pods_moved": sum(len(pods) - 1 for pods in observed.pods_run.values()),
         "nodes_added": nodes_added,

@@ -9,7 +9,9 @@ unless the controller is told to preempt across namespaces (making_room.py says 
 of a higher priority than the pending pod are not moved for it. A member of a gang (our labels, a
 PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
 gang, and whole gangs are not moved yet. Nor is a pod owned by the same controller as the pending
-pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn."""
+pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn. Nor a pod that is
+not yet Running on its claim's node: moved before it starts, it only waits again, and its node (about
+to run it) is not one to empty."""
 
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ def movable(pod: JsonObject) -> bool:
     meta = pod["metadata"]
     annotated = (meta.get("annotations") or {}).get(MOVABLE_ANNOTATION) == "true"
     return annotated and any(ref.get("controller") for ref in meta.get("ownerReferences") or ())
+
+
+def _running_on(pod: JsonObject, node: str) -> bool:
+    """Bound to `node` and Running there."""
+    return (pod.get("spec") or {}).get("nodeName") == node and (pod.get("status") or {}).get("phase") == "Running"
 
 
 def owners(pods: Iterable[JsonObject]) -> set[str]:
@@ -81,8 +88,9 @@ def candidates(
     within: str | None = None,
     siblings_of: AbstractSet[str] = frozenset(),
 ) -> list[Candidate]:
-    """The allocated claims the planner may take from: those whose pods are all movable and not
-    of a higher priority than the pending pod, or, with `preempt`, of a lower priority (with
+    """The allocated claims the planner may take from: those whose pods are all movable, Running
+    on the claim's node and not of a higher priority than the pending pod, or, with `preempt`, of a
+    lower priority (with
     `within`, only in that namespace). Claims in `spared` (uids: an eviction of theirs was refused
     lately), claims whose pods have an owner in `siblings_of` (the pending pods' controllers: a
     ReplicaSet's pod evicted for its sibling is only made again, and waits in turn), claims no pod
@@ -96,7 +104,7 @@ def candidates(
         if not node or claim["metadata"].get("deletionTimestamp"):
             continue
         top = max((priority(p) for p in pods), default=0)
-        is_movable = bool(pods) and all(movable(p) for p in pods) and top <= pending_priority
+        is_movable = bool(pods) and all(movable(p) and _running_on(p, node) for p in pods) and top <= pending_priority
         in_reach = within is None or claim["metadata"].get("namespace") == within
         preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared

@@ -8,6 +8,7 @@ import random
 
 from bench.autoscaling import (
     ARRIVAL_LABEL,
+    Arrival,
     GPUS_PER_NODE,
     ROWS,
     SHARE_SIZES_GI,
@@ -20,6 +21,7 @@ from bench.autoscaling import (
     packed,
     pod_body,
     replica_set_body,
+    summarize,
     templates,
 )
 from driver.allocator.lifetimes import EXPECTED_DURATION
@@ -137,3 +139,20 @@ def test_a_movable_replica_is_a_replica_set_of_one_pod_the_controller_may_move()
     assert template["metadata"]["annotations"][MOVABLE_ANNOTATION] == "true"
     assert "name" not in template["metadata"] and template["spec"]["schedulingGates"]
     assert MOVABLE_ANNOTATION not in pod_body(arrival, "mps10", gated=True)["metadata"]["annotations"]
+
+
+def test_a_pod_beyond_a_round_and_its_node_start_is_named_with_where_its_wait_went():
+    fast, slow = Arrival("p0001", 0.0, 10.0, Shape(gpus=1)), Arrival("p0002", 0.0, 10.0, Shape(memory_gi=10))
+    observed = Observed(
+        pod_created={"p0001": 100.0, "p0002": 100.0},
+        pod_running={"p0001": 103.0, "p0002": 109.0},
+        pod_node={"p0001": "n1", "p0002": "n2"},
+        node_added={"n1": 101.0, "n2": 102.5},
+        node_usable={"n1": 102.0, "n2": 103.5},
+        node_published={"n1": 102.0, "n2": 103.5},
+    )
+    day = summarize("fgpu-controller", [fast, slow], observed, [], start=100.0, day_end=120.0)
+    assert day["pods_beyond_round_and_start"] == 1  # 9 s against 5 s and a 1 s start
+    assert day["beyond_round_and_start"] == [
+        {"arrival": "p0002", "shape": "mps10", "wait_s": 9.0, "to_node_created_s": 2.5, "node_start_s": 1.0}
+    ]

@@ -154,7 +154,8 @@ def test_making_room_never_takes_a_gang_member_alone(framework):
         annotations = {**annotations, "gpu.fgpu.dev/movable": "true"}
         owner = [{"kind": "ReplicaSet", "name": "x", "uid": "u", "controller": True}]
         pod = {"metadata": {"name": name, "namespace": "ml", "uid": name, "labels": labels,
-                            "annotations": annotations, "ownerReferences": owner}, "spec": {}}  # fmt: skip
+                            "annotations": annotations, "ownerReferences": owner},
+               "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}}  # fmt: skip
         claim = opt_in_claim(f"{name}-gpu", 1)
         claim["metadata"]["uid"] = f"{name}-gpu"
         request = {"request": "r", "driver": "gpu.fgpu.dev", "pool": "n1", "device": "gpu-0"}

@@ -371,19 +371,31 @@ def test_without_empty_nodes_compaction_only_empties_gpus(h100_slices, replicas)
     assert all(events_of(api, p, "Compacted") for p in api.evicted)
 
 
-@pytest.mark.parametrize("keeps", ["a pod without claims", "a share that may not move"])
+@pytest.mark.parametrize(
+    "keeps", ["a pod without claims", "a share that may not move", "a movable share not yet Running",
+              "a movable share not yet bound"]
+)  # fmt: skip
 def test_a_node_running_anything_else_is_not_emptied(h100_slices, replicas, keeps):
+    """Nor is a node about to run a movable share (its claim allocated there, its pod not yet
+    Running): moved before it starts, the pod only waits again."""
     api = fake_cluster(h100_slices, nodes=2)
     one_node_to_empty(api)
     if keeps == "a pod without claims":
         api.put("pods", {"metadata": {"name": "web", "namespace": "ml"}, "spec": {"nodeName": "n2"},
                          "status": {"phase": "Running"}})  # fmt: skip
     else:
-        api.put("claims", held("pinned", "gpu-5-mps", node="n2"))
-        api.put("pods", running("pinned", "pinned", node="n2"))
+        api.put("claims", held("young", "gpu-5-mps", node="n2"))
+        api.put("pods", running("young", "young", movable=keeps != "a share that may not move", node="n2"))
+        pod = api.store["pods"]["ml/young"]
+        if keeps == "a movable share not yet Running":
+            pod["status"]["phase"] = "Pending"
+        elif keeps == "a movable share not yet bound":
+            pod["spec"].pop("nodeName")
+            pod["status"]["phase"] = "Pending"
     replicas(api, evictions_per_minute=10, compact=True, empty_nodes=True).run_pass()
     assert api.taint_writes == 0  # GPU compaction may still move the shares
     assert all(events_of(api, p, "Compacted") for p in api.evicted)
+    assert "young" not in api.evicted
 
 
 def test_a_claim_that_waits_lifts_the_emptying_taint_and_is_placed_there_not_marked(h100_slices, replicas):
