@@ -467,8 +467,10 @@ def summarize(
             provisioning.append(added - created)
             beyond.append(wait - ROUND_S - started)
             if beyond[-1] > 0:
-                late.append({"arrival": arrival.name, "shape": arrival.shape.key, "wait_s": round(wait, 2),
-                             "to_node_created_s": round(added - created, 2), "node_start_s": round(started, 2)})  # fmt: skip
+                late.append({
+                    "arrival": arrival.name, "shape": arrival.shape.key, "wait_s": round(wait, 2),
+                    "to_node_created_s": round(added - created, 2), "node_start_s": round(started, 2),
+                })  # fmt: skip
         else:
             waits_old.append(wait)
     nodes_added = len(observed.node_added)

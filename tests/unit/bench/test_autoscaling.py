@@ -8,10 +8,10 @@ import random
 
 from bench.autoscaling import (
     ARRIVAL_LABEL,
-    Arrival,
     GPUS_PER_NODE,
     ROWS,
     SHARE_SIZES_GI,
+    Arrival,
     Observed,
     Shape,
     busy_over_bound,
