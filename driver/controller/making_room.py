@@ -19,6 +19,13 @@ budget allows), and it takes pods of the pending claim's own namespace only, unl
 they are taken from any namespace. The planning spends the unit's search budget, from its
 namespace's share of the pass (search_shares.py).
 
+A pod moved (evicted) by fgpu is made again by its controller as a new pod with a new claim, which
+the pass places where it fits; the room its plan counted on for it is not held (its claim does not
+exist yet), so an arrival may take it first. Within MOVED_S of a move, the moved pod's controller
+(its ReplicaSet, Job...) gets no room made by moving others, and none of its pods is moved again:
+the new pod fits where it fits or waits for a node like any other. Without this, each moved pod
+made room for itself by moving another, a chain the eviction budget alone ended.
+
 A reservation is counted by every pass as held (so nothing else is placed on the devices while
 the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is
 gone or allocated, or when it expires (writes.py, resolve_undecided)."""
@@ -51,6 +58,7 @@ from driver.scheduling.nodefit import NodeRoom
 log = logging.getLogger(__name__)
 RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is placed within a pass
 SPARED_S = 15.0  # how long a claim whose eviction a budget refused is left out of plans
+MOVED_S = 60.0  # how long a moved pod's controller neither has room made by moves nor is moved again
 
 
 class RoomMaker:
@@ -72,6 +80,7 @@ class RoomMaker:
         self._across, self._emptier = preempt_across_namespaces, emptier
         self._api, self._informers, self._ledgers = replica.api, replica.informers, replica.ledgers
         self._spared: dict[str, float] = {}  # claim uid -> until (time.monotonic()): an eviction was refused
+        self._moved: dict[str, float] = {}  # owner uid -> until (time.monotonic()): one of its pods was evicted
 
     def reservations(self) -> dict[str, list[dict[str, Any]]]:
         """Claim uid -> the device results reserved for it in the ledgers (as of this pass)."""
@@ -120,6 +129,9 @@ class RoomMaker:
         pending_pods = [p for o in objects for p in pods_of.get(object_key(o), [])]
         if not pending_pods:
             return  # nothing would run on the room made
+        moved = self._recently_moved()
+        if owners(pending_pods) & moved:
+            return  # a moved pod made again: it goes where it fits, or waits for a node
         rank = max(priority(p) for p in pending_pods)
         claim_objects = self._informers["claims"].items()
         within = None if self._across else objects[0]["metadata"]["namespace"]
@@ -127,7 +139,7 @@ class RoomMaker:
             if preempt and not may_preempt(pending_pods):
                 return
             found = candidates(claim_objects, pods_of, rank, preempt, set(self._spared), within=within,
-                               siblings_of=owners(pending_pods))  # fmt: skip
+                               owners_kept=owners(pending_pods) | moved)  # fmt: skip
             by_holder = {id(c.holder): c for c in found}
             holders = [c.holder for c in found]
             # The room is the planner's to read: a plan's pending pods run where it places them,
@@ -227,8 +239,16 @@ class RoomMaker:
             self._spared[victim.holder.claim.uid] = time.monotonic() + SPARED_S
             metrics.EVICTIONS.labels("refused").inc()
             return refused or "refused by a disruption budget"
-        self._budget.spend(time.monotonic())
+        now = time.monotonic()
+        self._budget.spend(now)
+        self._moved.update(dict.fromkeys(owners([pod]), now + MOVED_S))
         return None
+
+    def _recently_moved(self) -> set[str]:
+        """The controllers (owner uids) whose pods were evicted within MOVED_S."""
+        now = time.monotonic()
+        self._moved = {uid: until for uid, until in self._moved.items() if until > now}
+        return set(self._moved)
 
     def compact(self, allocator: ClusterAllocator) -> None:
         """Nothing waits: with an emptier, first empty whole nodes onto nodes that stay in use
@@ -243,7 +263,8 @@ class RoomMaker:
             return
         pods_of = pods_by_claim(self._informers["pods"].items())
         claims = self._informers["claims"].items()
-        found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True)
+        moved = self._recently_moved()
+        found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True, owners_kept=moved)
         by_holder = {id(c.holder): c for c in found}
         if self._emptier is not None and self._empty_nodes(allocator, found, by_holder, left):
             return  # the allocator's state is as before those moves: GPUs are compacted on the next

@@ -9,7 +9,8 @@ unless the controller is told to preempt across namespaces (making_room.py says 
 of a higher priority than the pending pod are not moved for it. A member of a gang (our labels, a
 PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
 gang, and whole gangs are not moved yet. Nor is a pod owned by the same controller as the pending
-pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn. Nor a pod that is
+pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn; nor one whose
+controller had a pod moved within the last minute (making_room.py says why). Nor a pod that is
 not yet Running on its claim's node: moved before it starts, it only waits again, and its node (about
 to run it) is not one to empty."""
 
@@ -86,16 +87,16 @@ def candidates(
     spared: AbstractSet[str] = frozenset(),
     held_too: bool = False,
     within: str | None = None,
-    siblings_of: AbstractSet[str] = frozenset(),
+    owners_kept: AbstractSet[str] = frozenset(),
 ) -> list[Candidate]:
     """The allocated claims the planner may take from: those whose pods are all movable, Running
     on the claim's node and not of a higher priority than the pending pod, or, with `preempt`, of a
-    lower priority (with
-    `within`, only in that namespace). Claims in `spared` (uids: an eviction of theirs was refused
-    lately), claims whose pods have an owner in `siblings_of` (the pending pods' controllers: a
-    ReplicaSet's pod evicted for its sibling is only made again, and waits in turn), claims no pod
-    uses and claims that cannot be read are left alone; with `held_too` the
-    others are listed as well, not movable (compaction must see what holds a GPU)."""
+    lower priority (with `within`, only in that namespace). Claims in `spared` (uids: an eviction
+    of theirs was refused lately), claims whose pods have an owner in `owners_kept` (controller
+    uids: the pending pods' own, since a ReplicaSet's pod evicted for its sibling is only made
+    again and waits in turn, and those moved lately), claims no pod uses and claims that cannot be
+    read are left alone; with `held_too` the others are listed as well, not movable (compaction
+    must see what holds a GPU)."""
     found = []
     for claim in claims:
         allocation = (claim.get("status") or {}).get("allocation") or {}
@@ -108,7 +109,7 @@ def candidates(
         in_reach = within is None or claim["metadata"].get("namespace") == within
         preempted = preempt and in_reach and bool(pods) and top < pending_priority and not is_movable
         takeable = (is_movable or preempted) and claim["metadata"].get("uid") not in spared
-        takeable = takeable and not _in_gang(claim, pods) and not (siblings_of and owners(pods) & siblings_of)
+        takeable = takeable and not _in_gang(claim, pods) and not (owners_kept and owners(pods) & owners_kept)
         if not (takeable or held_too):
             continue
         try:

@@ -440,3 +440,28 @@ def test_no_room_is_made_by_evicting_the_pending_pods_own_replicaset_siblings(h1
     pod["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": owner, "controller": True}]
     replicas(api, evictions_per_minute=10).run_pass()
     assert bool(api.evicted) is evicts
+
+
+@pytest.mark.parametrize(("owner", "evicts"), [("rs-7", False), ("rs-9", True)])
+def test_a_moved_pods_controller_gets_no_room_made_by_moving_others_for_a_while(h100_slices, replicas, owner, evicts):
+    """infer-7 is moved for train; its ReplicaSet's next pod (here one that needs a whole GPU) fits
+    nowhere: moving infer-6 for it would only start a chain of moves, one for each pod made again.
+    Another controller's pod gets room made as before."""
+    api = fake_cluster(h100_slices)
+    fragmented(api, shares=3)
+    for i in (5, 6, 7):
+        api.store["pods"][f"ml/infer-{i}"]["metadata"]["ownerReferences"][0]["uid"] = f"rs-{i}"
+    pending_gpu(api)
+    controller = replicas(api, evictions_per_minute=10)
+    controller.run_pass()
+    assert api.evicted == ["infer-7"]
+    gone(api, "share-7")
+    pending_gpu(api, "again")
+    api.store["pods"]["ml/again-pod"]["metadata"]["ownerReferences"] = [
+        {"kind": "ReplicaSet", "name": "rs", "uid": owner, "controller": True}
+    ]
+    sync(controller)
+    controller.run_pass()
+    assert devices_of(claims_in(api)["train"]) == [("n1", "gpu-7")]
+    assert (api.evicted == ["infer-7", "infer-6"]) is evicts
+    assert_no_device_given_twice(api)
