@@ -22,9 +22,10 @@ namespace's share of the pass (search_shares.py).
 A pod moved (evicted) by fgpu is made again by its controller as a new pod with a new claim, which
 the pass places where it fits; the room its plan counted on for it is not held (its claim does not
 exist yet), so an arrival may take it first. Within MOVED_S of a move, the moved pod's controller
-(its ReplicaSet, Job...) gets no room made by moving others, and none of its pods is moved again:
-the new pod fits where it fits or waits for a node like any other. Without this, each moved pod
-made room for itself by moving another, a chain the eviction budget alone ended.
+(its ReplicaSet, Job...) gets no room made by moving others, and none of its pods is moved to make
+room for another: the new pod fits where it fits or waits for a node like any other. Without this,
+each moved pod made room for itself by moving another, a chain the eviction budget alone ended.
+Compaction may move it again once it runs (victims.py): nothing waits for that room.
 
 A reservation is counted by every pass as held (so nothing else is placed on the devices while
 the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is
@@ -58,7 +59,7 @@ from driver.scheduling.nodefit import NodeRoom
 log = logging.getLogger(__name__)
 RESERVED_S = 300.0  # how long freed devices wait for their claim: its pod is placed within a pass
 SPARED_S = 15.0  # how long a claim whose eviction a budget refused is left out of plans
-MOVED_S = 60.0  # how long a moved pod's controller neither has room made by moves nor is moved again
+MOVED_S = 60.0  # how long a moved pod's controller neither has room made by moves nor is moved for another
 
 
 class RoomMaker:
@@ -263,8 +264,7 @@ class RoomMaker:
             return
         pods_of = pods_by_claim(self._informers["pods"].items())
         claims = self._informers["claims"].items()
-        moved = self._recently_moved()
-        found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True, owners_kept=moved)
+        found = candidates(claims, pods_of, sys.maxsize, False, set(self._spared), held_too=True)
         by_holder = {id(c.holder): c for c in found}
         if self._emptier is not None and self._empty_nodes(allocator, found, by_holder, left):
             return  # the allocator's state is as before those moves: GPUs are compacted on the next

@@ -10,7 +10,7 @@ of a higher priority than the pending pod are not moved for it. A member of a ga
 PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
 gang, and whole gangs are not moved yet. Nor is a pod owned by the same controller as the pending
 pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn; nor one whose
-controller had a pod moved within the last minute (making_room.py says why). Nor a pod that is
+controller had a pod moved within the last minute, to make room (making_room.py says why). Nor a pod that is
 not yet Running on its claim's node: moved before it starts, it only waits again, and its node (about
 to run it) is not one to empty."""
 
