@@ -25,7 +25,8 @@ exist yet), so an arrival may take it first. Within MOVED_S of a move, the moved
 (its ReplicaSet, Job...) gets no room made by moving others, and none of its pods is moved to make
 room for another: the new pod fits where it fits or waits for a node like any other. Without this,
 each moved pod made room for itself by moving another, a chain the eviction budget alone ended.
-Compaction may move it again once it runs (victims.py): nothing waits for that room.
+Compaction may move it again once it runs (victims.py): nothing waits for that room. The minute is
+this replica's: a new leader does not know it, and at worst makes room once for such a pod.
 
 A reservation is counted by every pass as held (so nothing else is placed on the devices while
 the evicted pods terminate), set aside when its own claim is placed, and dropped once the claim is

@@ -9,10 +9,10 @@ unless the controller is told to preempt across namespaces (making_room.py says 
 of a higher priority than the pending pod are not moved for it. A member of a gang (our labels, a
 PodGroup, a workload operator's: groups.py) is never taken: alone, that would split a running
 gang, and whole gangs are not moved yet. Nor is a pod owned by the same controller as the pending
-pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn; nor one whose
-controller had a pod moved within the last minute, to make room (making_room.py says why). Nor a pod that is
-not yet Running on its claim's node: moved before it starts, it only waits again, and its node (about
-to run it) is not one to empty."""
+pod: a ReplicaSet's pod evicted for its sibling is made again and waits in turn; nor, to make
+room, one whose controller had a pod moved within the last minute (making_room.py says why). Nor a
+pod that is not yet Running on its claim's node: moved before it starts, it only waits again, and
+its node (about to run it) is not one to empty."""
 
 from __future__ import annotations
 
