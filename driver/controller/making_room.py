@@ -102,7 +102,7 @@ class RoomMaker:
         if self._budget is None or not current.unplaced:
             return
         now = time.monotonic()
-        self._spared = {uid: until for uid, until in self._spared.items() if until > now}
+        self._spared, self._moved = _unexpired(self._spared, now), _unexpired(self._moved, now)
         pods_of = pods_by_claim(self._informers["pods"].items())
         room = self._room()
         for objects in current.unplaced:
@@ -131,7 +131,7 @@ class RoomMaker:
         pending_pods = [p for o in objects for p in pods_of.get(object_key(o), [])]
         if not pending_pods:
             return  # nothing would run on the room made
-        moved = self._recently_moved()
+        moved = set(self._moved)  # moves of this pass included
         if owners(pending_pods) & moved:
             return  # a moved pod made again: it goes where it fits, or waits for a node
         rank = max(priority(p) for p in pending_pods)
@@ -246,12 +246,6 @@ class RoomMaker:
         self._moved.update(dict.fromkeys(owners([pod]), now + MOVED_S))
         return None
 
-    def _recently_moved(self) -> set[str]:
-        """The controllers (owner uids) whose pods were evicted within MOVED_S."""
-        now = time.monotonic()
-        self._moved = {uid: until for uid, until in self._moved.items() if until > now}
-        return set(self._moved)
-
     def compact(self, allocator: ClusterAllocator) -> None:
         """Nothing waits: with an emptier, first empty whole nodes onto nodes that stay in use
         (emptying.py; the planner's `emptying_nodes`), for the autoscaler to remove; then, when no
@@ -307,6 +301,10 @@ class RoomMaker:
     def _tell(self, objects: list[dict[str, Any]], message: str, warning: bool = False) -> None:
         for obj in objects:
             self._reporter.report(obj, message, warning, why="MakingRoom")
+
+
+def _unexpired(until_by_key: dict[str, float], now: float) -> dict[str, float]:
+    return {key: until for key, until in until_by_key.items() if until > now}
 
 
 def _keys(objects: list[dict[str, Any]]) -> str:
