@@ -13,9 +13,10 @@ pod (thousandths m < 1000) an MPS share of compute ceil(m / 10) % (the trace's v
 percents; the report counts any it had to round), gpu_spec a CEL selector on productName. Pod CPU
 and memory fit: driver/scheduling/nodefit.py's NodeRoom, as the controller uses it. CPU-only pods are claims
 without requests: the allocator places them with the same policy as GPU pods (fgpu places every
-pod), or with --cpu-pods as deployed: kube-scheduler places them as its NodeResourcesFit scoring
-would (least-allocated: its default, the profile docs/allocator.md recommends), and the allocator
-learns of them only as the controller does (their node's pods changed), with no commit.
+pod), or with --cpu-pods as deployed: kube-scheduler places them as its scoring would
+(NodeResourcesFit's least-allocated, its default and the profile docs/allocator.md recommends, plus
+BalancedAllocation, over the share of nodes it scores, ties at random: KubeScheduler), and the
+allocator learns of them only as the controller does (their node's pods changed), with no commit.
 
   python -m bench.openb --trace default --seeds 42-51 --policy binpack
   python -m bench.openb --trace gpushare80 --seeds 42-44 --policy binpack --cpu-pods least-allocated
@@ -284,35 +285,87 @@ def pod_needs(pod: TracePod) -> PodNeeds:
     )
 
 
-# --- kube-scheduler's scoring of CPU-only pods (NodeResourcesFit), for the comparison ---------------
+# --- kube-scheduler placing CPU-only pods, for the comparison -------------------------------------
+
+MAX_NODE_SCORE = 100
 
 
-def _resource_scores(room: NodeRoom, node: str, needs: PodNeeds) -> list[Fraction]:
-    """Per resource (CPU, memory): the share of allocatable requested with the pod placed."""
+def nodes_to_score(count: int) -> int:
+    """How many feasible nodes kube-scheduler looks for before it scores them, with the default
+    percentageOfNodesToScore (0: adaptive; pkg/scheduler/schedule_one.go numFeasibleNodesToFind)."""
+    if count < 100:
+        return count
+    percentage = max(50 - count // 125, 5)
+    return max(count * percentage // 100, 100)
+
+
+def _fractions(room: NodeRoom, node: str, extra: dict[str, Fraction]) -> list[Fraction]:
+    """CPU and memory requested on `node` with `extra` added, as shares of allocatable."""
     allocatable, requested = room.nodes[node].allocatable, room.requested[node]
-    return [(requested.get(r, Fraction(0)) + needs.requests[r]) / allocatable[r] for r in (CPU, MEMORY)]
+    return [(requested.get(r, Fraction(0)) + extra.get(r, Fraction(0))) / allocatable[r] for r in (CPU, MEMORY)]
 
 
-def kube_scheduler_node(
-    allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods
-) -> str | None:
-    """The node NodeResourcesFit's LeastAllocated (kube-scheduler's default) or MostAllocated
-    strategy scores highest (CPU and memory weighted 1; most-allocated-gpu: the node's GPUs too,
-    as its `resources` list with the GPUs' extended resource would; ties to the first in node
-    order): the stand-in for kube-scheduler placing a CPU-only pod, the plugin that scores such a
-    pod differently across these nodes."""
-    needs = room.pods_of[claim.key][0]
-    sign = -1 if mode == "least-allocated" else 1
-    best: tuple[Fraction, str] | None = None
-    for node in names:
-        if room.fits(claim, node):
-            scores = _resource_scores(room, node, needs)
-            if mode == "most-allocated-gpu":
-                scores.append(Fraction(allocator.usage(node)))
-            score = sign * sum(scores, Fraction(0)) / len(scores)
-            if best is None or score > best[0]:
-                best = (score, node)
-    return best[1] if best else None
+def _fit_score(shares: Sequence[Fraction], most: bool) -> int:
+    """NodeResourcesFit's score, each resource weighted 1: LeastAllocated's (1 - share) x 100 or
+    MostAllocated's share x 100 per resource, each truncated as kube-scheduler's int64 arithmetic
+    does, then their mean."""
+    per = [min(s, 1) if most else max(1 - s, 0) for s in shares]
+    return sum(math.floor(p * MAX_NODE_SCORE) for p in per) // len(per)
+
+
+def _balance(shares: Sequence[Fraction]) -> int:
+    """balancedResourceScore: (1 - the standard deviation of the CPU and memory shares) x 100."""
+    first, second = (min(float(s), 1.0) for s in shares)
+    return int((1 - abs(first - second) / 2) * MAX_NODE_SCORE)
+
+
+@dataclass
+class KubeScheduler:
+    """kube-scheduler placing a pod without claims with its default profile, the plugins whose
+    scores differ across these nodes: NodeResourcesFit (LeastAllocated, the default; or
+    MostAllocated; most-allocated-gpu: the node's GPUs among its resources too, as its `resources`
+    list with the GPUs' extended resource would) plus NodeResourcesBalancedAllocation, both weighted
+    1. As kube-scheduler does, it looks at the nodes from where its last search stopped (`start`,
+    in the order its cache lists them: by name) until it has found nodes_to_score feasible ones,
+    scores only those, and breaks ties at random. Requests are the pods' own (kube-scheduler counts
+    a container without a CPU or memory request as 100m and 200 MB; one pod of the trace has none)."""
+
+    allocator: ClusterAllocator
+    room: NodeRoom
+    mode: CpuPods
+    names: Sequence[str]
+    rng: random.Random
+    start: int = 0
+
+    def node(self, claim: Claim) -> str | None:
+        needs = self.room.pods_of[claim.key][0]
+        feasible: list[str] = []
+        wanted, count, looked = nodes_to_score(len(self.names)), len(self.names), 0
+        while looked < count and len(feasible) < wanted:
+            node = self.names[(self.start + looked) % count]
+            looked += 1
+            if self.room.fits(claim, node):
+                feasible.append(node)
+        self.start = (self.start + looked) % count
+        best: list[str] = []
+        top = -1
+        for node in feasible:
+            score = self._score(node, needs)
+            if score > top:
+                top, best = score, [node]
+            elif score == top:
+                best.append(node)
+        return self.rng.choice(best) if best else None
+
+    def _score(self, node: str, needs: PodNeeds) -> int:
+        before, after = _fractions(self.room, node, {}), _fractions(self.room, node, needs.requests)
+        fit = list(after)
+        if self.mode == "most-allocated-gpu":
+            fit.append(Fraction(self.allocator.usage(node)))
+        # BalancedAllocation scores how much the pod improves the node's balance
+        # (balancedResourceScorer): 75 for no change, towards 100 for better, 50 for worse.
+        balanced = MAX_NODE_SCORE // 2 + (MAX_NODE_SCORE // 2 + _balance(after) - _balance(before)) // 2
+        return _fit_score(fit, most=self.mode != "least-allocated") + balanced
 
 
 # --- one run -------------------------------------------------------------------------------------
@@ -342,6 +395,7 @@ def replay(
     capacity = 1000 * sum(n.gpus for n in nodes)
     pods_of: dict[str, list[PodNeeds]] = {}
     allocator, room, names = cluster(nodes, seed, policy, pods_of)
+    scheduler = KubeScheduler(allocator, room, cpu_pods, sorted(names), random.Random(seed))
     arrived = used = failed = 0
     events: list[tuple[int, int]] = []
     latencies: list[float] = []
@@ -353,7 +407,7 @@ def replay(
         pods_of[claim.key] = [pod_needs(pod)]
         started = time.perf_counter()
         if pod.num_gpu == 0 and cpu_pods != "policy":
-            placed = by_kube_scheduler(allocator, room, names, claim, cpu_pods) is not None
+            placed = by_kube_scheduler(scheduler, claim) is not None
         else:
             placed = by_fgpu(allocator, room, claim) is not None
         if pod.num_gpu:
@@ -378,20 +432,18 @@ def by_fgpu(allocator: ClusterAllocator, room: NodeRoom, claim: Claim) -> Placem
     return outcome
 
 
-def by_kube_scheduler(
-    allocator: ClusterAllocator, room: NodeRoom, names: Sequence[str], claim: Claim, mode: CpuPods
-) -> Placement | None:
-    """A pod without claims placed as kube-scheduler would (kube_scheduler_node), as deployed: it
+def by_kube_scheduler(scheduler: KubeScheduler, claim: Claim) -> Placement | None:
+    """A pod without claims placed as kube-scheduler would (KubeScheduler), as deployed: it
     runs there, so the room counts it, and the allocator, kept from pod to pod as the controller
     keeps it from pass to pass, learns only that the node's pods changed (what the controller tells
     it, driver/controller/allocators.py follow): no allocation is committed, as none is made. None
     where it fits nowhere."""
-    node = kube_scheduler_node(allocator, room, names, claim, mode)
+    node = scheduler.node(claim)
     if node is None:
         return None
     placement = Placement(claim, node, {"devices": {"results": []}})
-    room.take(placement)
-    allocator.pods_changed([node])
+    scheduler.room.take(placement)
+    scheduler.allocator.pods_changed([node])
     return placement
 
 

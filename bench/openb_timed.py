@@ -25,6 +25,7 @@ import csv
 import heapq
 import json
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,6 +37,7 @@ from bench.allocator import EPOCH, percentile, with_lifetime
 from bench.openb import (
     TUNED,
     CpuPods,
+    KubeScheduler,
     TraceNode,
     TracePod,
     by_fgpu,
@@ -199,8 +201,9 @@ class FgpuPlacer:
         """`lifetimes`: each pod's claim says its run time (gpu.fgpu.dev/expected-duration, exact),
         created at its arrival (docs/allocator.md, Shares that end together); None: no claim does."""
         self.pods_of: dict[str, list[PodNeeds]] = {}
-        self.allocator, self.room, self.names = cluster(nodes, seed, policy, self.pods_of)
+        self.allocator, self.room, names = cluster(nodes, seed, policy, self.pods_of)
         self.cpu_pods = cpu_pods
+        self.scheduler = KubeScheduler(self.allocator, self.room, cpu_pods, sorted(names), random.Random(seed))
         self.lifetimes = lifetimes
         self.placed: dict[str, tuple[Placement, int]] = {}  # pod name -> where, its placement's number
         self.placements = 0  # placed so far: a holder's start order for making room (younger moves first)
@@ -222,7 +225,7 @@ class FgpuPlacer:
     def place(self, pod: TracePod) -> Spot | None:
         claim = self._claim(pod)
         if pod.num_gpu == 0 and self.cpu_pods != "policy":
-            placement = by_kube_scheduler(self.allocator, self.room, self.names, claim, self.cpu_pods)
+            placement = by_kube_scheduler(self.scheduler, claim)
         else:
             placement = by_fgpu(self.allocator, self.room, claim)
         return None if placement is None else self._record(pod, placement)

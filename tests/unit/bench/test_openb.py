@@ -6,17 +6,20 @@ claims as deployed."""
 from __future__ import annotations
 
 import argparse
+import random
 from typing import get_args
 
 import pytest
 
 from bench.openb import (
     CpuPods,
+    KubeScheduler,
     TraceNode,
+    TracePod,
     buckets,
     claim_object,
     cluster,
-    kube_scheduler_node,
+    nodes_to_score,
     pod_needs,
     published,
     read_nodes,
@@ -31,6 +34,7 @@ from bench.openb import (
 )
 from driver.allocator.cluster import ClusterAllocator, Placement
 from driver.allocator.model import claim_from_object
+from driver.scheduling.nodefit import NodeRoom
 from tests.support.openb import pod, write_tiny_traces
 
 TINY = [pod("p0", 1, 500), pod("p1", 1, 1000), pod("p2", 2, 1000), pod("p3", 0), pod("p4", 1, 250)]
@@ -135,23 +139,74 @@ def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
     )
 
 
+def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[ClusterAllocator, NodeRoom, list[str]]:
+    """The cluster of `nodes` (names in node order), each node's pod of `load` placed on it."""
+    pods_of: dict[str, list] = {}
+    allocator, room, names = cluster(nodes, 1, "binpack", pods_of)
+    names = sorted(names, key=lambda n: [t.name for t in nodes].index(n.split("-", 1)[1]))
+    for name in names:
+        if (p := load.get(name.split("-", 1)[1])) is not None:
+            c = claim_from_object(claim_object(p))
+            pods_of[c.key] = [pod_needs(p)]
+            outcome = allocator.allocate(c, nodes=[name], room=room)
+            allocator.commit(outcome)
+            room.take(outcome)
+    return allocator, room, names
+
+
+def _asking(room: NodeRoom, p: TracePod):
+    claim = claim_from_object(claim_object(p))
+    room.pods_of[claim.key] = [pod_needs(p)]
+    return claim
+
+
 def test_kube_scheduler_stand_in_scores_cpu_only_pods_as_node_resources_fit_does():
     # n0: 2 T4, both taken, 6 of 8 CPUs free; n1: 2 T4 free, 4 of 8 CPUs free; a 1-CPU pod.
-    pods_of: dict[str, list] = {}
-    allocator, room, names = cluster(
-        [TraceNode("n0", 8000, 65536, 2, "T4"), TraceNode("n1", 8000, 65536, 2, "T4")], 1, "binpack", pods_of
-    )
-    n0, n1 = sorted(names, key=lambda n: n.endswith("n1"))
-    for node, p in ((n0, pod("g", 2, 1000, cpu=2000)), (n1, pod("h", 0, cpu=4000))):
-        c = claim_from_object(claim_object(p))
-        pods_of[c.key] = [pod_needs(p)]
-        outcome = allocator.allocate(c, nodes=[node], room=room)
-        allocator.commit(outcome)
-        room.take(outcome)
-    small = claim_from_object(claim_object(pod("s", 0, cpu=1000)))
-    pods_of[small.key] = [pod_needs(pod("s", 0, cpu=1000))]
-    chosen = {mode: kube_scheduler_node(allocator, room, names, small, mode) for mode in get_args(CpuPods)[1:]}
-    assert chosen == {"least-allocated": n0, "most-allocated": n1, "most-allocated-gpu": n0}
+    # BalancedAllocation gives both 72, so NodeResourcesFit's strategy decides.
+    nodes = [TraceNode("n0", 8000, 65536, 2, "T4"), TraceNode("n1", 8000, 65536, 2, "T4")]
+    allocator, room, names = _loaded(nodes, {"n0": pod("g", 2, 1000, cpu=2000), "n1": pod("h", 0, cpu=4000)})
+    small = _asking(room, pod("s", 0, cpu=1000))
+    chosen = {
+        mode: KubeScheduler(allocator, room, mode, names, random.Random(1)).node(small)
+        for mode in get_args(CpuPods)[1:]
+    }
+    assert chosen == {"least-allocated": names[0], "most-allocated": names[1], "most-allocated-gpu": names[0]}
+
+
+def test_kube_scheduler_stand_in_adds_balanced_allocation_to_the_fit_score():
+    # Both nodes score 56 on LeastAllocated with the pod (1 CPU, 16 GiB); on n0 (half its CPU
+    # taken, no memory) the pod evens CPU and memory out, on n1 (a quarter of each) it unbalances
+    # them: BalancedAllocation 78 against 71 puts it on n0, every time (no tie to break).
+    nodes = [TraceNode("n0", 8000, 65536, 1, "T4"), TraceNode("n1", 8000, 65536, 1, "T4")]
+    load = {"n0": TracePod("a", 4000, 0, 0, 0, ()), "n1": TracePod("b", 2000, 16384, 0, 0, ())}
+    allocator, room, names = _loaded(nodes, load)
+    claim = _asking(room, TracePod("p", 1000, 16384, 0, 0, ()))
+    chosen = {KubeScheduler(allocator, room, "least-allocated", names, random.Random(s)).node(claim) for s in range(8)}
+    assert chosen == {names[0]}
+
+
+def test_kube_scheduler_stand_in_breaks_ties_at_random():
+    nodes = [TraceNode("n0", 8000, 65536, 1, "T4"), TraceNode("n1", 8000, 65536, 1, "T4")]
+    allocator, room, names = _loaded(nodes, {})
+    claim = _asking(room, pod("p", 0))
+    chosen = {KubeScheduler(allocator, room, "least-allocated", names, random.Random(s)).node(claim) for s in range(16)}
+    assert chosen == set(names)
+
+
+@pytest.mark.parametrize(("nodes", "scored"), [(50, 50), (150, 100), (1213, 497), (5000, 500), (100_000, 5000)])
+def test_nodes_to_score_is_kube_schedulers_adaptive_percentage(nodes, scored):
+    assert nodes_to_score(nodes) == scored
+
+
+def test_kube_scheduler_stand_in_scores_only_the_nodes_from_where_its_last_search_stopped():
+    # 200 nodes, all alike: it looks for 100 feasible ones from where it stopped, so the first pod
+    # lands among nodes 50-149 (0-49 are full) and the next among 150-199 and 50-99.
+    nodes = [TraceNode(f"n{i:03d}", 8000, 65536, 1, "T4") for i in range(200)]
+    allocator, room, names = _loaded(nodes, {f"n{i:03d}": TracePod(f"full{i}", 8000, 0, 0, 0, ()) for i in range(50)})
+    scheduler = KubeScheduler(allocator, room, "least-allocated", names, random.Random(1))
+    small = _asking(room, pod("small", 0))
+    assert scheduler.node(small) in names[50:150] and scheduler.start == 150
+    assert scheduler.node(small) in names[150:] + names[50:100] and scheduler.start == 100
 
 
 @pytest.mark.parametrize("mode", get_args(CpuPods)[1:])
