@@ -61,7 +61,7 @@ REPORTED = (95, 100, 110, 130)  # arrived % buckets printed
 PODS_PER_NODE = 1001  # the simulator's node pod capacity: never the limit
 SHARE_MEMORY = "256Mi"  # the trace has one scalar per GPU (compute); the smallest memory, so memory never binds
 TUNED = "-tuned-"  # a clone's name: the original's, this, its number
-CpuPods = Literal["policy", "least-allocated", "most-allocated", "most-allocated-gpu"]
+CpuPods = Literal["policy", "least-allocated", "most-allocated"]
 MiB = 2**20
 
 # Mock NVML profiles per trace GPU model: memory as the real part has it (G2 and G3 are Alibaba's
@@ -323,14 +323,15 @@ def _balance(shares: Sequence[Fraction]) -> int:
 class KubeScheduler:
     """kube-scheduler placing a pod without claims with its default profile, the plugins whose
     scores differ across these nodes: NodeResourcesFit (LeastAllocated, the default; or
-    MostAllocated; most-allocated-gpu: the node's GPUs among its resources too, as its `resources`
-    list with the GPUs' extended resource would) plus NodeResourcesBalancedAllocation, both weighted
-    1. As kube-scheduler does, it looks at the nodes from where its last search stopped (`start`,
-    in the order its cache lists them: by name) until it has found nodes_to_score feasible ones,
-    scores only those, and breaks ties at random. Requests are the pods' own (kube-scheduler counts
-    a container without a CPU or memory request as 100m and 200 MB; one pod of the trace has none)."""
+    MostAllocated) on CPU and memory plus NodeResourcesBalancedAllocation, both weighted 1. No
+    profile of theirs can weigh the nodes' GPUs for such a pod: they skip an extended resource the
+    pod does not request (resource_allocation.go, calculateNodeAllocatableRequest), the GPUs DRA
+    backs included. As kube-scheduler does, it looks at the nodes from where its last search
+    stopped (`start`, in the order its cache lists them: by name) until it has found
+    nodes_to_score feasible ones, scores only those, and breaks ties at random. Requests are the
+    pods' own (kube-scheduler counts a container without a CPU or memory request as 100m and
+    200 MB; one pod of the trace has none)."""
 
-    allocator: ClusterAllocator
     room: NodeRoom
     mode: CpuPods
     names: Sequence[str]
@@ -359,13 +360,10 @@ class KubeScheduler:
 
     def _score(self, node: str, needs: PodNeeds) -> int:
         before, after = _fractions(self.room, node, {}), _fractions(self.room, node, needs.requests)
-        fit = list(after)
-        if self.mode == "most-allocated-gpu":
-            fit.append(Fraction(self.allocator.usage(node)))
         # BalancedAllocation scores how much the pod improves the node's balance
         # (balancedResourceScorer): 75 for no change, towards 100 for better, 50 for worse.
         balanced = MAX_NODE_SCORE // 2 + (MAX_NODE_SCORE // 2 + _balance(after) - _balance(before)) // 2
-        return _fit_score(fit, most=self.mode != "least-allocated") + balanced
+        return _fit_score(after, most=self.mode == "most-allocated") + balanced
 
 
 # --- one run -------------------------------------------------------------------------------------
@@ -395,7 +393,7 @@ def replay(
     capacity = 1000 * sum(n.gpus for n in nodes)
     pods_of: dict[str, list[PodNeeds]] = {}
     allocator, room, names = cluster(nodes, seed, policy, pods_of)
-    scheduler = KubeScheduler(allocator, room, cpu_pods, sorted(names), random.Random(seed))
+    scheduler = KubeScheduler(room, cpu_pods, sorted(names), random.Random(seed))
     arrived = used = failed = 0
     events: list[tuple[int, int]] = []
     latencies: list[float] = []
@@ -407,7 +405,7 @@ def replay(
         pods_of[claim.key] = [pod_needs(pod)]
         started = time.perf_counter()
         if pod.num_gpu == 0 and cpu_pods != "policy":
-            placed = by_kube_scheduler(scheduler, claim) is not None
+            placed = by_kube_scheduler(allocator, scheduler, claim) is not None
         else:
             placed = by_fgpu(allocator, room, claim) is not None
         if pod.num_gpu:
@@ -432,7 +430,7 @@ def by_fgpu(allocator: ClusterAllocator, room: NodeRoom, claim: Claim) -> Placem
     return outcome
 
 
-def by_kube_scheduler(scheduler: KubeScheduler, claim: Claim) -> Placement | None:
+def by_kube_scheduler(allocator: ClusterAllocator, scheduler: KubeScheduler, claim: Claim) -> Placement | None:
     """A pod without claims placed as kube-scheduler would (KubeScheduler), as deployed: it
     runs there, so the room counts it, and the allocator, kept from pod to pod as the controller
     keeps it from pass to pass, learns only that the node's pods changed (what the controller tells
@@ -443,7 +441,7 @@ def by_kube_scheduler(scheduler: KubeScheduler, claim: Claim) -> Placement | Non
         return None
     placement = Placement(claim, node, {"devices": {"results": []}})
     scheduler.room.take(placement)
-    scheduler.allocator.pods_changed([node])
+    allocator.pods_changed([node])
     return placement
 
 

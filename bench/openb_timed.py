@@ -203,7 +203,7 @@ class FgpuPlacer:
         self.pods_of: dict[str, list[PodNeeds]] = {}
         self.allocator, self.room, names = cluster(nodes, seed, policy, self.pods_of)
         self.cpu_pods = cpu_pods
-        self.scheduler = KubeScheduler(self.allocator, self.room, cpu_pods, sorted(names), random.Random(seed))
+        self.scheduler = KubeScheduler(self.room, cpu_pods, sorted(names), random.Random(seed))
         self.lifetimes = lifetimes
         self.placed: dict[str, tuple[Placement, int]] = {}  # pod name -> where, its placement's number
         self.placements = 0  # placed so far: a holder's start order for making room (younger moves first)
@@ -225,7 +225,7 @@ class FgpuPlacer:
     def place(self, pod: TracePod) -> Spot | None:
         claim = self._claim(pod)
         if pod.num_gpu == 0 and self.cpu_pods != "policy":
-            placement = by_kube_scheduler(self.scheduler, claim)
+            placement = by_kube_scheduler(self.allocator, self.scheduler, claim)
         else:
             placement = by_fgpu(self.allocator, self.room, claim)
         return None if placement is None else self._record(pod, placement)

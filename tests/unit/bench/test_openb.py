@@ -139,8 +139,8 @@ def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
     )
 
 
-def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[ClusterAllocator, NodeRoom, list[str]]:
-    """The cluster of `nodes` (names in node order), each node's pod of `load` placed on it."""
+def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[NodeRoom, list[str]]:
+    """The room of a cluster of `nodes` and their names in node order, each node's pod of `load` on it."""
     pods_of: dict[str, list] = {}
     allocator, room, names = cluster(nodes, 1, "binpack", pods_of)
     names = sorted(names, key=lambda n: [t.name for t in nodes].index(n.split("-", 1)[1]))
@@ -151,7 +151,7 @@ def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[ClusterA
             outcome = allocator.allocate(c, nodes=[name], room=room)
             allocator.commit(outcome)
             room.take(outcome)
-    return allocator, room, names
+    return room, names
 
 
 def _asking(room: NodeRoom, p: TracePod):
@@ -164,13 +164,10 @@ def test_kube_scheduler_stand_in_scores_cpu_only_pods_as_node_resources_fit_does
     # n0: 2 T4, both taken, 6 of 8 CPUs free; n1: 2 T4 free, 4 of 8 CPUs free; a 1-CPU pod.
     # BalancedAllocation gives both 72, so NodeResourcesFit's strategy decides.
     nodes = [TraceNode("n0", 8000, 65536, 2, "T4"), TraceNode("n1", 8000, 65536, 2, "T4")]
-    allocator, room, names = _loaded(nodes, {"n0": pod("g", 2, 1000, cpu=2000), "n1": pod("h", 0, cpu=4000)})
+    room, names = _loaded(nodes, {"n0": pod("g", 2, 1000, cpu=2000), "n1": pod("h", 0, cpu=4000)})
     small = _asking(room, pod("s", 0, cpu=1000))
-    chosen = {
-        mode: KubeScheduler(allocator, room, mode, names, random.Random(1)).node(small)
-        for mode in get_args(CpuPods)[1:]
-    }
-    assert chosen == {"least-allocated": names[0], "most-allocated": names[1], "most-allocated-gpu": names[0]}
+    chosen = {mode: KubeScheduler(room, mode, names, random.Random(1)).node(small) for mode in get_args(CpuPods)[1:]}
+    assert chosen == {"least-allocated": names[0], "most-allocated": names[1]}
 
 
 def test_kube_scheduler_stand_in_adds_balanced_allocation_to_the_fit_score():
@@ -179,17 +176,17 @@ def test_kube_scheduler_stand_in_adds_balanced_allocation_to_the_fit_score():
     # them: BalancedAllocation 78 against 71 puts it on n0, every time (no tie to break).
     nodes = [TraceNode("n0", 8000, 65536, 1, "T4"), TraceNode("n1", 8000, 65536, 1, "T4")]
     load = {"n0": TracePod("a", 4000, 0, 0, 0, ()), "n1": TracePod("b", 2000, 16384, 0, 0, ())}
-    allocator, room, names = _loaded(nodes, load)
+    room, names = _loaded(nodes, load)
     claim = _asking(room, TracePod("p", 1000, 16384, 0, 0, ()))
-    chosen = {KubeScheduler(allocator, room, "least-allocated", names, random.Random(s)).node(claim) for s in range(8)}
+    chosen = {KubeScheduler(room, "least-allocated", names, random.Random(s)).node(claim) for s in range(8)}
     assert chosen == {names[0]}
 
 
 def test_kube_scheduler_stand_in_breaks_ties_at_random():
     nodes = [TraceNode("n0", 8000, 65536, 1, "T4"), TraceNode("n1", 8000, 65536, 1, "T4")]
-    allocator, room, names = _loaded(nodes, {})
+    room, names = _loaded(nodes, {})
     claim = _asking(room, pod("p", 0))
-    chosen = {KubeScheduler(allocator, room, "least-allocated", names, random.Random(s)).node(claim) for s in range(16)}
+    chosen = {KubeScheduler(room, "least-allocated", names, random.Random(s)).node(claim) for s in range(16)}
     assert chosen == set(names)
 
 
@@ -202,8 +199,8 @@ def test_kube_scheduler_stand_in_scores_only_the_nodes_from_where_its_last_searc
     # 200 nodes, all alike: it looks for 100 feasible ones from where it stopped, so the first pod
     # lands among nodes 50-149 (0-49 are full) and the next among 150-199 and 50-99.
     nodes = [TraceNode(f"n{i:03d}", 8000, 65536, 1, "T4") for i in range(200)]
-    allocator, room, names = _loaded(nodes, {f"n{i:03d}": TracePod(f"full{i}", 8000, 0, 0, 0, ()) for i in range(50)})
-    scheduler = KubeScheduler(allocator, room, "least-allocated", names, random.Random(1))
+    room, names = _loaded(nodes, {f"n{i:03d}": TracePod(f"full{i}", 8000, 0, 0, 0, ()) for i in range(50)})
+    scheduler = KubeScheduler(room, "least-allocated", names, random.Random(1))
     small = _asking(room, pod("small", 0))
     assert scheduler.node(small) in names[50:150] and scheduler.start == 150
     assert scheduler.node(small) in names[150:] + names[50:100] and scheduler.start == 100
