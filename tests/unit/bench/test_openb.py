@@ -33,7 +33,7 @@ from bench.openb import (
     workload,
 )
 from driver.allocator.cluster import ClusterAllocator, Placement
-from driver.allocator.model import claim_from_object
+from driver.allocator.model import Claim, claim_from_object
 from driver.scheduling.nodefit import NodeRoom
 from tests.support.openb import pod, write_tiny_traces
 
@@ -143,9 +143,8 @@ def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[NodeRoom
     """The room of a cluster of `nodes` and their names in node order, each node's pod of `load` on it."""
     pods_of: dict[str, list] = {}
     allocator, room, names = cluster(nodes, 1, "binpack", pods_of)
-    names = sorted(names, key=lambda n: [t.name for t in nodes].index(n.split("-", 1)[1]))
-    for name in names:
-        if (p := load.get(name.split("-", 1)[1])) is not None:
+    for node, name in zip(nodes, names, strict=True):
+        if (p := load.get(node.name)) is not None:
             c = claim_from_object(claim_object(p))
             pods_of[c.key] = [pod_needs(p)]
             outcome = allocator.allocate(c, nodes=[name], room=room)
@@ -154,7 +153,7 @@ def _loaded(nodes: list[TraceNode], load: dict[str, TracePod]) -> tuple[NodeRoom
     return room, names
 
 
-def _asking(room: NodeRoom, p: TracePod):
+def _asking(room: NodeRoom, p: TracePod) -> Claim:
     claim = claim_from_object(claim_object(p))
     room.pods_of[claim.key] = [pod_needs(p)]
     return claim
