@@ -8,8 +8,9 @@ run: first with fgpu's controller off (kube-scheduler allocates the claims: firs
 it on (claims opted in, pods gated, the controller places them and marks those that fit no node
 unschedulable for Karpenter).
 
-Recorded per path, from watches (this process's clock): the nodes existing and used (a pod
-Running on them) every second against the lower bound (the fewest DGX H100 nodes whose GPUs hold
+Recorded per path, from watches (this process's clock): the nodes existing, used (a pod
+Running on them) and kept (a Running pod that is never moved on them) every second against the
+lower bound (the fewest DGX H100 nodes whose GPUs hold
 the Running pods' whole GPUs and shares, counting memory and MPS compute as divisible) and a
 first-fit-decreasing packing of the same pods (nodes that do hold them: the fewest lies between
 the two); nodes added and removed; each pod's wait from creation to Running, split for pods that
@@ -77,7 +78,8 @@ NODEPOOL_LABEL = "karpenter.sh/nodepool"
 DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
 PODS_NOT_RUNNING_S = 300  # after the last arrival and the longest run: pods still waiting are reported
 DRAIN_S = 240  # after the day: how long the nodes may take to go
-COLUMNS = ("t_s", "existing", "used", "bound", "packed", "bound_alive", "pending")
+# kept: nodes in use that a Running pod which is never moved keeps (every pod but the movable shares)
+COLUMNS = ("t_s", "existing", "used", "bound", "packed", "bound_alive", "pending", "kept")
 ARRIVAL_LABEL = "bench.fgpu.dev/arrival"  # on every pod: the arrival it is (a ReplicaSet's pods have other names)
 EVICTIONS_PER_MINUTE = 60  # the controller's budget with --empty-nodes: a node's shares within a minute
 ROUND_S = 5.0  # a provisioning round: Karpenter's --batch-max-duration as karpenter_manager.py sets it
@@ -385,11 +387,12 @@ def run_day(
             alive = [n for n in observed.pod_created if n not in observed.pod_deleted]
             running = [n for n in alive if n in observed.where]
             used = {observed.where[n][1] for n in running}
+            kept = {observed.where[n][1] for n in running if n not in movable}
             existing = set(observed.node_added) - set(observed.node_removed)
         shapes = [by_name[n].shape for n in running]
         samples.append([
             round(time.monotonic() - start, 1), len(existing), len(used), lower_bound(shapes), packed(shapes),
-            lower_bound(by_name[n].shape for n in alive), len(alive) - len(running),
+            lower_bound(by_name[n].shape for n in alive), len(alive) - len(running), len(kept),
         ])  # fmt: skip
 
     last_end = trace[-1].at_s + max(a.run_s for a in trace) if trace else 0.0
@@ -477,7 +480,8 @@ def summarize(
     removed_after_day = sum(1 for t in observed.node_removed.values() if t >= day_end)
     # Node-seconds over the day (the first arrival to the last pod's end), one sample a second.
     day = [s for s in samples if s[0] <= day_end - start]
-    sums = {key: sum(s[i] for s in day) for i, key in ((1, "existing"), (2, "used"), (3, "bound"), (4, "packed"))}
+    columns = ((1, "existing"), (2, "used"), (3, "bound"), (4, "packed"), (7, "kept"))
+    sums = {key: sum(s[i] for s in day) for i, key in columns}
 
     def over(key: str) -> float | None:
         return round(100 * (sums[key] / sums["bound"] - 1), 1) if sums["bound"] else None
@@ -624,6 +628,7 @@ ROWS = (
      f"{r['nodes_added']} / {r['nodes_removed']} / {r['nodes_removed_after_day']} / {r['nodes_left']}"),
     ("node-seconds over the day: existing / used / packed / lower bound", lambda r:
      "{existing} / {used} / {packed} / {bound}".format(**r["node_seconds"])),
+    ("of the node-seconds used: on nodes a pod that is never moved keeps", lambda r: str(r["node_seconds"]["kept"])),
     ("existing over the lower bound", lambda r: f"{r['existing_over_bound_pct']}%"),
     ("used over the lower bound", lambda r: f"{r['used_over_bound_pct']}%"),
     ("while busy (bound >= 70% of its peak): existing / used over the bound",

@@ -42,11 +42,14 @@ def test_a_short_day_runs_every_pod_on_nodes_karpenter_adds_and_removes(tmp_path
         assert day["nodes_removed_after_day"] > 0 and day["nodes_left"] == 0
         assert day["wait_p50_s"] is not None and day["wait_p50_s"] <= day["wait_p99_s"]
         columns, rows = day["series"]["columns"], day["series"]["rows"]
-        used, bound, packed = (columns.index(c) for c in ("used", "bound", "packed"))
+        used, bound, packed, kept = (columns.index(c) for c in ("used", "bound", "packed", "kept"))
         assert rows and all(row[bound] <= row[used] and row[bound] <= row[packed] for row in rows)
+        assert all(row[kept] <= row[used] for row in rows)
         assert day["used_below_bound_samples"] == 0
         seconds = day["node_seconds"]
         assert 0 < seconds["bound"] <= seconds["used"] <= seconds["existing"]
+        # Only the controller's path moves pods (its shares, with --empty-nodes): elsewhere every pod keeps its node.
+        assert key == "controller" or seconds["kept"] == seconds["used"]
         assert rows[-1][columns.index("existing")] == 0  # the last sample: every node gone
     lines = table.read_text().splitlines()
     assert lines[0] == "| | kube-scheduler | fgpu-controller |"

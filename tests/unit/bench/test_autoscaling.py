@@ -76,7 +76,7 @@ def test_the_table_has_a_row_per_figure_and_a_column_per_path():
         "provisioning_p50_s": 0.5, "provisioning_p99_s": 0.5, "node_start_p50_s": 0.2, "node_start_p99_s": 0.2,
         "pods_beyond_round_and_start": 0, "claims_allocated_by": {"kube-scheduler": 2},
         "nodes_added": 1, "nodes_removed": 1, "nodes_removed_after_day": 1,
-        "nodes_left": 0, "node_seconds": {"existing": 12, "used": 10, "packed": 10, "bound": 10},
+        "nodes_left": 0, "node_seconds": {"existing": 12, "used": 10, "packed": 10, "bound": 10, "kept": 10},
         "existing_over_bound_pct": 20.0, "used_over_bound_pct": 0.0, "used_over_packed_pct": 0.0,
         "busy_over_bound_pct": {"existing": 20.0, "used": 0.0},
         "peak": {"existing": 1, "used": 1, "packed": 1, "bound": 1}, "drain_s": 30.0,
