@@ -8,15 +8,14 @@ run: first with fgpu's controller off (kube-scheduler allocates the claims: firs
 it on (claims opted in, pods gated, the controller places them and marks those that fit no node
 unschedulable for Karpenter).
 
-Recorded per path, from watches (this process's clock): the nodes existing, used (a pod
-Running on them) and kept (a Running pod that is never moved on them) every second against the
-lower bound (the fewest DGX H100 nodes whose GPUs hold
-the Running pods' whole GPUs and shares, counting memory and MPS compute as divisible) and a
-first-fit-decreasing packing of the same pods (nodes that do hold them: the fewest lies between
-the two); nodes added and removed; each pod's wait from creation to Running, split for pods that
-ran on a node added after they were created, and for those the node's start (node created ->
-Ready without start-up taints and its slices published) and what is left once one provisioning
-round (Karpenter's batch, at most 5 s) and that start are taken off.
+Recorded per path, from watches (this process's clock): the nodes existing, used (a pod Running on
+them) and kept (a Running pod that is never moved on them) every second against the lower bound (the
+fewest DGX H100 nodes whose GPUs hold the Running pods' whole GPUs and shares, counting memory and
+MPS compute as divisible) and a first-fit-decreasing packing of the same pods (nodes that do hold
+them: the fewest lies between the two); nodes added and removed; each pod's wait from creation to
+Running, split for pods that ran on a node added after they were created, and for those the node's
+start (node created -> Ready without start-up taints and its slices published) and what is left once
+one provisioning round (Karpenter's batch, at most 5 s) and that start are taken off.
 
   python -m bench.autoscaling --pods 500 --day-s 300            # the medium form
   python -m bench.autoscaling --pods 500 --day-s 300 --lifetimes  # claims say their run time
