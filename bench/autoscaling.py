@@ -479,8 +479,7 @@ def summarize(
     removed_after_day = sum(1 for t in observed.node_removed.values() if t >= day_end)
     # Node-seconds over the day (the first arrival to the last pod's end), one sample a second.
     day = [s for s in samples if s[0] <= day_end - start]
-    columns = ((1, "existing"), (2, "used"), (3, "bound"), (4, "packed"), (7, "kept"))
-    sums = {key: sum(s[i] for s in day) for i, key in columns}
+    sums = {key: sum(s[COLUMNS.index(key)] for s in day) for key in ("existing", "used", "bound", "packed", "kept")}
 
     def over(key: str) -> float | None:
         return round(100 * (sums[key] / sums["bound"] - 1), 1) if sums["bound"] else None
