@@ -24,9 +24,11 @@ cluster:
 run: setup cluster
 	$(PYTHON) -m examples.local_node --nvml $(NVML)
 
-# CI (.ci/run) runs this target, so a lint failure fails CI.
+# CI (.ci/run) runs this target, so a lint failure fails CI. The tiers that never wait on the host
+# (the pure tests and the differential test) run on every core first; the rest run one at a time.
 test: setup cluster lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n auto tests/unit tests/allocator
+	$(PYTHON) -m pytest -q tests --ignore=tests/unit --ignore=tests/allocator
 
 # The quick tier: tests/unit, the pure tests (no root, no Go, no network); the folder is the tier
 # (docs/testing.md).

@@ -40,12 +40,16 @@ from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node, Pool, gather_pools
 from driver.allocator.scoring import device_score, order_for
 from driver.allocator.state import AllocatedState
+from driver.allocator.water_level import SIZED, Room, demand_to_come, level
 from driver.claims.tenancy import Tenant
 from driver.common.quantity import Amount
 
 SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them afresh (they are a cache)
 # A node's share used (_measure): a Fraction where a counter is fractional, else a float.
 Usage = float | Fraction
+# fragmentation, where kube-scheduler places the pods without claims: claims observed between two
+# countings of the level it will leave the nodes' rooms at (a count reads every node's room)
+FLOOD_EVERY = 64
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 
 
@@ -194,6 +198,7 @@ class ClusterAllocator:
         self._prefer: dict[str, tuple[Sequence[Unit], tuple[int, ...]]] = {}
         self._units: dict[str, list[Unit]] = {}  # fragmentation: node -> its GPUs, as counted in its census
         self._hosting: dict[Hashable, set[str]] = {}  # fragmentation: request -> nodes with GPUs enough of its kind
+        self._flood_at = 0  # fragmentation: claims observed when the rooms' level is next counted
         for name in snapshot.pools:
             self._measure(name)
             self._count_units(name)
@@ -511,6 +516,9 @@ class ClusterAllocator:
         demand = room.demand(claim) if room is not None else None
         needs = tuple(sorted(room.needs(claim).items())) if room is not None else ()
         learned.observe(claim, demand, needs, functools.partial(self._node_kinds, room))
+        if room is not None and learned.observed >= self._flood_at and not learned.places_claimless():
+            self._flood_at = learned.observed + FLOOD_EVERY
+            self._flood(room)
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
         end = self._end((claim,))
@@ -582,6 +590,21 @@ class ClusterAllocator:
                 if selecting(functools.partial(self.node_allocator, node), units, claim, key) >= devices_asked(key)
             }
         return found
+
+    def _flood(self, room: PodRoom) -> None:
+        """fragmentation, where kube-scheduler places the pods without claims: the level their pods
+        still to come will leave the nodes' rooms at (water_level.py), from what the rooms and
+        GPUs hold now."""
+        assert self._fragmentation is not None
+        rooms = [Room(room.left(node), room.allocatable(node)) for node in self._units]
+        used = {name: sum(r.allocatable.get(name, 0.0) - r.left.get(name, 0.0) for r in rooms) for name in SIZED}
+        free = taken = 0.0
+        for node, units in self._units.items():
+            view = self._view(node)
+            gpus = self._fragmentation.free_gpus(view) if view is not None else 0.0
+            free, taken = free + gpus, taken + len(units) - gpus
+        per_gpu = self._fragmentation.claims_per_gpu(self._node_kinds(room))
+        self._fragmentation.flood(level(rooms, demand_to_come(used, per_gpu, taken, free)))
 
     def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
         """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's

@@ -62,6 +62,7 @@ from driver.allocator.lifetimes import TOLERANCE
 from driver.allocator.model import Claim, Device, Request
 from driver.allocator.pools import Pool
 from driver.allocator.state import AllocatedState
+from driver.allocator.water_level import SIZED, capped
 from driver.common.quantity import Amount
 
 MIX_SHARE = 0.99  # the heaviest shapes up to this share of the weight (FGD takes 95%)
@@ -82,7 +83,9 @@ SCARCE_SUPPLY = 0.5
 # docs/benchmarks/openb.md).
 WHOLE_NODE_SHARE = 0.9
 WHOLE_NODE_PRIOR = 1.0
-SIZED = ("cpu", "memory")  # what a whole-node claim's pods ask of the node (PodRoom's names)
+# A level the rooms are capped at (water_level.py) is taken again where it moved by this share of
+# allocatable: each new level counts every node's room again.
+LEVEL_STEP = 0.02
 PODS = "pods"  # the pod count, as PodRoom.needs and PodRoom.left name it
 
 # request_key: () for a claim without requests, else (class, selectors, count, capacity asked, sorted).
@@ -100,6 +103,7 @@ class ScoredRoom(Protocol):
 
     def admits(self, claim: Claim, node: str) -> bool: ...
     def left(self, node: str) -> Mapping[str, float]: ...
+    def allocatable(self, node: str) -> Mapping[str, float]: ...
     def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def demand(self, claim: Claim) -> Hashable: ...
 
@@ -247,6 +251,7 @@ class NodeView:
     copies: tuple[int, ...] = ()  # per shape of the mix: how many of its pods the room takes (counted up to enough)
     version: int = -1
     left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
+    allocatable: Mapping[str, float] = field(default_factory=dict)  # the room's, where Fragmentation.water caps it
     slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
     scored: dict[int, Choice | None] = field(default_factory=dict)  # this mix's choices by Fragmentation.asked
@@ -292,6 +297,9 @@ class Fragmentation:
     _asks: dict[tuple[RequestKey, Needs], int] = field(default_factory=dict)
     _counted: set[tuple[str, str]] = field(default_factory=set)  # claims counted in the mix: key, uid
     _waited: set[tuple[RequestKey | None, Hashable]] = field(default_factory=set)  # shapes waits() asked about
+    # Where pods without claims are placed by kube-scheduler: resource -> the share of a node's
+    # allocatable its room keeps at most once they have come (water_level.py); empty: not capped.
+    water: dict[str, float] = field(default_factory=dict)
 
     def asked(self, key: RequestKey, needs: Needs) -> int:
         """A request and its pods' needs as one small number (views keep scores by it)."""
@@ -394,7 +402,7 @@ class Fragmentation:
         LeastAllocated scoring sends them to the emptiest nodes, and a node kept empty gets their
         CPU instead, its GPUs stranded (openb as deployed, seed 42: 5.0% unallocated without the
         prior, 6.4% with it)."""
-        if not any(key == () for key, _ in self.seen):
+        if not self.places_claimless():
             return []
         whole: Counter[RequestKey] = Counter()
         for (key, _), count in self.seen.items():
@@ -430,6 +438,40 @@ class Fragmentation:
             if sum(1 for unit in kind.units if self.share(kind.allocator, unit, shape) is not None)
             >= devices_asked(shape.key)
         ]
+
+    def places_claimless(self) -> bool:
+        """Whether pods without claims are placed here too (claims without requests seen)."""
+        return any(key == () for key, _ in self.seen)
+
+    def claims_per_gpu(self, kinds: Sequence[NodeKind]) -> dict[str, float]:
+        """What the claims seen ask of a node for their pods per GPU they take (SIZED resources;
+        GPUs: devices asked x the share of a unit one takes, on the first kind of node taking it)."""
+        asked: dict[str, float] = {}
+        gpus = 0.0
+        for (key, demand), count in self.seen.items():
+            if not key:
+                continue
+            shape = self._shape(key, demand)
+            share = next((self.share(k.allocator, u, shape) for k in kinds for u in k.units[:1]), None)
+            if not share:
+                continue
+            gpus += count * devices_asked(key) * share
+            for name, value in shape.needs:
+                if name in SIZED:
+                    asked[name] = asked.get(name, 0.0) + count * value
+        return {name: value / gpus for name, value in asked.items()} if gpus else {}
+
+    def free_gpus(self, view: NodeView) -> float:
+        """The free share of the view's units, summed."""
+        return sum(self._states[u][2] for u in view.ids)
+
+    def flood(self, water: Mapping[str, float]) -> None:
+        """A new level for the rooms (see `water`), taken where it moved by LEVEL_STEP or more:
+        every view's copies are then counted again when next asked (what is kept by unit state and
+        copies stays good)."""
+        if water.keys() != self.water.keys() or any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
+            self.water = dict(water)
+            self.version += 1
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
         """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""
@@ -549,13 +591,16 @@ class Fragmentation:
         if view.version == self.version:
             return view.copies
         view.left = room.left(node) if room is not None else {}
+        view.allocatable = room.allocatable(node) if room is not None and self.water else {}
+        left = capped(view.left, view.allocatable, self.water) if view.allocatable else view.left
         total = sum(self._states[u][2] for u in view.ids)
+        # slack stays what the uncapped room may give: the level caps what is left, not what is taken
         copies, slack = [], dict(view.left)
         for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
             count = 0
             if room is None or room.admits(shape.claim, node):
                 enough = max(1, math.ceil(total / (share * devices_asked(shape.key)) - 1e-9)) if share else 1
-                count = min(enough, _how_many(view.left, shape.needs))
+                count = min(enough, _how_many(left, shape.needs))
                 for name, value in shape.needs:
                     slack[name] = min(slack.get(name, 0.0), view.left.get(name, 0.0) - count * value)
             copies.append(count)
@@ -574,6 +619,8 @@ class Fragmentation:
                 left = dict(view.left)
                 for name, value in needs:
                     left[name] = left.get(name, 0.0) - value
+                if view.allocatable:
+                    left = capped(left, view.allocatable, self.water)
                 many: dict[Needs, int] = {}  # shapes differing only in devices share their pods' needs
                 counts = []
                 for shape, count in zip(self.mix, view.copies, strict=True):

@@ -4,6 +4,7 @@ weighs the pods' CPU with the GPUs it would strand, and never changes whether a 
 
 from __future__ import annotations
 
+import functools
 import random
 import subprocess
 import sys
@@ -40,6 +41,12 @@ def test_a_share_keeps_room_for_the_shares_the_cluster_asks_for_where_best_fit_w
     assert devices(place(allocator(h100_slices("n1"), allocated=taken), mps("x", 20))) == ["gpu-1-mps"]  # binpack
 
 
+def using_pod(pods_of: dict[str, list[PodNeeds]], c, cpus: int):
+    """The claim, its one pod asking `cpus` CPUs recorded in `pods_of`."""
+    pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
+    return c
+
+
 def room_for(nodes: dict[str, int], pods_of: dict[str, list[PodNeeds]]) -> NodeRoom:
     facts = [
         NodeFacts(name, allocatable={CPU: Fraction(cpus), MEMORY: Fraction(2**40), PODS: Fraction(110)})
@@ -56,9 +63,7 @@ def where_a_pod_without_gpus_goes(
     placed and 30 whole-GPU claims whose pods ask `seen_cpus` were asked about (the mix)."""
     pods_of: dict[str, list[PodNeeds]] = {}
 
-    def with_pod(c, cpus: int):
-        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
-        return c
+    with_pod = functools.partial(using_pod, pods_of)
 
     results = {}
     for policy in ("fragmentation", "binpack"):
@@ -224,9 +229,7 @@ def test_the_view_of_a_node_follows_a_pod_without_claims_that_comes_and_goes():
     # When the pod leaves, the nodes are alike again and n1 (first by name) takes it.
     pods_of: dict[str, list[PodNeeds]] = {}
 
-    def with_pod(c, cpus: int):
-        pods_of[c.key] = [PodNeeds(f"ns/pod-{c.name}", {CPU: Fraction(cpus)})]
-        return c
+    with_pod = functools.partial(using_pod, pods_of)
 
     room = room_for({"n1": 200, "n2": 200}, pods_of)
     cluster = allocator(h100_slices("n1", "n2"), policy="fragmentation")
@@ -333,3 +336,40 @@ def test_a_scarce_shape_of_few_claims_weighs_into_the_mix_by_its_supply():
     learned.learn(cluster._node_kinds(room))
     big = seen_shapes_of(learned, gpus=8)
     assert len(big) == 1 and big[0].weight == pytest.approx(3 / 200)
+
+
+def node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen: bool) -> str:
+    """n1 and n2 alike: 8 GPUs, 100 CPUs. n1 runs 4 whole-GPU claims whose pods ask 10 CPUs (60
+    left); kube-scheduler placed a 40-CPU pod without claims on n2 (60 left). 70 such claims are
+    then asked about (the mix; the level is counted at the 65th). Where does the next one go?"""
+    pods_of: dict[str, list[PodNeeds]] = {}
+
+    with_pod = functools.partial(using_pod, pods_of)
+
+    room = room_for({"n1": 100, "n2": 100}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2"), policy="fragmentation")
+    for i in range(4):
+        outcome = cluster.allocate(with_pod(claim(f"on-n1-{i}", exactly("gpu.fgpu.dev")), 10), nodes=["n1"], room=room)
+        assert isinstance(outcome, Placement)
+        cluster.commit(outcome)
+        room.take(outcome)
+    room.take(Placement(with_pod(claim("by-kube-scheduler"), 40), "n2", {"devices": {"results": []}}))
+    cluster.pods_changed(["n2"])
+    if claimless_seen:
+        cluster.allocate(with_pod(claim("claimless"), 1), room=room)  # asked: fgpu places such pods too
+    for i in range(70):
+        cluster.allocate(with_pod(claim(f"seen{i}", exactly("gpu.fgpu.dev")), 10), room=room)
+    outcome = cluster.allocate(with_pod(claim("next", exactly("gpu.fgpu.dev")), 10), room=room)
+    assert isinstance(outcome, Placement)
+    return outcome.node
+
+
+def test_a_gpu_pod_takes_the_cpu_that_kube_schedulers_pods_without_claims_would_take():
+    # kube-scheduler's pods without claims took 40 CPUs per 4 GPUs in use: 10 a GPU, so over the
+    # next quarter of the 12 free GPUs 30 more, from the emptiest nodes: both nodes down from 60 to
+    # 45 CPUs left (water_level.py). Counted so, n2's 8 free GPUs will be fed by 4 pods at most and
+    # a pod placed there takes CPU those pods would have taken (one GPU fewer stranded), where on n1
+    # it strands none either way: it goes to n2. Where fgpu places the pods without claims too there
+    # is no level: both nodes feed their free GPUs, and binpack's order (the used node) decides.
+    assert node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen=False) == "n2"
+    assert node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen=True) == "n1"
