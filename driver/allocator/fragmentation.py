@@ -445,7 +445,8 @@ class Fragmentation:
 
     def claims_per_gpu(self, kinds: Sequence[NodeKind]) -> dict[str, float]:
         """What the claims seen ask of a node for their pods per GPU they take (SIZED resources;
-        GPUs: devices asked x the share of a unit one takes, on the first kind of node taking it)."""
+        GPUs: devices asked x the share of a unit one takes on the first kind of node; shapes whose
+        request that kind's GPUs cannot take are left out)."""
         asked: dict[str, float] = {}
         gpus = 0.0
         for (key, demand), count in self.seen.items():
@@ -593,7 +594,7 @@ class Fragmentation:
         view.left = room.left(node) if room is not None else {}
         view.allocatable = room.allocatable(node) if room is not None and self.water else {}
         left = capped(view.left, view.allocatable, self.water) if view.allocatable else view.left
-        total = sum(self._states[u][2] for u in view.ids)
+        total = self.free_gpus(view)
         # slack stays what the uncapped room may give: the level caps what is left, not what is taken
         copies, slack = [], dict(view.left)
         for shape, share in zip(self.mix, self._shares_on(allocator, view.ids), strict=True):
