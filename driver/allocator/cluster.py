@@ -604,7 +604,7 @@ class ClusterAllocator:
             gpus = self._fragmentation.free_gpus(view) if view is not None else 0.0
             free, taken = free + gpus, taken + len(units) - gpus
         per_gpu = self._fragmentation.claims_per_gpu(self._node_kinds(room))
-        self._fragmentation.flood(level(rooms, demand_to_come(used, per_gpu, taken, free)))
+        self._fragmentation.flood(level(rooms, demand_to_come(used, per_gpu, taken, free)), self._views.values())
 
     def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
         """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's

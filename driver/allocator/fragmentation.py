@@ -52,7 +52,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -445,16 +445,17 @@ class Fragmentation:
 
     def claims_per_gpu(self, kinds: Sequence[NodeKind]) -> dict[str, float]:
         """What the claims seen ask of a node for their pods per GPU they take (SIZED resources;
-        GPUs: devices asked x the share of a unit one takes on the first kind of node; shapes whose
-        request that kind's GPUs cannot take are left out)."""
+        GPUs: devices asked x the share of a unit one takes on the first kind of node whose GPUs can
+        take it; shapes no kind's GPUs can take are left out)."""
         asked: dict[str, float] = {}
         gpus = 0.0
         for (key, demand), count in self.seen.items():
             if not key:
                 continue
             shape = self._shape(key, demand)
-            share = next((self.share(k.allocator, u, shape) for k in kinds for u in k.units[:1]), None)
-            if not share:
+            shares = (self.share(k.allocator, u, shape) for k in kinds for u in k.units[:1])
+            share = next((found for found in shares if found), None)
+            if share is None:
                 continue
             gpus += count * devices_asked(key) * share
             for name, value in shape.needs:
@@ -466,13 +467,23 @@ class Fragmentation:
         """The free share of the view's units, summed."""
         return sum(self._states[u][2] for u in view.ids)
 
-    def flood(self, water: Mapping[str, float]) -> None:
-        """A new level for the rooms (see `water`), taken where it moved by LEVEL_STEP or more:
-        every view's copies are then counted again when next asked (what is kept by unit state and
-        copies stays good)."""
-        if water.keys() != self.water.keys() or any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
+    def flood(self, water: Mapping[str, float], views: Iterable[NodeView | None]) -> None:
+        """A new level for the rooms (see `water`), taken where it moved by LEVEL_STEP or more. Of
+        the `views`, those whose room the new level caps otherwise are counted again when next asked
+        (room_changed); a room under both levels keeps its copies and scores, as does all a claim
+        leaves of it (the views' copies change for a level of other resources: counted again)."""
+        if water.keys() != self.water.keys():
             self.water = dict(water)
             self.version += 1
+        elif any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
+            old, self.water = self.water, dict(water)
+            for view in views:
+                if view is not None and view.version == self.version and view.allocatable and self._recapped(view, old):
+                    view.room_changed()
+
+    def _recapped(self, view: NodeView, old: Mapping[str, float]) -> bool:
+        """Whether the view's room capped at the level now differs from it capped at `old`."""
+        return capped(view.left, view.allocatable, old) != capped(view.left, view.allocatable, self.water)
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
         """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""

@@ -373,3 +373,40 @@ def test_a_gpu_pod_takes_the_cpu_that_kube_schedulers_pods_without_claims_would_
     # is no level: both nodes feed their free GPUs, and binpack's order (the used node) decides.
     assert node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen=False) == "n2"
     assert node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen=True) == "n1"
+
+
+def test_the_cpu_claims_ask_per_gpu_counts_claims_only_a_later_kind_of_node_can_take():
+    # n1's GPUs are not of the model the claims ask for by name; n2's are. Each claim takes one
+    # whole GPU of n2 and its pod 10 CPUs: 10 CPUs per GPU, though the first kind takes none.
+    slices = h100_slices("n1", "n2")
+    for s in slices:
+        if s["spec"]["nodeName"] == "n2":
+            for device in s["spec"].get("devices", []):
+                device["attributes"]["productName"] = {"string": "Scarce"}
+    pods_of: dict[str, list[PodNeeds]] = {}
+    room = room_for({"n1": 100, "n2": 100}, pods_of)
+    cluster = allocator(slices, policy="fragmentation")
+    scarce = f'device.attributes["{DRIVER}"].productName == "Scarce"'
+    for i in range(4):
+        cluster.allocate(using_pod(pods_of, claim(f"r{i}", exactly("gpu.fgpu.dev", selector=scarce)), 10), room=room)
+    learned = cluster._fragmentation
+    assert learned is not None
+    assert learned.claims_per_gpu(cluster._node_kinds(room)) == {CPU: pytest.approx(10.0)}
+
+
+def test_a_new_level_recounts_only_the_rooms_it_caps_otherwise():
+    # Level 60% then 55% of 100 CPUs: a room of 50 CPUs left is under both (its copies and scores
+    # stand), one of 80 was capped at 60 and is now capped at 55 (counted again); a level of
+    # other resources counts every view again.
+    learned = fragmentation.Fragmentation()
+    learned.flood({CPU: 0.6}, [])
+    version = learned.version
+
+    def counted(left: int) -> fragmentation.NodeView:
+        return fragmentation.NodeView([], (), version=version, left={CPU: left}, allocatable={CPU: 100.0})
+
+    under, over = counted(50), counted(80)
+    learned.flood({CPU: 0.55}, [under, over, None])
+    assert (learned.version, under.version, over.version) == (version, version, -1)
+    learned.flood({CPU: 0.55, MEMORY: 0.5}, [under])
+    assert learned.version == version + 1
