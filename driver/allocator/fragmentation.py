@@ -84,8 +84,11 @@ SCARCE_SUPPLY = 0.5
 WHOLE_NODE_SHARE = 0.9
 WHOLE_NODE_PRIOR = 1.0
 # A level the rooms are capped at (water_level.py) is taken again where it moved by this share of
-# allocatable: each new level counts every node's room again.
+# allocatable: each new level counts the rooms it caps otherwise again.
 LEVEL_STEP = 0.02
+# Nodes alike (the same GPU states, room and copies) share what is scored on them (room_copies): at
+# most this many kinds are remembered, then they are forgotten and learned again (memory).
+ALIKE_LIMIT = 8192
 PODS = "pods"  # the pod count, as PodRoom.needs and PodRoom.left name it
 
 # request_key: () for a claim without requests, else (class, selectors, count, capacity asked, sorted).
@@ -253,6 +256,7 @@ class NodeView:
     left: Mapping[str, float] = field(default_factory=dict)  # the room's resources left
     allocatable: Mapping[str, float] = field(default_factory=dict)  # the room's, where Fragmentation.water caps it
     slack: dict[str, float] = field(default_factory=dict)  # resource -> what a claim may take leaving `copies` as is
+    # what the two below keep is shared by the views counted alike (Fragmentation._scored_alike)
     after: dict[Needs, tuple[int, ...]] = field(default_factory=dict)  # a claim's pods' needs -> copies after
     scored: dict[int, Choice | None] = field(default_factory=dict)  # this mix's choices by Fragmentation.asked
     hosts: dict[RequestKey, bool] = field(default_factory=dict)  # request -> enough units could take it
@@ -288,7 +292,11 @@ class Fragmentation:
     _states: list[tuple[Unit, UnitState, float]] = field(default_factory=list)  # id -> unit, state, free share
     _usable: dict[tuple[int, RequestKey], int | None] = field(default_factory=dict)  # -> device index
     _vectors: dict[int, tuple[bool, ...]] = field(default_factory=dict)  # id -> usable by each mix shape
+    _unusables: dict[int, tuple[float, ...]] = field(default_factory=dict)  # id -> free share each can't use
     _amounts: dict[Hashable, float] = field(default_factory=dict)
+    # (unit ids, room left, allocatable, copies) -> the memos (NodeView.after, NodeView.scored) of
+    # the views counted so for this mix and level
+    _alike: dict[Hashable, tuple[dict[Needs, tuple[int, ...]], dict[int, Choice | None]]] = field(default_factory=dict)
     _choices: dict[Hashable, Choice | None] = field(default_factory=dict)
     _matches: dict[Hashable, tuple[bool, ...]] = field(default_factory=dict)  # (unit kind, request) -> per device
     census: dict[Hashable, tuple[Unit, int]] = field(default_factory=dict)  # the cluster's units: kind -> one, count
@@ -388,7 +396,9 @@ class Fragmentation:
         self.mix = mix
         self.version += 1
         self._vectors.clear()
+        self._unusables.clear()
         self._amounts.clear()
+        self._alike.clear()
         self._choices.clear()
         self._scarcity.clear()
         self._shares.clear()
@@ -475,8 +485,10 @@ class Fragmentation:
         if water.keys() != self.water.keys():
             self.water = dict(water)
             self.version += 1
+            self._alike.clear()
         elif any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
             old, self.water = self.water, dict(water)
+            self._alike.clear()  # what was scored under the old level
             for view in views:
                 if view is not None and view.version == self.version and view.allocatable and self._recapped(view, old):
                     view.room_changed()
@@ -568,6 +580,14 @@ class Fragmentation:
             )
         return found
 
+    def _unusable(self, allocator: Callable[[], NodeAllocator], uid: int) -> tuple[float, ...]:
+        """Per shape of the mix, the unit's free share where the shape cannot use it, else 0."""
+        found = self._unusables.get(uid)
+        if found is None:
+            free = self._states[uid][2]
+            found = self._unusables[uid] = tuple(0.0 if ok else free for ok in self._vector(allocator, uid))
+        return found
+
     def share(self, allocator: Callable[[], NodeAllocator], unit: Unit, shape: Shape) -> float | None:
         """The share of a free unit of this kind that one device of the shape's request takes, or
         None where the request can use none of its devices."""
@@ -617,9 +637,21 @@ class Fragmentation:
                     slack[name] = min(slack.get(name, 0.0), view.left.get(name, 0.0) - count * value)
             copies.append(count)
         view.copies, view.slack, view.version = tuple(copies), slack, self.version
-        view.after.clear()
-        view.scored.clear()
+        view.after, view.scored = self._scored_alike(view)
         return view.copies
+
+    def _scored_alike(self, view: NodeView) -> tuple[dict[Needs, tuple[int, ...]], dict[int, Choice | None]]:
+        """The memos of a view just counted: those of the views counted alike (what copies_after and
+        score find depends on nothing else: the slack too follows from the room and copies), so
+        each kind of node is scored once per claim shape, not each node (most nodes of a kind are
+        empty or full alike)."""
+        alike = (view.ids, tuple(view.left.items()), tuple(view.allocatable.items()), view.copies)
+        found = self._alike.get(alike)
+        if found is None:
+            if len(self._alike) >= ALIKE_LIMIT:
+                self._alike.clear()
+            found = self._alike[alike] = ({}, {})
+        return found
 
     def copies_after(self, view: NodeView, needs: Needs) -> tuple[int, ...]:
         """view.copies once a claim's pods (`needs`, sorted pairs) run on the node (room_copies first)."""
@@ -650,22 +682,18 @@ class Fragmentation:
         found = self._amounts.get(memo)
         if found is not None:
             return found
-        free = [self._states[u][2] for u in ids]
-        vectors = [self._vector(allocator, u) for u in ids]
+        total = sum(self._states[u][2] for u in ids)
+        # per shape: how many of the units could take it, and the free share of those that could not
+        usable = _column_sums([self._vector(allocator, u) for u in ids], len(self.mix))
+        unusable = _column_sums([self._unusable(allocator, u) for u in ids], len(self.mix))
         shares = self._shares_on(allocator, ids)
-        total = sum(free)
         amount = 0.0
         for j, (shape, count, share) in enumerate(zip(self.mix, copies, shares, strict=True)):
             stranded = max(0.0, total - count * devices_asked(shape.key) * share) if share else 0.0
             if not count:
                 amount += shape.weight * (total + stranded)
             elif shape.key:
-                usable = sum(1 for v in vectors if v[j])
-                wasted = (
-                    total
-                    if usable < devices_asked(shape.key)
-                    else sum(f for f, v in zip(free, vectors, strict=True) if not v[j])
-                )
+                wasted = total if usable[j] < devices_asked(shape.key) else unusable[j]
                 amount += shape.weight * (wasted + stranded)
         self._amounts[memo] = amount
         return amount
@@ -763,6 +791,11 @@ def supply_weight(fit: int, usable: int) -> float:
     """A shape's weight per claim: usable / fit where its pods fit nodes holding under SCARCE_SUPPLY
     of the GPUs its request could use (`fit`, `usable`: GPUs), else 1."""
     return usable / fit if 0 < fit < SCARCE_SUPPLY * usable else 1.0
+
+
+def _column_sums(rows: Sequence[tuple[float, ...]], width: int) -> list[float]:
+    """Per column of `rows` (each `width` long), its sum (zip and sum in C: amount()'s inner loop)."""
+    return [sum(column) for column in zip(*rows, strict=True)] if rows else [0.0] * width
 
 
 def _how_many(left: Mapping[str, float], needs: Needs) -> int:

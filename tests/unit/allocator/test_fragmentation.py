@@ -410,3 +410,20 @@ def test_a_new_level_recounts_only_the_rooms_it_caps_otherwise():
     assert (learned.version, under.version, over.version) == (version, version, -1)
     learned.flood({CPU: 0.55, MEMORY: 0.5}, [under])
     assert learned.version == version + 1
+
+
+def test_nodes_alike_share_their_scores_until_a_pod_makes_one_differ():
+    # n1 and n2 empty and alike: a claim scored on one is scored on both. A pod without claims
+    # landing on n2 makes its room differ; it is scored afresh, n1 keeps what it had.
+    pods_of: dict[str, list[PodNeeds]] = {}
+    room = room_for({"n1": 100, "n2": 100}, pods_of)
+    cluster = allocator(h100_slices("n1", "n2"), policy="fragmentation")
+    for i in range(20):
+        cluster.allocate(using_pod(pods_of, claim(f"seen{i}", exactly("gpu.fgpu.dev")), 10), room=room)
+    n1, n2 = cluster._views["n1"], cluster._views["n2"]
+    assert n1 is not None and n2 is not None and n1.scored and n1.scored is n2.scored
+    room.take(Placement(using_pod(pods_of, claim("by-kube-scheduler"), 40), "n2", {"devices": {"results": []}}))
+    cluster.pods_changed(["n2"])
+    kept = dict(n1.scored)
+    cluster.allocate(using_pod(pods_of, claim("next", exactly("gpu.fgpu.dev")), 10), room=room)
+    assert n1.scored is not n2.scored and n1.scored == kept and n2.scored.keys() == kept.keys()
