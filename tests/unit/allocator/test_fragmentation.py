@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from fractions import Fraction
+from typing import Any
 
 import pytest
 
@@ -100,15 +101,24 @@ def test_a_pod_goes_where_the_cpu_it_leaves_still_feeds_every_free_gpu():
     assert chosen == {"fragmentation": "n2", "binpack": "n1"}
 
 
-def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_claims_come():
-    # n2's GPUs are of a model some claims ask for by name; GPU 0 of n2 has 35% of its compute
-    # left. F alone fills that hole with a 32% share; with 32% shares restricted to n2's model in
-    # the mix, the share goes to n1's GPUs, which those claims cannot use.
+SCARCE = f'device.attributes["{DRIVER}"].productName == "Scarce"'  # a claim's selector for n2's GPUs
+
+
+def scarce_on_n2() -> list[dict[str, Any]]:
+    """Two H100 nodes' slices, n2's GPUs of a model claims ask for by name (SCARCE)."""
     slices = h100_slices("n1", "n2")
     for s in slices:
         if s["spec"]["nodeName"] == "n2":
             for device in s["spec"].get("devices", []):
                 device["attributes"]["productName"] = {"string": "Scarce"}
+    return slices
+
+
+def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_claims_come():
+    # n2's GPUs are of a model some claims ask for by name; GPU 0 of n2 has 35% of its compute
+    # left. F alone fills that hole with a 32% share; with 32% shares restricted to n2's model in
+    # the mix, the share goes to n1's GPUs, which those claims cannot use.
+    slices = scarce_on_n2()
     hole = allocator(slices, policy="first-fit").allocate(mps("hole", 65), nodes=["n2"])
     assert isinstance(hole, Placement) and devices(hole) == ["gpu-0-mps"]
     nodes = {}
@@ -117,8 +127,7 @@ def test_a_share_keeps_off_gpus_that_restricted_claims_can_use_only_when_such_cl
         for i in range(20):
             cluster.allocate(claim(f"whole{i}", exactly("gpu.fgpu.dev")))
             if restricted:
-                scarce = f'device.attributes["{DRIVER}"].productName == "Scarce"'
-                cluster.allocate(claim(f"r{i}", exactly("mps.gpu.fgpu.dev", selector=scarce, capacity=COMPUTE_32)))
+                cluster.allocate(claim(f"r{i}", exactly("mps.gpu.fgpu.dev", selector=SCARCE, capacity=COMPUTE_32)))
             else:
                 cluster.allocate(mps(f"s{i}", 32))
         nodes[restricted] = place(cluster, mps("x", 32)).node
@@ -378,17 +387,12 @@ def test_a_gpu_pod_takes_the_cpu_that_kube_schedulers_pods_without_claims_would_
 def test_the_cpu_claims_ask_per_gpu_counts_claims_only_a_later_kind_of_node_can_take():
     # n1's GPUs are not of the model the claims ask for by name; n2's are. Each claim takes one
     # whole GPU of n2 and its pod 10 CPUs: 10 CPUs per GPU, though the first kind takes none.
-    slices = h100_slices("n1", "n2")
-    for s in slices:
-        if s["spec"]["nodeName"] == "n2":
-            for device in s["spec"].get("devices", []):
-                device["attributes"]["productName"] = {"string": "Scarce"}
+    slices = scarce_on_n2()
     pods_of: dict[str, list[PodNeeds]] = {}
     room = room_for({"n1": 100, "n2": 100}, pods_of)
     cluster = allocator(slices, policy="fragmentation")
-    scarce = f'device.attributes["{DRIVER}"].productName == "Scarce"'
     for i in range(4):
-        cluster.allocate(using_pod(pods_of, claim(f"r{i}", exactly("gpu.fgpu.dev", selector=scarce)), 10), room=room)
+        cluster.allocate(using_pod(pods_of, claim(f"r{i}", exactly("gpu.fgpu.dev", selector=SCARCE)), 10), room=room)
     learned = cluster._fragmentation
     assert learned is not None
     assert learned.claims_per_gpu(cluster._node_kinds(room)) == {CPU: pytest.approx(10.0)}
