@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 from testbed.cluster.harness import Cluster
 from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.kueue_manager import KueueManager
-from testbed.workloads import REPORT, delete_namespace, report
+from testbed.workloads import REPORT, delete_namespace, report, wait_for
 from tests.support import ROOT
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
@@ -134,10 +135,26 @@ def on_test_bed(document: dict[str, Any], node: str, queue: str | None = "gpus")
 
 
 def create(dynamic: Any, namespace: str, documents: list[dict[str, Any]]) -> None:
-    """Create the documents, of any kind, in the namespace (`dynamic`: a kubernetes DynamicClient)."""
+    """Create the documents, of any kind, in the namespace (`dynamic`: a kubernetes DynamicClient),
+    in order. An operator's admission webhook reads what an object refers to from its informer's
+    cache, which may not hold an object created a moment before (Trainer's refuses a TrainJob whose
+    TrainingRuntime it has not seen yet): a create refused for something not found is tried again
+    until the cache holds it (30 s)."""
     for document in documents:
         resource = dynamic.resources.get(api_version=document["apiVersion"], kind=document["kind"])
+        wait_for(functools.partial(_created, resource, document, namespace), timeout=30.0, interval=0.5)
+
+
+def _created(resource: Any, document: dict[str, Any], namespace: str) -> bool:
+    """Whether the document was created now; False where a webhook refused it for something not
+    found (yet), any other refusal raised."""
+    try:
         resource.create(body=document, namespace=namespace)
+    except kubernetes.dynamic.exceptions.ForbiddenError as refused:
+        if "not found" not in str(refused.body):
+            raise
+        return False
+    return True
 
 
 def read(dynamic: Any, namespace: str, document: dict[str, Any]) -> dict[str, Any]:
