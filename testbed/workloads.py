@@ -132,8 +132,17 @@ def wait_until(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S, i
 def delete_namespace(core: kubernetes.client.CoreV1Api, name: str) -> None:
     """Delete a namespace and wait until it is gone: a later test that creates objects in a namespace of
     the same name is refused while this one is still terminating."""
+    delete_namespaces(core, [name])
 
-    def gone() -> bool:
+
+def delete_namespaces(core: kubernetes.client.CoreV1Api, names: list[str]) -> None:
+    """Delete namespaces together and wait until all are gone. Their pods are deleted at once too: the
+    namespace controller starts on a deleted namespace only after 5 s (its grace for API servers that
+    have not seen the deletion yet), and then the pods' stopping was most of the wait (pods gone 8.5 s
+    after the deletion, the namespace 10.7 s). A terminating namespace takes no new pods, so no
+    workload controller puts them back."""
+
+    def gone(name: str) -> bool:
         try:
             core.read_namespace(name)
         except kubernetes.client.ApiException as err:
@@ -142,12 +151,14 @@ def delete_namespace(core: kubernetes.client.CoreV1Api, name: str) -> None:
             raise
         return False
 
-    try:
-        core.delete_namespace(name)
-    except kubernetes.client.ApiException as err:
-        if err.status != 404:
-            raise
-    wait_until(f"namespace {name} gone", gone, timeout_s=120)
+    for name in names:
+        try:
+            core.delete_namespace(name)
+            core.delete_collection_namespaced_pod(name)
+        except kubernetes.client.ApiException as err:
+            if err.status != 404:
+                raise
+    wait_until(f"namespaces {', '.join(names)} gone", lambda: all(gone(name) for name in names), timeout_s=120)
 
 
 def pod_events(core: kubernetes.client.CoreV1Api, name: str, namespace: str = NS) -> list[str]:

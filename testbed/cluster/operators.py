@@ -4,7 +4,7 @@ Kubeflow Trainer v2 (its TrainJobs become JobSets: it needs JobSet running) and 
 build.sh from operators/ (KubeRay from operators/kuberay/) with their CRDs and webhook manifests in
 <name>-config/. They copy pod templates into the pods they create through their own Go types:
 k8s.io/api v0.36.2 (v0.35.0 for KubeRay) keeps spec.resourceClaims, which a k8s.io/api older than
-v0.31 drops without a word (tests/e2e/test_frameworks.py checks the pods still carry their claims).
+v0.31 drops without a word (tests/e2e/frameworks/test_frameworks.py checks the pods still carry their claims).
 
 Their webhooks are called by kube-apiserver at https://127.0.0.1:<port> with a certificate made
 here: each operator's own certificate management (a Secret it fills and a caBundle it injects into

@@ -1,6 +1,5 @@
 """Fixtures of the end-to-end tests: the plugin on the module's real node, what a test created,
-two fake nodes with plugins, kubelet stand-ins and a controller, and the workload operators
-(JobSet, LeaderWorkerSet, Kubeflow Trainer, KubeRay) for the modules that ask for them."""
+two fake nodes with plugins, kubelet stand-ins and a controller."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import pytest
 from testbed.cluster.harness import free_port
 from testbed.cluster.kubelet_standin import KubeletStandIn
 from testbed.cluster.node import RealNode
-from testbed.cluster.operators import JOBSET, KUBERAY, LWS, TRAINER, HostOperator, OperatorSpec
 from testbed.node_plugin import NodePlugin
 from testbed.plugin_process import PluginUnderTest
 from testbed.workloads import NS, wait_for, wait_until
@@ -116,34 +114,3 @@ def _forget_controlled_nodes(cluster, resource_api: kubernetes.client.ResourceV1
         for found in resource_api.list_resource_slice(field_selector=f"spec.nodeName={node}").items:
             with contextlib.suppress(kubernetes.client.ApiException):
                 resource_api.delete_resource_slice(found.metadata.name)
-
-
-def _operator(cluster, spec: OperatorSpec, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostOperator]:
-    """The operator on the host for one module; stop() takes out its CRDs, with every object of
-    theirs the module left, and its webhook configurations."""
-    operator = HostOperator(cluster, spec, tmp_path_factory.mktemp(spec.name)).start()
-    try:
-        yield operator
-    finally:
-        operator.stop()
-
-
-@pytest.fixture(scope="module")
-def jobset_operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
-    yield from _operator(cluster, JOBSET, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def lws_operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
-    yield from _operator(cluster, LWS, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def trainer_operator(cluster, jobset_operator, tmp_path_factory) -> Iterator[HostOperator]:
-    """Trainer v2 runs TrainJobs as JobSets: JobSet's operator runs first and stops after it."""
-    yield from _operator(cluster, TRAINER, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def kuberay_operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
-    yield from _operator(cluster, KUBERAY, tmp_path_factory)

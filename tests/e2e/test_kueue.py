@@ -20,7 +20,7 @@ from kubernetes.utils import parse_quantity
 from driver.scheduling.opt_in import OPT_IN_LABEL, SCHEDULING_GATE
 from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.kueue_manager import KueueManager
-from testbed.workloads import delete_namespace, wait_until
+from testbed.workloads import delete_namespaces, wait_until
 from tests.support import ROOT
 from tests.support.controller import CONTROLLER, by_kube_scheduler
 
@@ -66,8 +66,7 @@ def teams(cluster, kueue, real_node, node_plugin) -> Iterator[Teams]:
                 kubernetes.utils.create_from_dict(client, template, namespace=team)
         yield Teams(cluster, real_node.name)
     finally:
-        for team in TEAMS:
-            delete_namespace(core, team)  # its Jobs, Workloads and LocalQueue with it, while Kueue runs
+        delete_namespaces(core, list(TEAMS))  # their Jobs, Workloads and LocalQueues with them, while Kueue runs
         for obj in reversed(queues):
             if "namespace" not in obj["metadata"]:
                 _delete(custom, obj)

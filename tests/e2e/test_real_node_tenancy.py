@@ -22,7 +22,7 @@ from driver.node.settings import MOCK_DRIVER_ROOT
 from testbed.node_plugin import NodePlugin
 from testbed.workloads import (
     claim_template,
-    delete_namespace,
+    delete_namespaces,
     pod,
     pod_events,
     report,
@@ -44,8 +44,7 @@ def tenants(core_api) -> Iterator[tuple[str, str]]:
     try:
         yield names
     finally:
-        for name in names:
-            delete_namespace(core_api, name)
+        delete_namespaces(core_api, list(names))
 
 
 def mps_pod(cluster, namespace: str, node: str, gpu: int) -> str:

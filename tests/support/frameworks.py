@@ -21,7 +21,7 @@ import yaml
 from testbed.cluster.harness import Cluster
 from testbed.cluster.images import BUSYBOX_IMAGE
 from testbed.cluster.kueue_manager import KueueManager
-from testbed.workloads import REPORT, delete_namespace, report, wait_for
+from testbed.workloads import REPORT, delete_namespaces, report, wait_for
 from tests.support import ROOT
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
@@ -105,9 +105,9 @@ def queues(cluster: Cluster, queues_by_namespace: dict[str, dict[str, Any]],
             custom.create_namespaced_custom_object(*KUEUE, namespace, "localqueues", local)
         yield
     finally:
-        for plural, name in sorted(reversed(made), key=lambda m: m[0] != "namespaces"):  # namespaces first
+        delete_namespaces(core, [name for plural, name in made if plural == "namespaces"])
+        for plural, name in reversed(made):
             if plural == "namespaces":
-                delete_namespace(core, name)
                 continue
             try:
                 custom.delete_cluster_custom_object(*KUEUE, plural, name)
@@ -117,7 +117,7 @@ def queues(cluster: Cluster, queues_by_namespace: dict[str, dict[str, Any]],
 
 
 def on_test_bed(document: dict[str, Any], node: str, queue: str | None = "gpus") -> dict[str, Any]:
-    """A framework example as the test bed runs it (as tests/e2e/test_framework_examples.py does):
+    """A framework example as the test bed runs it (as tests/e2e/frameworks/test_framework_examples.py does):
     every container on busybox reporting what it sees, then sleeping, on the real node; the job
     kinds labelled for the LocalQueue `queue`; all else as shipped."""
     document = copy.deepcopy(document)
