@@ -302,6 +302,7 @@ class Fragmentation:
     census: dict[Hashable, tuple[Unit, int]] = field(default_factory=dict)  # the cluster's units: kind -> one, count
     _scarcity: dict[Hashable, float] = field(default_factory=dict)  # unit kind -> scarcity (this mix and census)
     _shares: dict[tuple[Hashable, RequestKey], float | None] = field(default_factory=dict)  # -> share of a unit
+    _shares_by_kinds: dict[tuple[Hashable, ...], list[float | None]] = field(default_factory=dict)  # _shares_on's
     _asks: dict[tuple[RequestKey, Needs], int] = field(default_factory=dict)
     _counted: set[tuple[str, str]] = field(default_factory=set)  # claims counted in the mix: key, uid
     _waited: set[tuple[RequestKey | None, Hashable]] = field(default_factory=set)  # shapes waits() asked about
@@ -402,6 +403,7 @@ class Fragmentation:
         self._choices.clear()
         self._scarcity.clear()
         self._shares.clear()
+        self._shares_by_kinds.clear()
 
     def _whole_nodes(self, kinds: Sequence[NodeKind]) -> list[tuple[float, Shape, float]]:
         """The prior (see the module's doc): per kind of node with several GPUs, a claim for all of
@@ -604,14 +606,18 @@ class Fragmentation:
         return self._shares[memo]
 
     def _shares_on(self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...]) -> list[float | None]:
-        """Per shape of the mix, the share of a unit of the node's it takes per device (None: none)."""
-        units = list({self._states[u][0].kind: self._states[u][0] for u in ids}.values())
-        shares: list[float | None] = []
-        for shape in self.mix:
-            found = None
-            if shape.key:
-                found = next((f for f in (self.share(allocator, u, shape) for u in units) if f), None)
-            shares.append(found)
+        """Per shape of the mix, the share of a unit of the node's it takes per device (None: none);
+        kept by the node's kinds of unit (its units' states do not matter)."""
+        units = {self._states[u][0].kind: self._states[u][0] for u in ids}
+        kinds = tuple(units)
+        shares = self._shares_by_kinds.get(kinds)
+        if shares is None:
+            shares = self._shares_by_kinds[kinds] = []
+            for shape in self.mix:
+                found = None
+                if shape.key:
+                    found = next((f for f in (self.share(allocator, u, shape) for u in units.values()) if f), None)
+                shares.append(found)
         return shares
 
     def room_copies(
@@ -677,7 +683,10 @@ class Fragmentation:
 
     def amount(self, allocator: Callable[[], NodeAllocator], ids: tuple[int, ...], copies: tuple[int, ...]) -> float:
         """F: the mix's weighted free share on units that are fragments for it, and (stranding) the
-        free share beyond what as many pods of the shape as the room takes would use."""
+        free share beyond what as many pods of the shape as the room takes would use. It does not
+        depend on the units' order: summed in one order (sorted ids), units of a state score alike
+        to the last bit wherever they sit."""
+        ids = tuple(sorted(ids))
         memo = (ids, copies)
         found = self._amounts.get(memo)
         if found is not None:
@@ -757,16 +766,17 @@ class Fragmentation:
             # Each unit that could take the request: (rise in F + scarcity cost, position, state
             # after, scarcity cost), best first (ties: a GPU in use before a free one, then the
             # least left after it: best fit).
-            request, options = claim.requests[0][0], []
+            # A unit's option follows from its state alone (F does not depend on the units' order),
+            # so the units of a state (a node's free GPUs, say) are scored once.
+            options: list[tuple[float, int, int, float]] = []
+            by_state: dict[int, tuple[float, int, float] | None] = {}
             for position, uid in enumerate(view.ids):
-                index = self._usable_device(allocator, uid, claim, key)
-                if index is None:
-                    continue
-                unit, state, free_before = self._states[uid]
-                new = self._id(unit, after(unit, state, index, takes(unit, state, index, request) or {}))
-                ids = (*view.ids[:position], new, *view.ids[position + 1 :])
-                cost = SCARCITY_WEIGHT * (free_before - self._states[new][2]) * self.scarcity(allocator, unit)
-                options.append((self.amount(allocator, ids, copies_after) - before + cost, position, new, cost))
+                if uid not in by_state:
+                    by_state[uid] = self._option(allocator, view.ids, position, claim, key, copies_after, before)
+                found = by_state[uid]
+                if found is not None:
+                    rise, new, cost = found
+                    options.append((rise, position, new, cost))
             free = [self._states[u][2] for u in view.ids]
             options.sort(key=lambda o: (o[0], free[o[1]] == 1.0, self._states[o[2]][2], o[1]))
             count = devices_asked(key)
@@ -785,6 +795,28 @@ class Fragmentation:
                 choice = Choice(score, chosen, near if count == 1 else ())
         self._choices[memo] = choice
         return choice
+
+    def _option(
+        self,
+        allocator: Callable[[], NodeAllocator],
+        ids: tuple[int, ...],
+        position: int,
+        claim: Claim,
+        key: RequestKey,
+        copies_after: tuple[int, ...],
+        before: float,
+    ) -> tuple[float, int, float] | None:
+        """The claim on the unit at `position` (choose()): the rise in F plus the scarcity cost, the
+        unit's state after and that cost; None where the unit could not take it."""
+        uid = ids[position]
+        index = self._usable_device(allocator, uid, claim, key)
+        if index is None:
+            return None
+        unit, state, free_before = self._states[uid]
+        new = self._id(unit, after(unit, state, index, takes(unit, state, index, claim.requests[0][0]) or {}))
+        cost = SCARCITY_WEIGHT * (free_before - self._states[new][2]) * self.scarcity(allocator, unit)
+        ids_after = (*ids[:position], new, *ids[position + 1 :])
+        return self.amount(allocator, ids_after, copies_after) - before + cost, new, cost
 
 
 def supply_weight(fit: int, usable: int) -> float:

@@ -237,6 +237,10 @@ class NodeRoom:
         self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
         self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
         self._admitted: dict[tuple[str, str], bool] = {}  # (claim key, node) -> admits()
+        # left() and allocatable() in floats, kept per node until its pods change (read often: the
+        # fragmentation policy reads every node's room each time it sets its level)
+        self._left: dict[str, Mapping[str, float]] = {}
+        self._allocatable: dict[str, Mapping[str, float]] = {}
         for node, pod in running:
             if node in self.nodes:
                 self._count(node, pod)
@@ -301,15 +305,25 @@ class NodeRoom:
             )
         return found
 
-    def allocatable(self, node: str) -> dict[str, float]:
+    def allocatable(self, node: str) -> Mapping[str, float]:
         """What the node holds for pods, per allocatable resource (`pods`: how many); nothing for a
         node without facts."""
-        facts = self.nodes.get(node)
-        return {name: float(value) for name, value in facts.allocatable.items()} if facts is not None else {}
+        found = self._allocatable.get(node)
+        if found is None:
+            facts = self.nodes.get(node)
+            found = {name: float(value) for name, value in facts.allocatable.items()} if facts is not None else {}
+            self._allocatable[node] = found
+        return found
 
-    def left(self, node: str) -> dict[str, float]:
+    def left(self, node: str) -> Mapping[str, float]:
         """What the node has left for pods, per allocatable resource (`pods`: how many more); nothing
         for a node without facts (no Node object: no pod is placed there)."""
+        found = self._left.get(node)
+        if found is None:
+            found = self._left[node] = self._left_now(node)
+        return found
+
+    def _left_now(self, node: str) -> dict[str, float]:
         facts = self.nodes.get(node)
         if facts is None:
             return {}
@@ -360,12 +374,14 @@ class NodeRoom:
         if pod.name not in self.counted[node]:
             _add(self.requested[node], pod.requests)
             self.counted[node].add(pod.name)
+            self._left.pop(node, None)
 
     def give_back(self, placement: Placement) -> None:
         for pod in self.pods_of.get(placement.claim.key, ()):
             if pod.name in self.counted.get(placement.node, ()):
                 _add(self.requested[placement.node], {k: -v for k, v in pod.requests.items()})
                 self.counted[placement.node].discard(pod.name)
+                self._left.pop(placement.node, None)
 
     def why_not(self, claim: Claim, nodes: Sequence[str]) -> str:
         pods = self.pods_of.get(claim.key, ())

@@ -431,3 +431,25 @@ def test_nodes_alike_share_their_scores_until_a_pod_makes_one_differ():
     kept = dict(n1.scored)
     cluster.allocate(using_pod(pods_of, claim("next", exactly("gpu.fgpu.dev")), 10), room=room)
     assert n1.scored is not n2.scored and n1.scored == kept and n2.scored.keys() == kept.keys()
+
+
+def test_f_of_a_node_does_not_depend_on_where_its_gpus_states_sit():
+    # choose() scores each state of GPU once, so F must be the same, to the last bit, for the
+    # node's GPUs in any order: two free GPUs are then picked by position, not by rounding.
+    cluster = allocator(h100_slices("n1"), policy="fragmentation")
+    for i, compute in enumerate((30, 70, 30, 10, 50, 30)):
+        place(cluster, mps(f"s{i}", compute))
+    for i in range(40):
+        cluster.allocate(mps(f"seen{i}", 20 + 10 * (i % 3)))  # asked, not placed: the mix
+    view = cluster._view("n1")
+    assert view is not None and len(set(view.ids)) > 2
+    learned, node = cluster._fragmentation, functools.partial(cluster.node_allocator, "n1")
+    assert learned is not None and learned.mix
+    copies = tuple(1 for _ in learned.mix)
+    ids = list(view.ids)
+    amounts = set()
+    for seed in range(20):
+        random.Random(seed).shuffle(ids)
+        learned._amounts.clear()
+        amounts.add(learned.amount(node, tuple(ids), copies))
+    assert len(amounts) == 1

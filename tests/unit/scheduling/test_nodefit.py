@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from driver.allocator.model import Placement
 from driver.scheduling.nodefit import NodeFacts, NodeRoom, PodNeeds, pod_requests, summary, unfit_reasons
 from tests.support.allocation import claim
 
@@ -201,3 +202,15 @@ def test_a_room_names_the_nodes_whose_facts_or_pods_differ_from_an_earlier_rooms
     # a: its pod finished; b: its pod resized; c: allocatable changed; d gone, e new.
     assert after.changed_since(before) == {"a", "b", "c", "d", "e"}
     assert NodeRoom([node("a"), node("b")], {}, [("a", web)]).changed_since(before) == {"b", "c", "d"}
+
+
+def test_what_a_node_has_left_follows_the_pods_counted_and_given_back_there():
+    # left() is kept per node: a claim's pods taken there or given back are read at once.
+    room = NodeRoom([node("a"), node("b")], {"ns/web": [PodNeeds("ns/w", {"cpu": Fraction(3, 2)})]})
+    assert room.left("a")["cpu"] == 4.0 and room.left("a")["pods"] == 110.0
+    placed = Placement(claim("web"), "a", {})
+    room.take(placed)
+    assert room.left("a")["cpu"] == 2.5 and room.left("a")["pods"] == 109.0
+    assert room.left("b")["cpu"] == 4.0
+    room.give_back(placed)
+    assert room.left("a")["cpu"] == 4.0 and room.allocatable("a")["cpu"] == 4.0
