@@ -241,6 +241,11 @@ def cluster(
         slices.extend(slice_from_object(o) for o in json.loads(copied))
     device_classes = {c.name: c for c in map(class_from_object, classes())}
     allocator = ClusterAllocator(Snapshot.from_slices(slices), device_classes, AllocatedState(), policy)
+    return allocator, pod_room(nodes, names, pods_of), names
+
+
+def pod_room(nodes: Sequence[TraceNode], names: Sequence[str], pods_of: dict[str, list[PodNeeds]]) -> NodeRoom:
+    """The nodes' room for pods (CPU, memory, pod count), by the names the run gives them."""
     facts = [
         NodeFacts(
             name,
@@ -252,7 +257,7 @@ def cluster(
         )
         for name, node in zip(names, nodes, strict=True)
     ]
-    return allocator, NodeRoom(facts, pods_of), names
+    return NodeRoom(facts, pods_of)
 
 
 def share_compute(gpu_milli: int) -> int:

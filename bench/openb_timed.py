@@ -46,6 +46,7 @@ from bench.openb import (
     cluster,
     node_names,
     pod_needs,
+    pod_room,
     read_nodes,
     read_pods,
     seeds,
@@ -293,9 +294,13 @@ class FgpuPlacer:
 
 
 class ReplicaPlacer:
-    """The FGD or BestFit replica (bench/openb_replica.py): its nodes, scores and memo."""
+    """The FGD or BestFit replica (bench/openb_replica.py): its nodes, scores and memo. With
+    `cpu_pods` other than "policy", kube-scheduler's stand-in places the CPU-only pods, as where
+    fgpu is deployed: its room for pods counts every pod, the replica's too."""
 
-    def __init__(self, nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, policy: str) -> None:
+    def __init__(
+        self, nodes: Sequence[TraceNode], pods: Sequence[TracePod], seed: int, policy: str, cpu_pods: CpuPods = "policy"
+    ) -> None:
         self.cluster: list[Node] = build_nodes(nodes, seed)
         self.index = {node.name: i for i, node in enumerate(self.cluster)}
         self.scorer = Scorer("fgd" if policy == "fgd" else "bestfit")
@@ -303,17 +308,39 @@ class ReplicaPlacer:
             self.scorer.set_typical(typical_pods(map(spec_of, pods), nodes=nodes))
         self.kept: list[dict[tuple[Spec, int], tuple[float, list[int]] | None]] = [{} for _ in self.cluster]
         self.placed: dict[str, tuple[int, list[int]]] = {}
+        self.pods_of: dict[str, list[PodNeeds]] = {}
+        self.scheduler: KubeScheduler | None = None
+        if cpu_pods != "policy":
+            names = node_names(nodes, seed)
+            room = pod_room(nodes, names, self.pods_of)
+            self.scheduler = KubeScheduler(room, cpu_pods, sorted(names), random.Random(seed))
 
     def place(self, pod: TracePod) -> Spot | None:
         spec = spec_of(pod)
-        chosen = replica_choose(self.cluster, self.kept, self.scorer, pod, spec, "name", None)  # type: ignore[arg-type]
+        if self.scheduler is not None and not pod.num_gpu:
+            node = self.scheduler.node(self._claim(pod))
+            chosen = None if node is None else (self.index[node], [])
+        else:
+            chosen = replica_choose(self.cluster, self.kept, self.scorer, pod, spec, "name", None)  # type: ignore[arg-type]
         if chosen is None:
             return None
         index, gpus = chosen
         self.cluster[index].take(pod, spec, gpus)
         self.kept[index] = {}
         self.placed[pod.name] = (index, gpus)
+        if self.scheduler is not None:
+            self.scheduler.room.take(self._placement(pod, index))
         return Spot(self.cluster[index].name, tuple(gpus))
+
+    def _claim(self, pod: TracePod) -> Claim:
+        """The pod's claim, its pods counted in the room's `pods_of`."""
+        claim = claim_from_object(claim_object(pod))
+        self.pods_of[claim.key] = [pod_needs(pod)]
+        return claim
+
+    def _placement(self, pod: TracePod, index: int) -> Placement:
+        """What the room counts: the pod on the node (its devices are the replica's)."""
+        return Placement(self._claim(pod), self.cluster[index].name, {"devices": {"results": []}})
 
     def fits_on(self, pod: TracePod, nodes: Sequence[str]) -> bool:
         spec = spec_of(pod)
@@ -323,6 +350,8 @@ class ReplicaPlacer:
         index, gpus = self.placed.pop(pod.name)
         self.cluster[index].give_back(pod, spec_of(pod), gpus)
         self.kept[index] = {}
+        if self.scheduler is not None:
+            self.scheduler.room.give_back(self._placement(pod, index))
 
 
 # --- the replay ----------------------------------------------------------------------------------
@@ -566,8 +595,6 @@ class Replay:
 
 # --- the runs and the report ---------------------------------------------------------------------
 
-POLICY_ROWS = ("fragmentation", "fgd", "bestfit")
-
 
 def replay_seed(
     nodes: Sequence[TraceNode],
@@ -590,6 +617,10 @@ def replay_seed(
         ("FGD (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "fgd"), 0.0),
         ("BestFit (replica)", lambda: ReplicaPlacer(nodes, pods, seed, "bestfit"), 0.0),
     ]
+    if cpu_pods != "policy":  # FGD where fgpu is deployed: kube-scheduler places the CPU-only pods
+        placers.append(
+            (f"FGD (replica), CPU-only pods {cpu_pods}", lambda: ReplicaPlacer(nodes, pods, seed, "fgd", cpu_pods), 0.0)
+        )
     if lifetimes:
         by_name = {t.pod.name: t for t in timed}
         placers.append(

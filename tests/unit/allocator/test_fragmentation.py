@@ -288,9 +288,9 @@ def test_before_any_claim_needs_it_the_node_only_the_largest_pods_fit_is_filled_
     # n3 (128 CPUs) is the one node a pod asking more than 96 CPUs runs on; no such claim came yet.
     # A whole-GPU claim whose pod asks 20 CPUs strands a GPU on n1 (76 CPUs left feed 6 of the
     # common 12-CPU pods, 7 GPUs free) and none on n3, so the mix seen so far sends it to n3. The
-    # prior of a claim for each kind of node whole keeps n3 for what only it runs, where the
-    # allocator places the pods without claims too; without those (kube-scheduler places them, and
-    # would fill a node kept empty) or without the prior (WHOLE_NODE_PRIOR 0) it goes to n3.
+    # prior of a claim for each kind of node whole keeps n3 for what only it runs, whether the
+    # allocator places the pods without claims too or kube-scheduler does (none seen here);
+    # without the prior (WHOLE_NODE_PRIOR 0) it goes to n3.
     def node_for_it(places_pods: bool) -> str:
         pods_of: dict[str, list[PodNeeds]] = {}
         room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
@@ -306,9 +306,10 @@ def test_before_any_claim_needs_it_the_node_only_the_largest_pods_fit_is_filled_
         return outcome.node
 
     assert node_for_it(places_pods=True) == "n1"
-    assert node_for_it(places_pods=False) == "n3"
+    assert node_for_it(places_pods=False) == "n1"
     monkeypatch.setattr(fragmentation, "WHOLE_NODE_PRIOR", 0.0)
     assert node_for_it(places_pods=True) == "n3"
+    assert node_for_it(places_pods=False) == "n3"
 
 
 def test_a_shape_first_seen_when_it_fits_nowhere_enters_the_mix_at_once():
@@ -329,10 +330,11 @@ def test_a_shape_first_seen_when_it_fits_nowhere_enters_the_mix_at_once():
     assert seen_shapes_of(learned, gpus=8)
 
 
-def test_a_scarce_shape_of_few_claims_weighs_into_the_mix_by_its_supply():
+def test_a_scarce_shape_of_few_claims_weighs_into_the_mix_by_its_supply(monkeypatch):
     # One 8-GPU claim asking 120 CPUs among 199 whole-GPU ones: 0.5% of the claims, under the 1%
     # the mix leaves out by count; only n3 of three nodes runs it, so it weighs 3 times its count
-    # and is in.
+    # and is in (the whole-node prior off: its claims would count in the total).
+    monkeypatch.setattr(fragmentation, "WHOLE_NODE_PRIOR", 0.0)
     pods_of: dict[str, list[PodNeeds]] = {}
     room = room_for({"n1": 96, "n2": 96, "n3": 128}, pods_of)
     cluster = allocator(h100_slices("n1", "n2", "n3"), policy="fragmentation")

@@ -113,6 +113,24 @@ def test_making_room_moves_a_share_so_a_whole_gpu_pod_does_not_wait():
     assert moved.evictions == 1 and moved.gpu_hours_waited == 0 and moved.wait_p99_s == 0
 
 
+@pytest.mark.parametrize("profile, waits", [("least-allocated", True), ("most-allocated", False)])
+def test_fgds_replica_with_kube_scheduler_placing_the_cpu_only_pods(profile, waits):
+    # FGD puts the first pod (6 of 8 CPUs) on one node; kube-scheduler puts the CPU-only pod
+    # (2 CPUs) on the other with LeastAllocated and beside it with MostAllocated (its room counts
+    # the replica's pods too); the last pod needs 7 CPUs and a node's GPU: it waits only where the
+    # CPU-only pod took the other node.
+    nodes = [TraceNode("n0", 8000, 65536, 1, "T4"), TraceNode("n1", 8000, 65536, 1, "T4")]
+    timed = [
+        TimedPod(pod("gpu", cpu=6000), 0.0, 1000.0),
+        TimedPod(pod("cpu", 0, cpu=2000), 1.0, 100.0),
+        TimedPod(pod("big", cpu=7000), 2.0, 10.0),
+    ]
+    placer = ReplicaPlacer(nodes, [t.pod for t in timed], 42, "fgd", profile)
+    result = Replay(timed, placer, Ledger(dict(zip(node_names(nodes, 42), nodes, strict=True)))).run(profile, 42)
+    assert result.never_placed == 0
+    assert (result.gpu_hours_waited > 0) is waits
+
+
 def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
     traces = write_tiny_traces(tmp_path)
     command = [
@@ -126,6 +144,7 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
         "| fgpu binpack",
         "| FGD (replica)",
         "| BestFit (replica)",
+        "| FGD (replica), CPU-only pods least-allocated",
         "| fgpu fragmentation, claims saying their run time",
         "| fgpu fragmentation, making room <= 50/1,000",
     ]
