@@ -3,8 +3,11 @@ leave their recorded run time after they are placed; a pod that fits nowhere wai
 again when a pod leaves a node it might now fit (kube-scheduler's queueing hints: an event on a
 node that cannot help a pod does not wake it). Each policy runs on the same arrivals, in the same
 run: fgpu's allocator (over the slices the plugin publishes, `bench/openb.py`) and the FGD and
-BestFit replicas (`bench/openb_replica.py`); with `--make-room N` fgpu again, moving running pods
-(never killing them) to make room for a waiting one, at most N evictions per 1,000 arrivals.
+BestFit replicas (`bench/openb_replica.py`); with `--cpu-pods` other than `policy` (kube-scheduler's
+stand-in places fgpu's CPU-only pods) FGD's replica again with the same stand-in placing its
+CPU-only pods, as FGD would run where fgpu is deployed; with `--make-room N` fgpu again, moving
+running pods (never killing them) to make room for a waiting one, at most N evictions per 1,000
+arrivals.
 
 Where the protocol departs from the paper's (no departures, pods sent one at a time, tuned to 130%
 of capacity): the pods are the trace's own, untuned and unshuffled (the seed orders the nodes, as
