@@ -312,6 +312,7 @@ class ReplicaPlacer:
         self.kept: list[dict[tuple[Spec, int], tuple[float, list[int]] | None]] = [{} for _ in self.cluster]
         self.placed: dict[str, tuple[int, list[int]]] = {}
         self.pods_of: dict[str, list[PodNeeds]] = {}
+        self.claims: dict[str, Claim] = {}  # pod name -> its claim, for kube-scheduler's stand-in and room
         self.scheduler: KubeScheduler | None = None
         if cpu_pods != "policy":
             names = node_names(nodes, seed)
@@ -336,9 +337,11 @@ class ReplicaPlacer:
         return Spot(self.cluster[index].name, tuple(gpus))
 
     def _claim(self, pod: TracePod) -> Claim:
-        """The pod's claim, its pods counted in the room's `pods_of`."""
-        claim = claim_from_object(claim_object(pod))
-        self.pods_of[claim.key] = [pod_needs(pod)]
+        """The pod's claim (made once), its pods counted in the room's `pods_of`."""
+        claim = self.claims.get(pod.name)
+        if claim is None:
+            claim = self.claims[pod.name] = claim_from_object(claim_object(pod))
+            self.pods_of[claim.key] = [pod_needs(pod)]
         return claim
 
     def _placement(self, pod: TracePod, index: int) -> Placement:
