@@ -78,6 +78,12 @@ MODELS: dict[str, tuple[str, int]] = {
 }
 
 
+# --gpu-pods-only: the taint a platform team puts on the nodes it keeps for pods with GPUs, and the
+# toleration those pods carry (kube-scheduler keeps the pods without GPUs off such nodes)
+GPU_PODS_ONLY = {"key": "gpu.fgpu.dev/gpu-pods-only", "value": "true", "effect": "NoSchedule"}
+TOLERATES_GPU_PODS_ONLY = {"key": GPU_PODS_ONLY["key"], "operator": "Exists", "effect": "NoSchedule"}
+
+
 @dataclass(frozen=True)
 class TraceNode:
     name: str
@@ -85,6 +91,7 @@ class TraceNode:
     memory_mib: int
     gpus: int
     model: str
+    gpu_pods_only: bool = False  # tainted GPU_PODS_ONLY
 
 
 @dataclass(frozen=True)
@@ -254,6 +261,7 @@ def pod_room(nodes: Sequence[TraceNode], names: Sequence[str], pods_of: dict[str
                 MEMORY: Fraction(node.memory_mib * MiB),
                 PODS: Fraction(PODS_PER_NODE),
             },
+            taints=(GPU_PODS_ONLY,) if node.gpu_pods_only else (),
         )
         for name, node in zip(names, nodes, strict=True)
     ]
@@ -285,8 +293,11 @@ def claim_object(pod: TracePod) -> dict[str, Any]:
 
 
 def pod_needs(pod: TracePod) -> PodNeeds:
+    """What fit reads of the trace's pod: its CPU and memory; a pod with GPUs tolerates GPU_PODS_ONLY."""
     return PodNeeds(
-        f"openb/{pod.name}", requests={CPU: Fraction(pod.cpu_milli, 1000), MEMORY: Fraction(pod.memory_mib * MiB)}
+        f"openb/{pod.name}",
+        requests={CPU: Fraction(pod.cpu_milli, 1000), MEMORY: Fraction(pod.memory_mib * MiB)},
+        tolerations=(TOLERATES_GPU_PODS_ONLY,) if pod.num_gpu else (),
     )
 
 
@@ -503,7 +514,7 @@ def table(result: dict[str, Any]) -> str:
 def run(
     args: argparse.Namespace, progress: Callable[[str], None] = lambda line: print(line, flush=True)
 ) -> dict[str, Any]:
-    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
+    nodes = protocol_nodes(args)
     pods = read_pods(args.traces / f"openb_pod_list_{args.trace}.csv")
     runs = []
     for seed in seeds(args.seeds):
@@ -513,7 +524,10 @@ def run(
             f"{args.trace} {args.policy} seed {seed}: unallocated at 95/100/110/130% arrived "
             f"{[last.unallocated.get(b) for b in REPORTED]}, {last.claims / last.seconds:.0f} claims/s"
         )
-    return report(args.trace, args.policy, args.cpu_pods, runs, args.traces)
+    return {
+        **report(args.trace, args.policy, args.cpu_pods, runs, args.traces),
+        "gpu_pods_only": sorted(args.gpu_pods_only),
+    }
 
 
 def protocol_arguments(doc: str | None) -> argparse.ArgumentParser:
@@ -527,6 +541,13 @@ def protocol_arguments(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def protocol_nodes(args: argparse.Namespace) -> list[TraceNode]:
+    """The cluster the protocol's options ask for: every `--every`th node, those of the
+    `--gpu-pods-only` models tainted against pods without GPUs."""
+    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
+    return [replace(node, gpu_pods_only=True) if node.model in args.gpu_pods_only else node for node in nodes]
+
+
 def print_result(result: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
     """The table (`render`), then the figures as JSON."""
     print(render(result))
@@ -537,6 +558,13 @@ def main() -> None:
     parser = protocol_arguments(__doc__)
     parser.add_argument("--policy", choices=POLICIES, default="binpack")
     parser.add_argument("--cpu-pods", choices=get_args(CpuPods), default="policy")
+    parser.add_argument(
+        "--gpu-pods-only",
+        type=lambda text: frozenset(text.split(",")),
+        default=frozenset(),
+        metavar="MODEL[,MODEL]",
+        help="nodes of these GPU models tainted against pods without GPUs (G3: the nodes only the largest pods fit)",
+    )
     timed = parser.add_argument_group("in time (bench/openb_timed.py)")
     timed.add_argument("--timed", action="store_true", help="arrivals and departures in time, pods waiting")
     timed.add_argument("--speedup", type=float, default=1.0, help="arrival times divided by this")

@@ -50,7 +50,7 @@ from bench.openb import (
     node_names,
     pod_needs,
     pod_room,
-    read_nodes,
+    protocol_nodes,
     read_pods,
     seeds,
     workload,
@@ -655,7 +655,7 @@ def run(
     args: argparse.Namespace, progress: Callable[[str], None] = lambda line: print(line, flush=True)
 ) -> dict[str, Any]:
     """Every seed's runs and their figures; the mean per policy over the seeds."""
-    nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
+    nodes = protocol_nodes(args)
     path = args.traces / f"openb_pod_list_{args.trace}.csv"
     pods = read_pods(path)
     times, capacity = read_times(path), MILLI * sum(n.gpus for n in nodes)
@@ -674,6 +674,7 @@ def run(
         "speedup": args.speedup,
         "tune": args.tune,
         "cpu_pods": args.cpu_pods,
+        "gpu_pods_only": sorted(args.gpu_pods_only),
         "nodes": len(nodes),
         "pods": len(pods),
         "seeds": seeds(args.seeds),

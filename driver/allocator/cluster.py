@@ -160,6 +160,7 @@ class PodRoom(Protocol):
     def admits(self, claim: Claim, node: str) -> bool: ...
     def left(self, node: str) -> Mapping[str, float]: ...
     def allocatable(self, node: str) -> Mapping[str, float]: ...
+    def open_to_any_pod(self, node: str) -> bool: ...
     def needs(self, claim: Claim) -> Mapping[str, float]: ...
     def take(self, placement: Placement) -> None: ...
     def give_back(self, placement: Placement) -> None: ...
@@ -594,17 +595,20 @@ class ClusterAllocator:
     def _flood(self, room: PodRoom) -> None:
         """fragmentation, where kube-scheduler places the pods without claims: the level their pods
         still to come will leave the nodes' rooms at (water_level.py), from what the rooms and
-        GPUs hold now."""
+        GPUs hold now; on the nodes those pods can reach (a taint keeps them off the others)."""
         assert self._fragmentation is not None
-        rooms = [Room(room.left(node), room.allocatable(node)) for node in self._units]
-        used = {name: sum(r.allocatable.get(name, 0.0) - r.left.get(name, 0.0) for r in rooms) for name in SIZED}
+        rooms = {node: Room(room.left(node), room.allocatable(node)) for node in self._units}
+        used = {
+            name: sum(r.allocatable.get(name, 0.0) - r.left.get(name, 0.0) for r in rooms.values()) for name in SIZED
+        }
         free = taken = 0.0
         for node, units in self._units.items():
             view = self._view(node)
             gpus = self._fragmentation.free_gpus(view) if view is not None else 0.0
             free, taken = free + gpus, taken + len(units) - gpus
         per_gpu = self._fragmentation.claims_per_gpu(self._node_kinds(room))
-        self._fragmentation.flood(level(rooms, demand_to_come(used, per_gpu, taken, free)), self._views.values())
+        reached = [found for node, found in rooms.items() if room.open_to_any_pod(node)]  # where those pods go
+        self._fragmentation.flood(level(reached, demand_to_come(used, per_gpu, taken, free)), self._views.values())
 
     def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
         """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's

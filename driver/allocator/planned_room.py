@@ -48,6 +48,9 @@ class PlannedRoom:
     def allocatable(self, node: str) -> Mapping[str, float]:
         return self.room.allocatable(node)
 
+    def open_to_any_pod(self, node: str) -> bool:
+        return self.room.open_to_any_pod(node)
+
     def needs(self, claim: Claim) -> Mapping[str, float]:
         return self.room.needs(claim)
 

@@ -197,6 +197,9 @@ def unfit_reasons(
     return filtered(pod, node) or insufficient(pod, node, requested or {}, pods_on_node)
 
 
+ANY_POD = PodNeeds("")  # a pod that asks for no node in particular
+
+
 def filtered(pod: PodNeeds, node: NodeFacts) -> list[str]:
     """unfit_reasons before resources: schedulability, taints, affinity."""
     if node.unschedulable and not any(_tolerates(t, UNSCHEDULABLE_TAINT) for t in pod.tolerations):
@@ -237,6 +240,7 @@ class NodeRoom:
         self.requested: dict[str, Resources] = {name: {} for name in self.nodes}
         self.counted: dict[str, set[str]] = {name: set() for name in self.nodes}
         self._admitted: dict[tuple[str, str], bool] = {}  # (claim key, node) -> admits()
+        self._open: dict[str, bool] = {}  # node -> open_to_any_pod()
         # left() and allocatable() in floats, kept per node until its pods change (read often: the
         # fragmentation policy reads every node's room each time it sets its level)
         self._left: dict[str, Mapping[str, float]] = {}
@@ -303,6 +307,16 @@ class NodeRoom:
                 facts is not None
                 and not any(node in self.refused.get(pod.name, ()) or filtered(pod, facts) for pod in pods)
             )
+        return found
+
+    def open_to_any_pod(self, node: str) -> bool:
+        """Whether a pod that asks for no node (no toleration, selector or affinity) may run on the
+        node: where kube-scheduler may put pods that fgpu does not place. A taint keeps them off
+        (a node kept for the pods with claims that tolerate it)."""
+        found = self._open.get(node)
+        if found is None:
+            facts = self.nodes.get(node)
+            found = self._open[node] = facts is not None and not filtered(ANY_POD, facts)
         return found
 
     def allocatable(self, node: str) -> Mapping[str, float]:

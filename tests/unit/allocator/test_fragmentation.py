@@ -386,6 +386,61 @@ def test_a_gpu_pod_takes_the_cpu_that_kube_schedulers_pods_without_claims_would_
     assert node_for_a_gpu_pod_beside_pods_placed_by_kube_scheduler(claimless_seen=True) == "n1"
 
 
+def node_for_a_gpu_pod_beside_a_node_kept_for_gpu_pods(tainted: bool) -> tuple[str, dict[str, float]]:
+    """n1 and n2 (96 CPUs) each run a 30-CPU pod kube-scheduler placed (no claims); n3 (128 CPUs,
+    the one node the largest pods fit) is, when `tainted`, kept for pods with GPUs (they tolerate
+    the taint). n1 runs 4 whole-GPU claims with 8-CPU pods; 70 such claims are asked about (the
+    level is counted at the 65th). Where does one whose pod asks 30 CPUs go, and what does the
+    policy count n3's room capped by (empty: not capped)?"""
+    taint = {"key": "example.com/gpu-pods-only", "effect": "NoSchedule"}
+    tolerates = ({"key": "example.com/gpu-pods-only", "operator": "Exists", "effect": "NoSchedule"},)
+    pods_of: dict[str, list[PodNeeds]] = {}
+    cpus = {"n1": 96, "n2": 96, "n3": 128}
+    facts = [
+        NodeFacts(
+            name,
+            allocatable={CPU: Fraction(count), MEMORY: Fraction(2**40), PODS: Fraction(110)},
+            taints=(taint,) if tainted and name == "n3" else (),
+        )
+        for name, count in cpus.items()
+    ]
+    room = NodeRoom(facts, pods_of)
+    cluster = allocator(h100_slices(*cpus), policy="fragmentation")
+
+    def gpu_claim(name: str, cpus: int):
+        c = claim(name, exactly("gpu.fgpu.dev"))
+        pods_of[c.key] = [PodNeeds(f"ns/{name}", {CPU: Fraction(cpus)}, tolerations=tolerates)]
+        return c
+
+    for node in ("n1", "n2"):
+        room.take(Placement(using_pod(pods_of, claim(f"by-kube-scheduler-{node}"), 30), node, {}))
+    cluster.pods_changed(["n1", "n2"])
+    for i in range(4):
+        outcome = cluster.allocate(gpu_claim(f"on-n1-{i}", 8), nodes=["n1"], room=room)
+        assert isinstance(outcome, Placement)
+        cluster.commit(outcome)
+        room.take(outcome)
+    for i in range(70):
+        cluster.allocate(gpu_claim(f"seen{i}", 8), room=room)
+    outcome = cluster.allocate(gpu_claim("next", 30), room=room)
+    assert isinstance(outcome, Placement)
+    view = cluster._views["n3"]
+    assert view is not None
+    return outcome.node, dict(view.allocatable)
+
+
+def test_the_level_of_kube_schedulers_pods_leaves_alone_a_node_they_cannot_reach():
+    # kube-scheduler's pods without claims cannot run on a tainted node: the level they will fill
+    # the nodes to (water_level.py) is counted over the others and caps only their rooms. Counted
+    # as reachable, n3's room is capped too, and the 30-CPU pod goes to it; kept for pods with GPUs,
+    # n3's 128 CPUs are counted whole and the pod goes to n2.
+    assert node_for_a_gpu_pod_beside_a_node_kept_for_gpu_pods(tainted=False) == (
+        "n3",
+        {CPU: 128.0, MEMORY: 2.0**40, PODS: 110.0},
+    )
+    assert node_for_a_gpu_pod_beside_a_node_kept_for_gpu_pods(tainted=True) == ("n2", {})
+
+
 def test_the_cpu_claims_ask_per_gpu_counts_claims_only_a_later_kind_of_node_can_take():
     # n1's GPUs are not of the model the claims ask for by name; n2's are. Each claim takes one
     # whole GPU of n2 and its pod 10 CPUs: 10 CPUs per GPU, though the first kind takes none.

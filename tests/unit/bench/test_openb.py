@@ -21,6 +21,7 @@ from bench.openb import (
     cluster,
     nodes_to_score,
     pod_needs,
+    protocol_nodes,
     published,
     read_nodes,
     read_pods,
@@ -125,7 +126,14 @@ def test_a_replay_stopped_early_measures_no_bucket_beyond_its_end():
 def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
     write_tiny_traces(tmp_path)
     args = argparse.Namespace(
-        trace="default", seeds="42,43", policy="fragmentation", cpu_pods="policy", traces=tmp_path, every=2, stop_at=130
+        trace="default",
+        seeds="42,43",
+        policy="fragmentation",
+        cpu_pods="policy",
+        traces=tmp_path,
+        every=2,
+        stop_at=130,
+        gpu_pods_only=frozenset(),
     )
     result = run(args, progress=lambda line: None)
     assert result["seeds"] == [42, 43] and len(result["failed_pods"]) == 2
@@ -133,6 +141,7 @@ def test_the_command_reports_ours_beside_the_published_figures(tmp_path):
     assert result["shares_rounded_to_1pct"] == 0
     assert result["published"] == {"BestFit": {95: "10.00", 100: "10.00", 110: "10.00", 130: "10.00"}}
     assert result["claims_per_s"] > 0 and result["p99_ms"] >= result["p50_ms"]
+    assert result["gpu_pods_only"] == []
     lines = table(result).splitlines()
     assert (
         lines[2].startswith("| **fgpu fragmentation (CPU-only pods: policy)** | ") and "BestFit (published)" in lines[3]
@@ -232,3 +241,29 @@ def test_as_deployed_the_allocator_only_hears_of_the_pods_kube_scheduler_places(
     assert all(p.allocation["devices"]["results"] for p in committed) and len(committed) <= gpu_pods
     assert told and all(len(names) == 1 for names in told) and len(told) <= len(tuned) - gpu_pods
     assert len(committed) + len(told) + result.failed == len(tuned)
+
+
+def test_nodes_kept_for_gpu_pods_take_no_pod_without_gpus_from_kube_scheduler(tmp_path, monkeypatch):
+    # --gpu-pods-only T4: the T4 nodes are tainted against pods without GPUs, which kube-scheduler's
+    # stand-in then places on the G2 node only; pods with GPUs tolerate the taint.
+    args = argparse.Namespace(traces=write_tiny_traces(tmp_path), every=1, gpu_pods_only=frozenset({"T4"}))
+    nodes = protocol_nodes(args)
+    assert [(n.model, n.gpu_pods_only) for n in nodes] == [("T4", True), ("G2", False), ("T4", True)]
+    told: list[str] = []
+    committed: list[str] = []
+    commit, pods_changed = ClusterAllocator.commit, ClusterAllocator.pods_changed
+
+    def counted_commit(self: ClusterAllocator, placement: Placement) -> None:
+        committed.append(placement.node)
+        commit(self, placement)
+
+    def counted_pods_changed(self: ClusterAllocator, changed: list[str]) -> None:
+        told.extend(changed)
+        pods_changed(self, changed)
+
+    monkeypatch.setattr(ClusterAllocator, "commit", counted_commit)
+    monkeypatch.setattr(ClusterAllocator, "pods_changed", counted_pods_changed)
+    pods = [pod(f"cpu{i}", 0) for i in range(4)] + [pod(f"t4-share{i}", 1, 400, spec=("T4",)) for i in range(4)]
+    replay(nodes, pods, seed=42, policy="fragmentation", cpu_pods="least-allocated")
+    assert told and all(node.endswith("-n1") for node in told)
+    assert any(node.endswith(("-n0", "-n2")) for node in committed)

@@ -136,6 +136,7 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
     command = [
         *(sys.executable, "-m", "bench.openb", "--timed", "--traces", str(traces), "--seeds", "42,43"),
         *("--speedup", "10", "--tune", "1.3", "--lifetimes", "--make-room", "50", "--cpu-pods", "least-allocated"),
+        *("--gpu-pods-only", "T4"),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ")]
@@ -149,6 +150,7 @@ def test_the_command_as_users_run_it_reports_every_policy(tmp_path):
         "| fgpu fragmentation, making room <= 50/1,000",
     ]
     assert '"speedup": 10.0' in done.stdout and '"tune": 1.3' in done.stdout and '"pods": 4' in done.stdout
+    assert '"gpu_pods_only": [\n    "T4"\n  ]' in done.stdout
 
 
 def test_gpu_hours_waited_are_told_by_the_kind_of_pod_that_waited():

@@ -163,6 +163,17 @@ def test_a_room_admits_pods_on_what_fit_reads_besides_resources():
     assert room.admits(claim("empty"), "gone")  # no pods: nothing to admit
 
 
+def test_a_node_is_open_to_any_pod_unless_tainted_or_cordoned():
+    # Where kube-scheduler may put a pod that tolerates nothing and selects no node: the pods
+    # without claims fgpu does not place (the fragmentation policy counts their level there only).
+    gpu_pods_only = {"key": "example.com/gpu-pods-only", "value": "true", "effect": "NoSchedule"}
+    preferred = {"key": "example.com/busy", "effect": "PreferNoSchedule"}
+    nodes = [node("plain"), node("tainted", taints=[gpu_pods_only]), node("soft", taints=[preferred])]
+    room = NodeRoom([*nodes, node("cordoned", unschedulable=True)], {})
+    opened = {name: room.open_to_any_pod(name) for name in ("plain", "tainted", "soft", "cordoned", "gone")}
+    assert opened == {"plain": True, "tainted": False, "soft": True, "cordoned": False, "gone": False}
+
+
 def test_fits_answers_as_the_reasons_do_pod_by_pod():
     # fits() sums a claim's pods; reasons() counts them one by one: the same answer at every
     # boundary (CPU exactly used up, the pod limit, a resource the node lacks, a pod counted
