@@ -627,9 +627,9 @@ class Fragmentation:
         if view.version == self.version:
             return view.copies
         view.left = room.left(node) if room is not None else {}
-        # the level caps only the rooms kube-scheduler's pods without claims can reach
-        capping = room is not None and bool(self.water) and room.open_to_any_pod(node)
-        view.allocatable = room.allocatable(node) if room is not None and capping else {}
+        view.allocatable = {}
+        if room is not None and self.water and room.open_to_any_pod(node):  # where the level reaches
+            view.allocatable = room.allocatable(node)
         left = capped(view.left, view.allocatable, self.water) if view.allocatable else view.left
         total = self.free_gpus(view)
         # slack stays what the uncapped room may give: the level caps what is left, not what is taken

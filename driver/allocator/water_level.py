@@ -9,7 +9,9 @@ policy keeps empty for GPU pods is the first one filled, and the GPUs it kept ar
 the CPU to feed them.
 
 The policy counts a node's room as kube-scheduler will leave it: what it has left, capped at the
-level (fragmentation.py, room_copies). The level is where the demand to come meets the free room:
+level (fragmentation.py, room_copies), on the nodes those pods can reach: a node tainted against
+them (kept for pods with GPUs, which tolerate the taint) keeps its room whole and takes no part
+in the level (PodRoom.open_to_any_pod). The level is where the demand to come meets the free room:
 as much more per GPU as the pods without claims took so far per GPU in use, for the next HORIZON
 of the free GPUs (the cluster filling at the mix it has seen), from the nodes' free shares,
 highest first. Pure: the numbers come from the allocator (cluster.py)."""
