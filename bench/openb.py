@@ -542,8 +542,8 @@ def protocol_arguments(doc: str | None) -> argparse.ArgumentParser:
 
 
 def protocol_nodes(args: argparse.Namespace) -> list[TraceNode]:
-    """The cluster the protocol's options ask for: every `--every`th node, those of the
-    `--gpu-pods-only` models tainted against pods without GPUs."""
+    """The cluster the options ask for: every `--every`th node (protocol_arguments), those of the
+    `--gpu-pods-only` models (main's) tainted against pods without GPUs."""
     nodes = read_nodes(args.traces / "openb_node_list_gpu_node.csv")[:: args.every]
     return [replace(node, gpu_pods_only=True) if node.model in args.gpu_pods_only else node for node in nodes]
 
