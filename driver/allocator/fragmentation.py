@@ -49,7 +49,6 @@ claim costs a look-up per node where nothing changed."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -138,6 +137,7 @@ class Unit:
     counters: dict[str, Amount]
     devices: list[Device]
     counter_set: str = ""  # "" for a device without counters
+    _kind: Hashable = field(default=None, init=False, repr=False, compare=False)
 
     def state(self, state: AllocatedState, left: dict[str, Amount]) -> UnitState:
         used = tuple(
@@ -146,10 +146,14 @@ class Unit:
         taken = tuple(i for i, d in enumerate(self.devices) if d.id in state.exclusive)
         return tuple(left.get(name, 0) for name in self.counters), used, taken
 
-    @functools.cached_property
+    @property
     def kind(self) -> Hashable:
-        """What units of equal kind share: counters and device shapes."""
-        return tuple(self.counters.items()), tuple(id(d.shape) for d in self.devices)
+        """What units of equal kind share: counters and device shapes; kept once read (a unit is
+        read once all its devices are in). Not functools.cached_property: on Python 3.11 its first
+        read of any unit takes one lock shared by every unit, which the writers' threads contend."""
+        if self._kind is None:
+            self._kind = tuple(self.counters.items()), tuple(id(d.shape) for d in self.devices)
+        return self._kind
 
 
 def units_of(pools: Sequence[Pool]) -> list[tuple[Pool, Unit]] | None:

@@ -179,7 +179,7 @@ class AllocatorCache:
         uids = {o["metadata"].get("uid", "") for o in objects}
         held = [r for uid in uids for r in reserved.get(uid, ())]
         counted = self._counted.results if self._counted is not None else {}
-        keys = {k: r for k, r in counted.items() if k[0] in uids}
+        keys = {k: r for k, r in counted.items() if k[0] in uids} if held else {}
         if held:
             allocator.release("", {"devices": {"results": held}})
             for key in keys:

@@ -9,6 +9,7 @@ meantime") and retry the pod."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -22,7 +23,16 @@ from driver.controller.groups import Groups, in_some_gang
 from driver.controller.replica import Replica
 from driver.kube.errors import KubeError
 from driver.kube.informer import Informer, object_key
-from driver.scheduling.opt_in import GANG_LABEL, SCHEDULING_GATE, gang_size, gated, opted_in, pending, pod_claim_names
+from driver.scheduling.opt_in import (
+    GANG_LABEL,
+    SCHEDULING_GATE,
+    gang_size,
+    gated,
+    opted_in,
+    owner_pod,
+    pending,
+    pod_claim_names,
+)
 
 log = logging.getLogger(__name__)
 # A watch event comes within milliseconds; past this the watch is behind or broken, and a pod must
@@ -80,20 +90,37 @@ class GateLifter:
         }
 
     def lift_pods(self, claims: Iterable[str]) -> None:
-        pods_of = self._gated.by_claim()
-        keys = {pod for claim in claims for pod in pods_of.get(claim, ())}
-        pods = [p for key in keys if (p := self._informers["pods"].get(key)) is not None]
+        """The gates of the pods of claims just written, as far as their other claims allow."""
+        pods = [p for key in self._pods_of(claims) if (p := self._informers["pods"].get(key)) is not None]
         if pods:
-            whole = self._whole_gangs()
+            whole = functools.cache(self._whole_gangs)  # read only if a pod's claim is in a gang
             groups = self._replica.groups() if any(in_some_gang(p) for p in pods) else None
             deadline = self._delivery_deadline()
             for pod in pods:
                 self._lift(pod, whole, groups, deadline)
 
+    def _pods_of(self, claims: Iterable[str]) -> set[str]:
+        """The pods that use these claims: a claim made from a pod's template, its owner, read from
+        the claim at once; a claim made on its own, the gated pods that name it, from the index of
+        every gated pod (rebuilt whenever a pod changes: too dear for each claim written, at 4,000
+        pods). Another pod naming a template's claim is lifted by the pass's lift_all."""
+        keys: set[str] = set()
+        shared: list[str] = []
+        for claim in claims:
+            owner = owner_pod(self._informers["claims"].get(claim) or {})
+            if owner is not None:
+                keys.add(owner.key)
+            else:
+                shared.append(claim)
+        if shared:
+            pods_of = self._gated.by_claim()
+            keys.update(pod for claim in shared for pod in pods_of.get(claim, ()))
+        return keys
+
     def lift_all(self) -> None:
         """Every gated pod whose claims are allocated, the patches sent concurrently (all waiting
         for the watch until one deadline, not each in turn)."""
-        whole = self._whole_gangs()
+        whole = functools.cache(self._whole_gangs)
         pods = [p for p in self._informers["pods"].items() if gated(p)]
         if pods and self._replica.acting():
             groups = self._replica.groups()
@@ -109,7 +136,9 @@ class GateLifter:
         informer = self._informers["claims"]
         return all(informer.wait_delivered(claim, max(0.0, deadline - time.monotonic())) for claim in claims)
 
-    def _lift(self, pod: dict[str, Any], whole_gangs: dict[str, bool], groups: Groups | None, deadline: float) -> None:
+    def _lift(
+        self, pod: dict[str, Any], whole_gangs: Callable[[], dict[str, bool]], groups: Groups | None, deadline: float
+    ) -> None:
         """Lift our gate once every opt-in claim of the pod is allocated and its gang is whole (its
         labelled gang, and its PodGroup's: minCount pods with every opt-in claim allocated), and
         the watch delivered the claims (or `deadline` passed: lifted all the same, and counted)."""
@@ -123,7 +152,7 @@ class GateLifter:
             if claim is None or pending(claim):
                 return
             gang = (claim["metadata"].get("labels") or {}).get(GANG_LABEL) if opted_in(claim) else None
-            if gang and not whole_gangs.get(f"{namespace}/{gang}"):
+            if gang and not whole_gangs().get(f"{namespace}/{gang}"):
                 return
         early = not self._delivered([claim for claim in used if claim is not None], deadline)
         gates = [g for g in pod["spec"]["schedulingGates"] if g.get("name") != SCHEDULING_GATE]

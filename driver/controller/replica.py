@@ -18,7 +18,7 @@ from driver.controller.ledger import Ledgers
 from driver.controller.progress import Progress
 from driver.kube.informer import Informer, object_key
 from driver.scheduling.nodefit import NodeRoom
-from driver.scheduling.opt_in import gated, held_by_another_gate, known_claim_names, pending
+from driver.scheduling.opt_in import gated, held_by_another_gate, known_claim_names, owner_pod, pending
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class Replica:
 
     def waiting(self) -> list[dict[str, Any]]:
         """The opt-in claims waiting for an allocation, oldest first; not those a pod uses while
-        another scheduling gate holds it (held_by_another_gate): they wait for that gate to go."""
+        another scheduling gate holds it (held_by_another_gate): they wait for that gate to go;
+        nor a template's claim whose pod is not there (gone, going, or not yet seen)."""
         held_pods = [p for p in self.informers["pods"].items() if held_by_another_gate(p)]
         held_claims = {f"{p['metadata']['namespace']}/{name}" for p in held_pods for name in known_claim_names(p)}
         held_owners = {p["metadata"].get("uid") for p in held_pods}
@@ -46,10 +47,24 @@ class Replica:
             (
                 c
                 for c in self.informers["claims"].items()
-                if pending(c) and object_key(c) not in held_claims and not _owned_by(c, held_owners)
+                if pending(c)
+                and object_key(c) not in held_claims
+                and not _owned_by(c, held_owners)
+                and not self._orphaned(c)
             ),
             key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"]),
         )
+
+    def _orphaned(self, claim: dict[str, Any]) -> bool:
+        """A template's claim whose pod is gone or being deleted: kube-controller-manager took its
+        allocation back when the pod went and deletes it next, so placing it again would hold
+        devices, and write, for nothing (and fail once it is gone, ending the pass). Its pod not
+        seen yet (the pods' watch behind the claims'): it waits for the pass the pod brings."""
+        owner = owner_pod(claim)
+        if owner is None:
+            return False
+        pod = self.informers["pods"].get(owner.key)
+        return pod is None or pod["metadata"].get("uid") != owner.uid or bool(pod["metadata"].get("deletionTimestamp"))
 
     def any_gated(self) -> bool:
         """A pod waits at our gate (its claim perhaps not made yet): the controller is not idle."""

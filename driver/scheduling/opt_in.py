@@ -19,7 +19,7 @@ Read by the controller, by the admission webhook (it gates the pods of opt-in cl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from driver.allocator.model import Claim
 
@@ -97,6 +97,21 @@ def held_by_another_gate(pod: dict[str, Any]) -> bool:
 
 def claimless(pod: dict[str, Any]) -> bool:
     return not (pod.get("spec") or {}).get("resourceClaims")
+
+
+class PodRef(NamedTuple):
+    key: str  # namespace/name
+    uid: str
+
+
+def owner_pod(claim: dict[str, Any]) -> PodRef | None:
+    """The pod that owns the claim: the one kube-controller-manager made it for, from that pod's
+    ResourceClaimTemplate; None for a claim made on its own."""
+    meta = claim.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or ():
+        if isinstance(ref, dict) and ref.get("kind") == "Pod" and ref.get("controller") and ref.get("name"):
+            return PodRef(f"{meta.get('namespace', '')}/{ref['name']}", str(ref.get("uid", "")))
+    return None
 
 
 def places_pods(namespace: dict[str, Any]) -> bool:

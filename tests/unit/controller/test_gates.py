@@ -92,3 +92,50 @@ def test_lifting_fgpus_gate_leaves_the_others(h100_slices, replicas):
     controller.informers["claims"].relist()
     controller.gates.lift_all()
     assert gates(api, "pod-b") == ["kueue.x-k8s.io/admission"]
+
+
+def template_claim_and_pod(name: str, count: int) -> tuple[dict, dict]:
+    """A claim kube-controller-manager made from the pod's template: owned by it, named in its status."""
+    claim = opt_in_claim(f"{name}-gpu", count)
+    claim["metadata"]["ownerReferences"] = [{"kind": "Pod", "name": name, "uid": f"uid-{name}", "controller": True}]
+    pod = gated_pod(name, f"{name}-gpu")
+    pod["metadata"]["uid"] = f"uid-{name}"
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu"}]
+    pod["status"] = {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": f"{name}-gpu"}]}
+    return claim, pod
+
+
+def test_a_template_claims_pod_goes_as_soon_as_the_claim_is_written(h100_slices, replicas):
+    # The pod is found from the claim's owner, not from the index of every gated pod; b's write
+    # fails, so the pass ends before it lifts the gates of every pod whose claims are allocated.
+    api = fake_cluster(h100_slices)
+    for name in ("a", "b"):
+        claim, pod = template_claim_and_pod(name, 1)
+        api.put("claims", claim)
+        api.put("pods", pod)
+    api.failing_status_writes = {2}
+    replicas(api).run_pass()
+    assert gates(api, "a") == []
+    assert gates(api, "b") == ["gpu.fgpu.dev/allocation"]
+
+
+def test_a_template_claim_whose_pod_is_not_there_is_not_placed(h100_slices, replicas):
+    # kube-controller-manager takes the allocation back when the pod goes, then deletes the claim:
+    # placed again, it would hold devices for nothing and its write would fail once it is gone.
+    api = fake_cluster(h100_slices)
+    claim, pod = template_claim_and_pod("a", 1)
+    api.put("claims", claim)
+    controller = replicas(api)
+    controller.run_pass()  # its pod gone (or not seen yet)
+    going = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "2026-12-07T05:00:00Z"}}
+    api.put("pods", going)
+    controller.informers["pods"].relist()
+    controller.run_pass()  # its pod being deleted
+    api.put("pods", {**pod, "metadata": {**pod["metadata"], "uid": "uid-another-a"}})
+    controller.informers["pods"].relist()
+    controller.run_pass()  # a new pod of the same name: not its owner
+    assert api.status_writes == []
+    api.put("pods", pod)
+    controller.informers["pods"].relist()
+    controller.run_pass()
+    assert api.status_writes == ["a-gpu"] and gates(api, "a") == []
