@@ -61,8 +61,9 @@ class ControllerApi(Protocol):
 class ClientControllerApi(ClientKubeApi):
     """ControllerApi over the official client."""
 
-    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int = 32) -> None:
-        super().__init__(kubeconfig, timeout_s, connections)  # writes go out from a pool of threads
+    def __init__(self, kubeconfig: str | None, timeout_s: float = 10.0, connections: int = 64) -> None:
+        # The writers (MAX_IN_FLIGHT) and the watches, each on a connection of its own.
+        super().__init__(kubeconfig, timeout_s, connections)
         self._coordination = kubernetes.client.CoordinationV1Api(self._client)
 
     def replace_claim(self, claim: JsonObject) -> JsonObject:

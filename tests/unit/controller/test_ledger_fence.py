@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from driver.controller.controller import MAX_IN_FLIGHT
 from driver.controller.ledger import FENCE_ANNOTATION
 from driver.kube.errors import ConflictError
 from tests.support.controller_cluster import (
@@ -116,13 +117,14 @@ def test_an_entry_holds_the_devices_until_its_claim_is_gone(h100_slices, replica
 
 
 def test_writes_overlap_with_a_bound_on_how_many(h100_slices, replicas):
-    api = fake_cluster(h100_slices, nodes=5)
-    for i in range(40):
-        api.put("claims", opt_in_claim(f"c{i:02d}", 1))
+    claims = MAX_IN_FLIGHT + 32
+    api = fake_cluster(h100_slices, nodes=claims // 8)
+    for i in range(claims):
+        api.put("claims", opt_in_claim(f"c{i:03d}", 1))
     api.write_delay_s = 0.02
     replicas(api).run_pass()
-    assert 1 < api.most_in_flight <= 16
-    assert api.ledger_writes < 40  # units that reach a ledger together share one write
+    assert 1 < api.most_in_flight <= MAX_IN_FLIGHT
+    assert api.ledger_writes < claims  # units that reach a ledger together share one write
     assert all(len(devices_of(c)) == 1 for c in claims_in(api).values())
     assert_no_device_given_twice(api)
 
