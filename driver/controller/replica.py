@@ -56,10 +56,11 @@ class Replica:
         )
 
     def _orphaned(self, claim: dict[str, Any]) -> bool:
-        """A template's claim whose pod is gone or being deleted: kube-controller-manager took its
-        allocation back when the pod went and deletes it next, so placing it again would hold
-        devices, and write, for nothing (and fail once it is gone, ending the pass). Its pod not
-        seen yet (the pods' watch behind the claims'): it waits for the pass the pod brings."""
+        """A template's claim whose pod is gone (a new pod of its name is another) or being
+        deleted: kube-controller-manager took its allocation back when the pod went and deletes it
+        next, so placing it again would hold devices, and write, for nothing (and fail once it is
+        gone, ending the pass). Its pod not seen yet (the pods' watch behind the claims'): it waits
+        for the pass the pod brings."""
         owner = owner_pod(claim)
         if owner is None:
             return False
