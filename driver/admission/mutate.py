@@ -1,15 +1,19 @@
-"""Opt-in without editing pods: the scheduling gate added at pod create (POST /mutate, and POST
-/place-pods for pods without claims).
+"""What a pod gets at create (POST /mutate): the scheduling gate of opt-in claims, the toleration
+of the nodes kept for pods with GPUs; and the gate for pods without claims (POST /place-pods).
 
 A pod that uses an opt-in claim (labelled `gpu.fgpu.dev/allocator: fgpu`, driver/scheduling/opt_in.py)
-gets the gate `gpu.fgpu.dev/allocation`, so that kube-scheduler leaves it to fgpu's controller, as
-if its author had written the gate. A claim by name (`resourceClaimName`) is read; one made from a
-template (`resourceClaimTemplateName`) does not exist yet at pod create (kube-controller-manager makes
-it afterwards, with the template's `spec.metadata.labels`), so the template is read.
+gets the gate `gpu.fgpu.dev/allocation` (--gate-pods), so that kube-scheduler leaves it to fgpu's
+controller, as if its author had written the gate. A claim by name (`resourceClaimName`) is read; one
+made from a template (`resourceClaimTemplateName`) does not exist yet at pod create (kube-controller-
+manager makes it afterwards, with the template's `spec.metadata.labels` and `spec.spec`), so the
+template is read. With --gpu-pods-toleration KEY, a pod one of whose claims asks for fgpu's devices
+also gets the toleration of the taint KEY (driver/admission/gpu_pods_only.py). Each claim is read
+once, for both, and no more of them than MAX_CLAIMS_READ.
 
 Never a refusal: a pod that uses no opt-in claim, a claim or template not found, or an API server
 that cannot be read is admitted unchanged (logged), and kube-scheduler allocates its claims as it
-would without fgpu's controller. A pod already carrying the gate is left as it is.
+would without fgpu's controller. A pod already carrying the gate, or a toleration of the taint, is
+not given another.
 
 POST /place-pods: the configuration's second rule, which kube-apiserver sends only the pods of
 namespaces labelled `gpu.fgpu.dev/place-pods=fgpu` (its namespaceSelector: the label is the
@@ -22,14 +26,24 @@ came, whatever the configuration sends.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from driver.admission.gpu_pods_only import tolerates, toleration_patch
 from driver.admission.review import admission_request, allowed
+from driver.claims.classes import asks_for_ours
+from driver.common.flags import DEFAULT_DRIVER_NAME
 from driver.kube.errors import KubeError
 from driver.scheduling.opt_in import SCHEDULING_GATE, claimless, gated, opted_in, placement_exempt
 
 LOG = logging.getLogger("fgpu.webhook")
+# kube-apiserver sets no limit on a pod's resourceClaims, and each one named is a GET while the
+# pod's create waits (timeoutSeconds 5): the claims past these are not read.
+MAX_CLAIMS_READ = 32
 
 
 class ClaimReader(Protocol):
@@ -37,6 +51,25 @@ class ClaimReader(Protocol):
 
     def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def read_claim_template(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class PodRules:
+    """What POST /mutate adds to a pod at create (the webhook's flags)."""
+
+    gate: bool = True  # --gate-pods: the scheduling gate, where a claim opts in
+    gpu_pods_toleration: str = ""  # --gpu-pods-toleration: this taint tolerated, where a claim asks for our devices
+    driver: str = DEFAULT_DRIVER_NAME  # whose device classes are ours (driver/claims/classes.py)
+
+
+@dataclass(frozen=True)
+class PodClaim:
+    """A claim a pod names, as read: the claim itself, or the template it will be made from."""
+
+    what: str  # "ResourceClaim NS/NAME" or "ResourceClaimTemplate NS/NAME", for the log
+    found: bool
+    opted_in: bool
+    spec: Any  # the claim's spec (a template's spec.spec), None when not found
 
 
 def gate_patch(pod: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,56 +87,109 @@ def template_opted_in(template: dict[str, Any]) -> bool:
     return opted_in(template.get("spec") or {})  # its spec.metadata is the claims' metadata
 
 
-def opt_in_reason(pod: dict[str, Any], namespace: str, reader: ClaimReader) -> tuple[str | None, str]:
-    """(the opt-in claim or template that asks for the gate, or None; why not, for the log)."""
-    why = []
+def pod_claims(pod: dict[str, Any], namespace: str, reader: ClaimReader) -> Iterator[PodClaim]:
+    """The claims the pod names, read one at a time as the caller asks (each once, MAX_CLAIMS_READ at most)."""
+    seen: set[tuple[str, str]] = set()
     for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
         if not isinstance(ref, dict):
             continue
-        if name := ref.get("resourceClaimName"):
-            what, obj = f"ResourceClaim {namespace}/{name}", reader.read_claim(namespace, name)
-            yes = obj is not None and opted_in(obj)
-        elif name := ref.get("resourceClaimTemplateName"):
-            what, obj = f"ResourceClaimTemplate {namespace}/{name}", reader.read_claim_template(namespace, name)
-            yes = obj is not None and template_opted_in(obj)
+        if isinstance(name := ref.get("resourceClaimName"), str) and name:
+            kind = "ResourceClaim"
+        elif isinstance(name := ref.get("resourceClaimTemplateName"), str) and name:
+            kind = "ResourceClaimTemplate"
         else:
             continue
-        if yes:
-            return what, ""
-        why.append(f"{what} {'not found' if obj is None else 'not opted in'}")
-    return None, "; ".join(why) or "no claim named"
+        if (kind, name) in seen:
+            continue
+        if len(seen) == MAX_CLAIMS_READ:
+            LOG.info("pod in %s names more than %d claims: the others are not read", namespace, MAX_CLAIMS_READ)
+            return
+        seen.add((kind, name))
+        if kind == "ResourceClaim":
+            obj = reader.read_claim(namespace, name)
+            spec, yes = (obj or {}).get("spec"), obj is not None and opted_in(obj)
+        else:
+            obj = reader.read_claim_template(namespace, name)
+            spec, yes = ((obj or {}).get("spec") or {}).get("spec"), obj is not None and template_opted_in(obj)
+        yield PodClaim(f"{kind} {namespace}/{name}", obj is not None, yes, spec)
+
+
+@dataclass
+class _Found:
+    """What the pod's claims asked for, as they are read."""
+
+    gate: str | None = None  # the claim that opts in
+    toleration: str | None = None  # the claim that asks for our devices
+    not_gated: list[str] = field(default_factory=list)  # why each claim read does not opt in
+
+
+def _read(pod: dict[str, Any], namespace: str, reader: ClaimReader, gate: bool, key: str, driver: str) -> _Found:
+    """Claims read until each rule wanted (`gate`, a toleration of `key`) has its answer."""
+    found = _Found()
+    for claim in pod_claims(pod, namespace, reader):
+        if gate and found.gate is None:
+            if claim.opted_in:
+                found.gate = claim.what
+            else:
+                found.not_gated.append(f"{claim.what} {'not opted in' if claim.found else 'not found'}")
+        if key and found.toleration is None and asks_for_ours(claim.spec, driver):
+            found.toleration = claim.what
+        if (found.gate or not gate) and (found.toleration or not key):
+            break
+    return found
 
 
 def _created_pod(request: dict[str, Any]) -> tuple[dict[str, Any], str, str] | None:
-    """(the pod, its namespace, its name for the log) of a pod's CREATE not gated yet, else None."""
+    """(the pod, its namespace, its name for the log) of a pod's CREATE, else None."""
     pod = request.get("object")
     if not isinstance(pod, dict):
         pod = {}
     kind = (request.get("kind") or {}).get("kind", "")
-    if kind != "Pod" or request.get("operation", "CREATE") != "CREATE" or gated(pod):
+    if kind != "Pod" or request.get("operation", "CREATE") != "CREATE":
         return None
     meta = pod.get("metadata") or {}
     namespace = request.get("namespace") or meta.get("namespace") or ""
     return pod, namespace, f"{namespace}/{meta.get('name') or meta.get('generateName', '') + '*'}"
 
 
-def mutate(document: Any, reader: ClaimReader) -> dict[str, Any]:
-    """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where it opts in."""
+def mutate(document: Any, reader: ClaimReader, rules: PodRules = PodRules()) -> dict[str, Any]:
+    """The AdmissionReview answering a pod's CREATE: allowed, with the gate's patch where a claim
+    opts in and the toleration's where one asks for our devices (as `rules` say)."""
     request = admission_request(document)
     if (created := _created_pod(request)) is None:
         return allowed(request)
     pod, namespace, name = created
-    try:
-        source, why = opt_in_reason(pod, namespace, reader)
-    except KubeError as err:  # never a refusal for our own read failure: kube-scheduler allocates
-        LOG.warning("pod %s admitted without the scheduling gate: cannot read its claims: %s", name, err)
-        source, why = None, ""
-    if source is None:
-        if why:
-            LOG.info("pod %s not gated: %s", name, why)
+    gate = rules.gate and not gated(pod)
+    key = (
+        rules.gpu_pods_toleration if rules.gpu_pods_toleration and not tolerates(pod, rules.gpu_pods_toleration) else ""
+    )
+    if not (gate or key):
         return allowed(request)
-    LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, source)
-    return allowed(request, gate_patch(pod))
+    try:
+        found = _read(pod, namespace, reader, gate, key, rules.driver)
+    except KubeError as err:  # never a refusal for our own read failure: kube-scheduler allocates
+        LOG.warning("pod %s admitted unchanged: cannot read its claims: %s", name, err)
+        return allowed(request)
+    patch: list[dict[str, Any]] = []
+    if found.gate is not None:
+        LOG.info("pod %s gated (%s): %s opts in", name, SCHEDULING_GATE, found.gate)
+        patch += gate_patch(pod)
+    elif gate:
+        LOG.info("pod %s not gated: %s", name, "; ".join(found.not_gated) or "no claim named")
+    if found.toleration is not None:
+        LOG.info("pod %s tolerates the taint %s: %s asks for %s's devices", name, key, found.toleration, rules.driver)
+        patch += toleration_patch(pod, key)
+    return allowed(request, patch)
+
+
+def review_result(answer: dict[str, Any]) -> str:
+    """The metrics' `result` of a /mutate answer: "gated" where its patch adds the scheduling gate,
+    "tolerated" where it adds only the toleration, else "allowed"."""
+    response = answer["response"]
+    if "patch" not in response:
+        return "allowed"
+    paths = [op["path"] for op in json.loads(base64.b64decode(response["patch"]))]
+    return "gated" if any(p.startswith("/spec/schedulingGates") for p in paths) else "tolerated"
 
 
 def place_pods(document: Any) -> dict[str, Any]:
@@ -113,8 +199,8 @@ def place_pods(document: Any) -> dict[str, Any]:
     if (created := _created_pod(request)) is None:
         return allowed(request)
     pod, namespace, name = created
-    if not claimless(pod):
-        return allowed(request)  # its claims decide (POST /mutate)
+    if gated(pod) or not claimless(pod):
+        return allowed(request)  # gated by its author; or its claims decide (POST /mutate)
     exempt = placement_exempt({**pod, "metadata": {**(pod.get("metadata") or {}), "namespace": namespace}})
     if exempt is not None:
         LOG.info("pod %s not gated for placement: %s", name, exempt)

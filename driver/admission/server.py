@@ -1,7 +1,8 @@
 """`fgpu webhook`: the validating admission webhook over HTTPS (kube-apiserver calls only HTTPS).
 
 POST /validate answers an AdmissionReview (driver/admission/review.py); POST /mutate (with
---gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims, POST /place-pods to pods
+--gate-pods) adds fgpu's scheduling gate to pods that use opt-in claims (and with
+--gpu-pods-toleration the toleration of nodes kept for pods with GPUs), POST /place-pods to pods
 without claims in the namespaces whose pods the controller places (driver/admission/mutate.py);
 POST /rightsize (with --rightsize-history-namespace) sizes new claims (driver/admission/rightsize.py);
 GET /healthz is the probes' endpoint; GET /metrics Prometheus' text format. The serving certificate comes from
@@ -30,7 +31,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from driver.admission.mutate import ClaimReader, mutate, place_pods
+from driver.admission.gpu_pods_only import EFFECT
+from driver.admission.mutate import ClaimReader, PodRules, mutate, place_pods, review_result
 from driver.admission.review import CONFIG_PATHS, review
 from driver.admission.rightsize import Rightsizer, rightsize
 from driver.admission.rotation import CaBundlePublisher, ClientCertApi, MountedFiles, Rotator, SelfManaged
@@ -131,7 +133,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             document = json.loads(body)
             if path == "/mutate" and claims is not None:
-                answer = mutate(document, claims)
+                answer = mutate(document, claims, self.server.pod_rules)
             elif path == "/rightsize" and sizer is not None:
                 answer = rightsize(document, sizer)
             elif path == "/place-pods":
@@ -143,8 +145,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain")
             return
         response = answer["response"]
-        patched = "sized" if path == "/rightsize" else "gated"
-        result = patched if "patch" in response else "allowed" if response["allowed"] else "denied"
+        if path == "/mutate":
+            result = review_result(answer)
+        else:
+            patched = "sized" if path == "/rightsize" else "gated"
+            result = patched if "patch" in response else "allowed" if response["allowed"] else "denied"
         REVIEWS.labels(kind=metric_kind(document), result=result).inc()
         if not response["allowed"]:
             LOG.info("denied: %s", response["status"]["message"])
@@ -178,7 +183,8 @@ class WebhookServer(BoundedHTTPServer):
         rightsizer: Rightsizer | None = None,
     ) -> None:
         self.driver_name = settings.driver_name
-        self.claims = claims  # /mutate answers only with a reader (--gate-pods)
+        self.claims = claims  # /mutate answers only with a reader (--gate-pods, --gpu-pods-toleration)
+        self.pod_rules = PodRules(settings.gate_pods, settings.gpu_pods_toleration, settings.driver_name)
         self.rightsizer = rightsizer  # /rightsize only with one (--rightsize-history-namespace)
         self.client_ca = client_ca  # reviews only for a client certificate of this CA, when given
         self._tls = (0, tls)  # (the certificate's number, its context): swapped as one
@@ -268,8 +274,9 @@ def run_webhook(settings: WebhookSettings) -> None:
         except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
             flags = "--tls-cert-file/--tls-private-key-file"
             raise ValueError(f"{flags}: cannot load {settings.cert_file}: {err}") from err
-    api = ClientCertApi(settings.kubeconfig) if settings.gate_pods or settings.rightsize_history_namespace else None
-    claims = api if settings.gate_pods else None
+    mutates_pods = settings.gate_pods or bool(settings.gpu_pods_toleration)
+    api = ClientCertApi(settings.kubeconfig) if mutates_pods or settings.rightsize_history_namespace else None
+    claims = api if mutates_pods else None
     sizer = (
         Rightsizer(api, settings.rightsize_history_namespace, driver=settings.driver_name)
         if api and settings.rightsize_history_namespace
@@ -280,8 +287,11 @@ def run_webhook(settings: WebhookSettings) -> None:
         return
     rotator.start()
     LOG.info("validating %s configs on https://%s:%d/validate", settings.driver_name, *server.server_address[:2])
-    if claims is not None:
+    if settings.gate_pods:
         LOG.info("gating pods of opt-in claims on https://%s:%d/mutate", *server.server_address[:2])
+    if settings.gpu_pods_toleration:
+        LOG.info("pods of %s's claims tolerate %s:%s, on https://%s:%d/mutate", settings.driver_name,
+                 settings.gpu_pods_toleration, EFFECT, *server.server_address[:2])  # fmt: skip
     if sizer is not None:
         LOG.info("sizing new claims that opt in on https://%s:%d/rightsize", *server.server_address[:2])
     try:

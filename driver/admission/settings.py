@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.admission.gpu_pods_only import taint_key
 from driver.admission.lifetimes import DEFAULT_LIFETIMES, Lifetimes, duration
 from driver.common.flags import DEFAULT_DRIVER_NAME, SettingsError, env_default, port
 
@@ -26,6 +27,7 @@ class WebhookSettings:
     lifetimes: Lifetimes = DEFAULT_LIFETIMES
     webhook_configuration: str = ""  # the ValidatingWebhookConfiguration whose caBundle it writes
     gate_pods: bool = False  # POST /mutate: the scheduling gate for pods of opt-in claims
+    gpu_pods_toleration: str = ""  # POST /mutate: this taint tolerated by pods whose claims ask for our devices
     mutating_configuration: str = ""  # the MutatingWebhookConfiguration whose caBundle it writes too
     kubeconfig: str | None = None
     check_interval_s: float = 10.0
@@ -89,6 +91,13 @@ def add_webhook_flags(parser: argparse.ArgumentParser) -> None:
         "(reads claims and templates)",
     )
     parser.add_argument(
+        "--gpu-pods-toleration",
+        default="",
+        metavar="KEY",
+        help="POST /mutate: add a toleration of the NoSchedule taint KEY (any value) to pods whose claims ask for "
+        "the driver's device classes, for nodes kept for pods with GPUs (reads claims and templates)",
+    )
+    parser.add_argument(
         "--rightsize-history-namespace",
         default="",
         help="POST /rightsize: size new claims of opted-in namespaces and templates to their workload's "
@@ -115,6 +124,13 @@ def add_webhook_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _toleration_key(text: str) -> str:
+    try:
+        return taint_key(text) if text else ""
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+
+
 def webhook_settings(args: argparse.Namespace) -> WebhookSettings:
     """The settings `fgpu webhook`'s flags give; which of them go together is checked by
     WebhookSettings.check, when the webhook starts."""
@@ -136,6 +152,7 @@ def webhook_settings(args: argparse.Namespace) -> WebhookSettings:
         lifetimes=lifetimes,
         webhook_configuration=args.webhook_configuration,
         gate_pods=args.gate_pods,
+        gpu_pods_toleration=_toleration_key(args.gpu_pods_toleration),
         mutating_configuration=args.mutating_webhook_configuration,
         kubeconfig=args.kubeconfig,
         client_ca_file=args.client_ca_file,

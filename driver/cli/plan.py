@@ -31,6 +31,7 @@ from driver.allocator.model import (
 from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node
 from driver.allocator.state import AllocatedState
+from driver.claims.classes import ours
 from driver.cli.plan_frameworks import framework_pods
 from driver.cli.plan_inputs import (
     FRAMEWORK_KINDS,
@@ -447,7 +448,7 @@ def _foreign_classes(claim: Claim, world: World, driver: str) -> list[str]:
 def _foreign(name: str, classes: dict[str, DeviceClass], drivers: set[str], driver: str) -> bool:
     device_class = classes.get(name)
     if device_class is None:  # one of ours that is missing is an allocation failure, with its reason
-        return name != driver and not name.endswith("." + driver)
+        return not ours(name, driver)
     selected = {d for expression in device_class.selectors for d in DRIVER_SELECTOR.findall(expression)}
     return bool(selected) and not selected & drivers
 

@@ -573,6 +573,19 @@ def test_pods_of_opt_in_claims_are_gated_by_a_mutating_webhook_for_pods_with_cla
         assert rbac_rules(off, "ClusterRole", "webhook") == {r for r in CA_WRITES if "validating" in r[1]}
 
 
+def test_a_toleration_of_nodes_kept_for_gpu_pods_is_added_by_the_pods_webhook_with_or_without_the_controller() -> None:
+    key = "gpu.fgpu.dev/gpu-pods-only"
+    for values in ({"controller.enabled": False}, {"webhook.gatePods.enabled": False}, {}):
+        objects = render({**values, "webhook.gpuPodsToleration": key})
+        (webhook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+        assert webhook["name"] == "pods.gpu.fgpu.dev" and webhook["clientConfig"]["service"]["path"] == "/mutate"
+        args = webhook_args(objects)
+        assert args.gpu_pods_toleration == key and args.gate_pods == (values == {})
+        assert webhook_settings(args).gpu_pods_toleration == key
+        assert rbac_rules(objects, "ClusterRole", "webhook") == CA_WRITES | GATE_READS
+    assert webhook_args(render()).gpu_pods_toleration == ""
+
+
 def test_webhook_modes_that_do_not_go_together() -> None:
     with pytest.raises(AssertionError, match="choose one"):
         render({"webhook.certManager.enabled": True, "webhook.tls.existingSecret": "x"})

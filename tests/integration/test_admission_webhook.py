@@ -367,8 +367,8 @@ def gating_configuration(port: int, name: str) -> dict[str, Any]:
     return config
 
 
-def claim_template(name: str, labels: dict[str, str]) -> dict[str, Any]:
-    request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev"}}
+def claim_template(name: str, labels: dict[str, str], device_class: str = "gpu.fgpu.dev") -> dict[str, Any]:
+    request = {"name": "gpu", "exactly": {"deviceClassName": device_class}}
     return {
         "metadata": {"name": name},
         "spec": {"metadata": {"labels": labels}, "spec": {"devices": {"requests": [request]}}},
@@ -384,85 +384,126 @@ def pod_with(template: str | None) -> dict[str, Any]:
     return {"metadata": {"name": unique("pod")}, "spec": spec}
 
 
+def create_once_served(core_api: CoreV1Api, body: Callable[[], dict[str, Any]]) -> Any:
+    """The pod created once the pods' webhook answers: it writes the mutating configuration's
+    caBundle too, and until kube-apiserver trusts it a pod with claims is refused (failurePolicy
+    Fail)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return core_api.create_namespaced_pod(NS, body())
+        except ApiException as err:
+            assert time.monotonic() < deadline, f"the pods' webhook never answered: {err.body}"
+            time.sleep(0.3)
+
+
 def gates(pod: Any) -> list[str]:
     return [g.name for g in pod.spec.scheduling_gates or ()]
 
 
+@dataclass
+class PodsWebhook:
+    """The chart's MutatingWebhookConfiguration pointed at `port` on this host, and what a test made
+    under it (pods, claim templates), deleted after the test."""
+
+    port: int
+    name: str
+    pods: list[str]
+    templates: list[str]
+
+
+@pytest.fixture
+def pods_webhook(cluster: Cluster, resource_api: ResourceV1Api, core_api: CoreV1Api) -> Iterator[PodsWebhook]:
+    admission = AdmissionregistrationV1Api(cluster.api_client())
+    made = PodsWebhook(free_port(), unique("fgpu-webhook-pods"), [], [])
+    admission.create_mutating_webhook_configuration(gating_configuration(made.port, made.name))
+    yield made
+    admission.delete_mutating_webhook_configuration(made.name)
+    for name in made.pods:
+        with contextlib.suppress(ApiException):
+            core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+    for name in made.templates:
+        with contextlib.suppress(ApiException):
+            resource_api.delete_namespaced_resource_claim_template(name, NS)
+
+
 def test_pods_of_an_opt_in_template_are_gated_at_create_others_are_not_and_pods_without_claims_never_sent(
-    cluster, self_managed, resource_api, core_api
+    cluster, self_managed, pods_webhook, resource_api, core_api
 ) -> None:
     admission = AdmissionregistrationV1Api(cluster.api_client())
     batch = BatchV1Api(cluster.api_client())
-    port, mutating = free_port(), unique("fgpu-webhook-gating")
+    port, mutating, pods = pods_webhook.port, pods_webhook.name, pods_webhook.pods
     opt_in, plain = unique("opt-in"), unique("plain")
-    admission.create_mutating_webhook_configuration(gating_configuration(port, mutating))
-    pods: list[str] = []
-    try:
-        resource_api.create_namespaced_resource_claim_template(
-            NS, claim_template(opt_in, {"gpu.fgpu.dev/allocator": "fgpu"})
-        )
-        resource_api.create_namespaced_resource_claim_template(NS, claim_template(plain, {}))
-        webhook = self_managed(1, "--gate-pods", f"--mutating-webhook-configuration={mutating}", ports=[port])
-        # The webhook writes the mutating configuration's caBundle too; until kube-apiserver trusts
-        # it, a pod with claims is refused (failurePolicy Fail): retried.
-        deadline = time.monotonic() + 30
-        while True:
-            body = pod_with(opt_in)
-            try:
-                created = core_api.create_namespaced_pod(NS, body)
-                break
-            except ApiException as err:
-                assert time.monotonic() < deadline, f"the gating webhook never answered: {err.body}"
-                time.sleep(0.3)
-        pods.append(created.metadata.name)
-        assert gates(created) == [GATE]
-        ca = base64.b64encode(webhook.stored()["ca.crt"]).decode()
-        assert {
-            w.client_config.ca_bundle for w in admission.read_mutating_webhook_configuration(mutating).webhooks
-        } == {ca}
-        # The same pod already gated by its author: one gate, not two.
-        gated = pod_with(opt_in)
-        gated["spec"]["schedulingGates"] = [{"name": GATE}]
-        pods.append(gated["metadata"]["name"])
-        assert gates(core_api.create_namespaced_pod(NS, gated)) == [GATE]
-        # A template without the opt-in label, and one that does not exist: admitted ungated.
-        for template in (plain, unique("missing")):
-            body = pod_with(template)
-            pods.append(body["metadata"]["name"])
-            assert gates(core_api.create_namespaced_pod(NS, body)) == []
-        log = webhook.logs[0].read_text()
-        assert f"gated ({GATE}): ResourceClaimTemplate {NS}/{opt_in} opts in" in log
-        assert f"not gated: ResourceClaimTemplate {NS}/{plain} not opted in" in log
-        assert "not found" in log
-        # A Job's pods (made by kube-controller-manager, nobody editing them) are gated too.
-        job = unique("job")
-        template = pod_with(opt_in)
-        template["spec"]["restartPolicy"] = "Never"
-        batch.create_namespaced_job(NS, {"metadata": {"name": job}, "spec": {"template": {"spec": template["spec"]}}})
-        deadline = time.monotonic() + 30
-        while not (made := core_api.list_namespaced_pod(NS, label_selector=f"job-name={job}").items):
-            assert time.monotonic() < deadline, "the Job made no pod"
-            time.sleep(0.3)
-        assert gates(made[0]) == [GATE]
-        batch.delete_namespaced_job(job, NS, propagation_policy="Background")
-        # With the webhook down (failurePolicy Fail): a pod with claims is refused, so a pod without
-        # claims that is created was never sent (matchConditions).
-        for process in webhook.processes:
-            process.terminate()
-            process.wait(timeout=10)
-        message = refusal(lambda: core_api.create_namespaced_pod(NS, pod_with(opt_in)))
-        assert "failed calling webhook" in message, message
-        bare = pod_with(None)
-        pods.append(bare["metadata"]["name"])
-        assert gates(core_api.create_namespaced_pod(NS, bare)) == []
-    finally:
-        admission.delete_mutating_webhook_configuration(mutating)
-        for name in pods:
-            with contextlib.suppress(ApiException):
-                core_api.delete_namespaced_pod(name, NS, grace_period_seconds=0)
-        for name in (opt_in, plain):
-            with contextlib.suppress(ApiException):
-                resource_api.delete_namespaced_resource_claim_template(name, NS)
+    pods_webhook.templates += [opt_in, plain]
+    resource_api.create_namespaced_resource_claim_template(
+        NS, claim_template(opt_in, {"gpu.fgpu.dev/allocator": "fgpu"})
+    )
+    resource_api.create_namespaced_resource_claim_template(NS, claim_template(plain, {}))
+    webhook = self_managed(1, "--gate-pods", f"--mutating-webhook-configuration={mutating}", ports=[port])
+    created = create_once_served(core_api, lambda: pod_with(opt_in))
+    pods.append(created.metadata.name)
+    assert gates(created) == [GATE]
+    ca = base64.b64encode(webhook.stored()["ca.crt"]).decode()
+    assert {w.client_config.ca_bundle for w in admission.read_mutating_webhook_configuration(mutating).webhooks} == {ca}
+    # The same pod already gated by its author: one gate, not two.
+    gated = pod_with(opt_in)
+    gated["spec"]["schedulingGates"] = [{"name": GATE}]
+    pods.append(gated["metadata"]["name"])
+    assert gates(core_api.create_namespaced_pod(NS, gated)) == [GATE]
+    # A template without the opt-in label, and one that does not exist: admitted ungated.
+    for template in (plain, unique("missing")):
+        body = pod_with(template)
+        pods.append(body["metadata"]["name"])
+        assert gates(core_api.create_namespaced_pod(NS, body)) == []
+    log = webhook.logs[0].read_text()
+    assert f"gated ({GATE}): ResourceClaimTemplate {NS}/{opt_in} opts in" in log
+    assert f"not gated: ResourceClaimTemplate {NS}/{plain} not opted in" in log
+    assert "not found" in log
+    # A Job's pods (made by kube-controller-manager, nobody editing them) are gated too.
+    job = unique("job")
+    template = pod_with(opt_in)
+    template["spec"]["restartPolicy"] = "Never"
+    batch.create_namespaced_job(NS, {"metadata": {"name": job}, "spec": {"template": {"spec": template["spec"]}}})
+    deadline = time.monotonic() + 30
+    while not (made := core_api.list_namespaced_pod(NS, label_selector=f"job-name={job}").items):
+        assert time.monotonic() < deadline, "the Job made no pod"
+        time.sleep(0.3)
+    assert gates(made[0]) == [GATE]
+    batch.delete_namespaced_job(job, NS, propagation_policy="Background")
+    # With the webhook down (failurePolicy Fail): a pod with claims is refused, so a pod without
+    # claims that is created was never sent (matchConditions).
+    for process in webhook.processes:
+        process.terminate()
+        process.wait(timeout=10)
+    message = refusal(lambda: core_api.create_namespaced_pod(NS, pod_with(opt_in)))
+    assert "failed calling webhook" in message, message
+    bare = pod_with(None)
+    pods.append(bare["metadata"]["name"])
+    assert gates(core_api.create_namespaced_pod(NS, bare)) == []
+
+
+def test_pods_whose_claims_ask_for_fgpus_devices_tolerate_the_nodes_kept_for_gpu_pods(
+    self_managed, pods_webhook, resource_api, core_api
+) -> None:
+    """`fgpu webhook --gpu-pods-toleration KEY` without --gate-pods (the chart's webhook.gpuPodsToleration
+    with the controller off): the toleration, and no gate."""
+    key = "gpu.fgpu.dev/gpu-pods-only"
+    ours, other = unique("mps"), unique("nic")
+    pods_webhook.templates += [ours, other]
+    resource_api.create_namespaced_resource_claim_template(NS, claim_template(ours, {}, "mps.gpu.fgpu.dev"))
+    resource_api.create_namespaced_resource_claim_template(NS, claim_template(other, {}, "nic.example.com"))
+    flags = (f"--gpu-pods-toleration={key}", f"--mutating-webhook-configuration={pods_webhook.name}")
+    webhook = self_managed(1, *flags, ports=[pods_webhook.port])
+    created = create_once_served(core_api, lambda: pod_with(ours))
+    pods_webhook.pods.append(created.metadata.name)
+    assert [(t.key, t.operator, t.effect, t.value) for t in created.spec.tolerations or ()
+            if t.key == key] == [(key, "Exists", "NoSchedule", None)]  # fmt: skip
+    assert gates(created) == []
+    bare = core_api.create_namespaced_pod(NS, pod_with(other))
+    pods_webhook.pods.append(bare.metadata.name)
+    assert [t for t in bare.spec.tolerations or () if t.key == key] == []
+    log = webhook.logs[0].read_text()
+    assert f"tolerates the taint {key}: ResourceClaimTemplate {NS}/{ours} asks for gpu.fgpu.dev's devices" in log
 
 
 # --- the webhook's own RBAC: the caBundle of its configurations and nothing else --------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from driver.admission.mutate import gate_patch, mutate
+from driver.admission.mutate import MAX_CLAIMS_READ, PodRules, gate_patch, mutate, review_result
 from driver.admission.review import ReviewError
 from driver.kube.errors import KubeUnavailableError
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE, SCHEDULING_GATE
@@ -44,8 +44,9 @@ def labelled(labels: dict[str, str]) -> dict[str, Any]:
     return {"metadata": {"name": "c", "labels": labels}, "spec": {}}
 
 
-def template(labels: dict[str, str]) -> dict[str, Any]:
-    return {"metadata": {"name": "t"}, "spec": {"metadata": {"labels": labels}, "spec": {}}}
+def template(labels: dict[str, str], device_class: str = "") -> dict[str, Any]:
+    claim_spec = {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": device_class}}]}}
+    return {"metadata": {"name": "t"}, "spec": {"metadata": {"labels": labels}, "spec": claim_spec}}
 
 
 def pod(*refs: dict[str, str], gates: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -86,9 +87,9 @@ def apply_adds(obj: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, An
     return obj
 
 
-def patched(obj: dict[str, Any], reader: Reader) -> dict[str, Any] | None:
+def patched(obj: dict[str, Any], reader: Reader, rules: PodRules = PodRules()) -> dict[str, Any] | None:
     """The pod as kube-apiserver stores it after the answer; None when no patch came."""
-    response = mutate(admission(obj), reader)["response"]
+    response = mutate(admission(obj), reader, rules)["response"]
     assert response["allowed"] is True and response["uid"] == "u-1" and "status" not in response
     if "patch" not in response:
         return None
@@ -141,7 +142,7 @@ def test_a_pod_that_has_the_gate_already_is_left_alone() -> None:
 def test_an_api_server_that_cannot_be_read_admits_without_the_gate(caplog) -> None:
     reader = Reader(error=KubeUnavailableError("connection refused"))
     assert patched(pod({"name": "gpu", "resourceClaimName": "c"}), reader) is None
-    assert "admitted without the scheduling gate: cannot read its claims: connection refused" in caplog.text
+    assert "admitted unchanged: cannot read its claims: connection refused" in caplog.text
 
 
 def test_only_pod_creates_are_gated_and_a_bad_review_is_an_error() -> None:
@@ -151,3 +152,72 @@ def test_only_pod_creates_are_gated_and_a_bad_review_is_an_error() -> None:
     assert patched(pod(), reader) is None  # no claims at all (the chart's matchConditions send none)
     with pytest.raises(ReviewError):
         mutate({"apiVersion": "admission.k8s.io/v1beta1", "request": {"uid": "x"}}, reader)
+
+
+KEY = "gpu.fgpu.dev/gpu-pods-only"
+TOLERATION = {"key": KEY, "operator": "Exists", "effect": "NoSchedule"}
+TOLERATING = PodRules(gate=False, gpu_pods_toleration=KEY)
+
+
+def claim_of(device_class: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    request = {"name": "r", "exactly": {"deviceClassName": device_class}}
+    return {"metadata": {"name": "c", "labels": labels or {}}, "spec": {"devices": {"requests": [request]}}}
+
+
+def test_a_pod_whose_template_asks_for_our_devices_tolerates_the_nodes_kept_for_gpu_pods(caplog) -> None:
+    caplog.set_level(logging.INFO, "fgpu.webhook")
+    reader = Reader(templates={"t": template({}, "mps.gpu.fgpu.dev")})
+    after = patched(pod({"name": "gpu", "resourceClaimTemplateName": "t"}), reader, TOLERATING)
+    assert after is not None and after["spec"]["tolerations"] == [TOLERATION]
+    assert "schedulingGates" not in after["spec"]  # the gate is --gate-pods' alone
+    assert (
+        f"pod team/job-* tolerates the taint {KEY}: ResourceClaimTemplate team/t asks for gpu.fgpu.dev's" in caplog.text
+    )
+
+
+def test_claims_of_other_drivers_missing_or_unreadable_give_no_toleration() -> None:
+    nic = Reader(claims={"c": claim_of("nic.example.com")})
+    assert patched(pod({"name": "n", "resourceClaimName": "c"}), nic, TOLERATING) is None
+    assert patched(pod({"name": "n", "resourceClaimName": "c"}), Reader(), TOLERATING) is None
+    down = Reader(error=KubeUnavailableError("connection refused"))
+    assert patched(pod({"name": "n", "resourceClaimName": "c"}), down, TOLERATING) is None
+
+
+def test_one_read_of_each_claim_gates_and_tolerates_together() -> None:
+    reader = Reader(claims={"nic": claim_of("nic.example.com"), "gpu": claim_of("gpu.fgpu.dev", OPT_IN)})
+    refs = [{"name": n, "resourceClaimName": n} for n in ("nic", "gpu", "nic", "more")]
+    after = patched(pod(*refs), reader, PodRules(gpu_pods_toleration=KEY))
+    assert after is not None and after["spec"]["schedulingGates"] == [GATE]
+    assert after["spec"]["tolerations"] == [TOLERATION]
+    assert reader.reads == ["claim team/nic", "claim team/gpu"]  # both answered: the rest not read
+
+
+def test_a_pod_that_tolerates_already_and_is_gated_is_not_read() -> None:
+    reader = Reader(claims={"c": claim_of("gpu.fgpu.dev", OPT_IN)})
+    ready = pod({"name": "gpu", "resourceClaimName": "c"}, gates=[GATE])
+    ready["spec"]["tolerations"] = [{"key": KEY, "operator": "Exists"}]
+    assert patched(ready, reader, PodRules(gpu_pods_toleration=KEY)) is None
+    assert reader.reads == []
+    # Gated by its author, not tolerating yet: read for the toleration alone.
+    del ready["spec"]["tolerations"]
+    after = patched(ready, reader, PodRules(gpu_pods_toleration=KEY))
+    assert (
+        after is not None
+        and after["spec"]["schedulingGates"] == [GATE]
+        and after["spec"]["tolerations"] == [TOLERATION]
+    )
+
+
+def test_no_more_than_the_bound_of_claims_is_read_for_a_pod() -> None:
+    reader = Reader()
+    refs = [{"name": f"c{i}", "resourceClaimName": f"c{i}"} for i in range(MAX_CLAIMS_READ + 50)]
+    assert patched(pod(*refs), reader, PodRules(gpu_pods_toleration=KEY)) is None
+    assert len(reader.reads) == MAX_CLAIMS_READ
+
+
+def test_the_metrics_result_says_what_the_patch_added() -> None:
+    reader = Reader(claims={"c": claim_of("gpu.fgpu.dev", OPT_IN)})
+    claim_pod = admission(pod({"name": "gpu", "resourceClaimName": "c"}))
+    assert review_result(mutate(claim_pod, reader, TOLERATING)) == "tolerated"
+    assert review_result(mutate(claim_pod, reader, PodRules(gpu_pods_toleration=KEY))) == "gated"
+    assert review_result(mutate(claim_pod, reader, PodRules(gate=False))) == "allowed"

@@ -29,3 +29,12 @@ def test_self_managed_certificates_name_the_service_and_renew_in_time(monkeypatc
 def test_a_port_the_webhook_cannot_serve_on_is_refused():
     with pytest.raises(SettingsError, match=r"^--port 0: the webhook needs a port \(1-65535\)$"):
         settings("--port=0")
+
+
+def test_the_toleration_of_nodes_kept_for_gpu_pods_is_a_taint_key_checked_at_start():
+    got = settings("--tls-secret=certs", "--namespace=n", "--service-name=hook",
+                   "--gpu-pods-toleration=gpu.fgpu.dev/gpu-pods-only")  # fmt: skip
+    assert (got.gate_pods, got.gpu_pods_toleration) == (False, "gpu.fgpu.dev/gpu-pods-only")
+    assert settings("--tls-secret=certs").gpu_pods_toleration == ""
+    with pytest.raises(SettingsError, match=r"^--gpu-pods-toleration 'a/b/c': not a taint key"):
+        settings("--gpu-pods-toleration=a/b/c")

@@ -6,6 +6,7 @@ apiserver: tests/integration/test_admission_webhook.py."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
 import http.client
@@ -34,18 +35,19 @@ from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
 
 HOSTS = certs.service_hosts("fgpu-webhook", "fgpu-system", ["127.0.0.1"])
 BUNDLE = certs.issue("x", HOSTS, Lifetimes(validity_s=3600, renew_before_s=60, ca_validity_s=7200))
-SETTINGS = WebhookSettings("gpu.fgpu.dev", "127.0.0.1", 0, tls_secret="s", namespace="n", hosts=HOSTS)
+SETTINGS = WebhookSettings("gpu.fgpu.dev", "127.0.0.1", 0, tls_secret="s", namespace="n", hosts=HOSTS, gate_pods=True)
 
 
 class Reader:
-    """A claim `secret` that opts in, in namespace `other`; records each read."""
+    """A claim `secret` of a whole GPU that opts in, in namespace `other`; records each read."""
 
     def __init__(self) -> None:
         self.reads: list[str] = []
 
     def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.reads.append(f"{namespace}/{name}")
-        opted_in = {"metadata": {"labels": {OPT_IN_LABEL: OPT_IN_VALUE}}}
+        request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.fgpu.dev"}}
+        opted_in = {"metadata": {"labels": {OPT_IN_LABEL: OPT_IN_VALUE}}, "spec": {"devices": {"requests": [request]}}}
         return opted_in if (namespace, name) == ("other", "secret") else None
 
     def read_claim_template(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -88,9 +90,9 @@ Start = Callable[..., WebhookServer]
 def start() -> Iterator[Start]:
     servers: list[WebhookServer] = []
 
-    def started(**kwargs: Any) -> WebhookServer:
+    def started(settings: WebhookSettings = SETTINGS, **kwargs: Any) -> WebhookServer:
         client_ca = kwargs.get("client_ca", b"")
-        server = WebhookServer(SETTINGS, tls_context(BUNDLE.cert, BUNDLE.key, client_ca), **kwargs)
+        server = WebhookServer(settings, tls_context(BUNDLE.cert, BUNDLE.key, client_ca), **kwargs)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server
@@ -196,6 +198,21 @@ def test_without_kube_apiservers_certificate_mutate_reveals_no_claim(start: Star
     connection.request("GET", "/healthz")  # kubelet's probes send no certificate
     assert connection.getresponse().status == 200
     connection.close()
+
+
+def test_mutate_adds_what_the_flags_say_and_counts_it(start: Start, tmp_path: Path) -> None:
+    key = "gpu.fgpu.dev/gpu-pods-only"
+    tolerating = dataclasses.replace(SETTINGS, gate_pods=False, gpu_pods_toleration=key)
+    for settings, result in ((tolerating, "tolerated"), (SETTINGS, "gated")):
+        before = REGISTRY.get_sample_value("fgpu_webhook_reviews_total", {"kind": "Pod", "result": result}) or 0
+        status, body = post(
+            start(settings, claims=Reader()), client_context(tmp_path), "/mutate", pod_review("other", "secret")
+        )
+        patch = json.loads(base64.b64decode(json.loads(body)["response"]["patch"]))
+        assert status == 200 and [op["path"] for op in patch] == [
+            "/spec/tolerations" if result == "tolerated" else "/spec/schedulingGates"
+        ]
+        assert REGISTRY.get_sample_value("fgpu_webhook_reviews_total", {"kind": "Pod", "result": result}) == before + 1
 
 
 def test_a_client_ca_file_that_cannot_be_loaded_stops_the_webhook_at_start(tmp_path: Path) -> None:

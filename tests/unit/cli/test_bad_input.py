@@ -297,6 +297,12 @@ CASES = [
         "cannot load {in}/file: [SSL]",
     ),
     ("webhook port zero", [*WEBHOOK, "--port=0"], {}, "fgpu: --port 0: the webhook needs a port (1-65535)"),
+    (
+        "webhook toleration not a taint key",
+        [*WEBHOOK, "--gpu-pods-toleration=gpu pods"],
+        {},
+        "fgpu: --gpu-pods-toleration 'gpu pods': not a taint key",
+    ),
     ("webhook env port garbage", WEBHOOK, {"WEBHOOK_PORT": "https"}, "--port: WEBHOOK_PORT='https' is not a port"),
     ("webhook without certificate", ["webhook"], {}, "the following arguments are required: --tls-cert-file"),
 ]

@@ -101,6 +101,22 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* Whether the webhook gives pods whose claims ask for fgpu's devices the toleration of the nodes
+  kept for pods with GPUs (webhook.gpuPodsToleration, a taint key). */}}
+{{- define "fgpu.webhookToleratesGpuNodes" -}}
+{{- if .Values.webhook.gpuPodsToleration -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the webhook reads the claims and templates pods name at create (POST /mutate): to gate
+  pods of opt-in claims, or to give pods with fgpu's claims the toleration. */}}
+{{- define "fgpu.webhookReadsPodClaims" -}}
+{{- if or (include "fgpu.webhookGatesPods" .) (include "fgpu.webhookToleratesGpuNodes" .) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the controller places the pods without claims of the namespaces that opt in (with the
   webhook: it gates them). */}}
 {{- define "fgpu.controllerPlacesPods" -}}
@@ -109,10 +125,11 @@ true
 {{- end -}}
 {{- end -}}
 
-{{/* Whether the webhook has a MutatingWebhookConfiguration: it gates pods of opt-in claims, or pods
-  without claims for the controller to place. */}}
+{{/* Whether the webhook has a MutatingWebhookConfiguration: it gates pods of opt-in claims or gives
+  pods with fgpu's claims a toleration, gates pods without claims for the controller to place, or
+  sizes new claims. */}}
 {{- define "fgpu.webhookMutates" -}}
-{{- if or (include "fgpu.webhookGatesPods" .) (include "fgpu.controllerPlacesPods" .) .Values.webhook.rightsize.enabled -}}
+{{- if or (include "fgpu.webhookReadsPodClaims" .) (include "fgpu.controllerPlacesPods" .) .Values.webhook.rightsize.enabled -}}
 true
 {{- end -}}
 {{- end -}}
@@ -120,7 +137,7 @@ true
 {{/* Whether the webhook calls the API server: to write a caBundle, to read claims and templates, or
   (automatic sizing) pods, namespaces and the usage histories. */}}
 {{- define "fgpu.webhookUsesApi" -}}
-{{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookGatesPods" .) .Values.webhook.rightsize.enabled -}}
+{{- if or (include "fgpu.webhookWritesCaBundle" .) (include "fgpu.webhookReadsPodClaims" .) .Values.webhook.rightsize.enabled -}}
 true
 {{- end -}}
 {{- end -}}
