@@ -54,6 +54,7 @@ TAGS = ("dev", "next")  # the same image under two tags: an upgrade changes the 
 RELEASE = "fgpu"
 NS = "default"
 ON_GPU = 'device.attributes["gpu.fgpu.dev"].index == {}'
+KEPT_FOR_GPU_PODS = "gpu.fgpu.dev/gpu-pods-only"
 
 
 @dataclass
@@ -140,6 +141,8 @@ def values_for_test_bed(cluster: Cluster, node: RealNode, state_dir: Path) -> di
         "webhook.port": free_port(),
         # The session's cluster fixture already made the DeviceClasses, for every test.
         "deviceClasses.create": False,
+        # Pods with fgpu's claims tolerate the nodes kept for pods with GPUs (docs/admission.md).
+        "webhook.gpuPodsToleration": KEPT_FOR_GPU_PODS,
     }
 
 
@@ -281,6 +284,45 @@ def workloads_state(cluster: Cluster) -> dict[str, Any]:
         restarts = sum(c.restart_count for c in item.status.container_statuses or [])
         state[f"pod {item.metadata.name}"] = (item.metadata.uid, restarts)
     return state
+
+
+def tolerating_pod(core: kubernetes.client.CoreV1Api, cluster: Cluster, node: RealNode) -> str | None:
+    """A pod of a whole-GPU claim created, and its name once the webhook gave it the toleration (a pod
+    created before its configuration's caBundle was written was admitted without: deleted)."""
+    name = claim_pod(cluster, node, "gpu.fgpu.dev", wait=False)
+    if any(t.key == KEPT_FOR_GPU_PODS for t in core.read_namespaced_pod(name, NS).spec.tolerations or ()):
+        return name
+    core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+    return None
+
+
+def test_on_a_node_kept_for_gpu_pods_a_pod_of_fgpus_claims_runs_and_a_pod_without_claims_does_not(
+    cluster, real_node, release: Release
+) -> None:
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    before = [t.to_dict() for t in core.read_node(real_node.name).spec.taints or ()]
+    taint = {"key": KEPT_FOR_GPU_PODS, "value": "true", "effect": "NoSchedule"}
+    core.patch_node(real_node.name, {"spec": {"taints": [*before, taint]}})
+    plain = unique("cpu-only")
+    try:
+        name = wait_until("a GPU pod given the toleration", lambda: tolerating_pod(core, cluster, real_node), 90)
+        wait_running(core, name)
+        container = {"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}
+        spec = {"nodeSelector": {"kubernetes.io/hostname": real_node.name}, "containers": [container]}
+        core.create_namespaced_pod(NS, {"metadata": {"name": plain}, "spec": spec})
+
+        def refused() -> str | None:
+            conditions = core.read_namespaced_pod(plain, NS).status.conditions or ()
+            return next(
+                (c.message for c in conditions if c.type == "PodScheduled" and c.reason == "Unschedulable"), None
+            )
+
+        message = wait_until("kube-scheduler keeping the pod without claims off the node", refused)
+        assert "untolerated taint" in message, message
+    finally:
+        core.patch_node(real_node.name, {"spec": {"taints": before or None}})
+        with contextlib.suppress(kubernetes.client.ApiException):
+            core.delete_namespaced_pod(plain, NS, grace_period_seconds=0)
 
 
 def test_applied_again_as_gitops_tools_do_the_webhook_keeps_refusing(cluster, release: Release) -> None:
