@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
@@ -25,7 +25,9 @@ from driver.allocator.allocate import (
 )
 from driver.allocator.explain import explain
 from driver.allocator.fragmentation import (
+    Choice,
     Fragmentation,
+    Needs,
     NodeKind,
     NodeView,
     RequestKey,
@@ -38,6 +40,7 @@ from driver.allocator.lifetimes import distance, nearest_first
 from driver.allocator.model import Claim, Device, DeviceClass, Failure, Placement, Slice
 from driver.allocator.policies import DEFAULT_POLICY, Policy
 from driver.allocator.pools import Node, Pool, gather_pools
+from driver.allocator.ranking import Entry, Position, Preferred, RankedNodes, Rankings
 from driver.allocator.scoring import device_score, order_for
 from driver.allocator.state import AllocatedState
 from driver.allocator.water_level import SIZED, Room, demand_to_come, level
@@ -48,8 +51,11 @@ SELECTOR_RESULTS_LIMIT = 1 << 21  # entries; past it a slice update starts them 
 # A node's share used (_measure): a Fraction where a counter is fractional, else a float.
 Usage = float | Fraction
 # fragmentation, where kube-scheduler places the pods without claims: claims observed between two
-# countings of the level it will leave the nodes' rooms at (a count reads every node's room)
+# countings of the level it will leave the nodes' rooms at (a count reads every node's room), and on
+# larger clusters one for every FLOOD_NODES nodes: a claim moves the level by its share of the
+# cluster, less the more nodes there are, while a count costs more.
 FLOOD_EVERY = 64
+FLOOD_NODES = 20
 SCAN_LIMIT = 8  # binpack: nodes with part-used GPUs tried for a placement that opens none
 
 
@@ -168,6 +174,18 @@ class PodRoom(Protocol):
     def demand(self, claim: Claim) -> Hashable: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scoring:
+    """fragmentation: what scoring one claim on a node reads, the same for every node."""
+
+    claim: Claim
+    key: RequestKey
+    needs: Needs
+    ask: int  # Fragmentation.asked(key, needs): what a view keeps the claim's scores by
+    room: PodRoom | None
+    hosting: set[str] | None  # the nodes with GPUs enough of a kind the request selects
+
+
 class ClusterAllocator:
     def __init__(
         self,
@@ -196,8 +214,10 @@ class ClusterAllocator:
         self._fragmentation = Fragmentation() if policy == "fragmentation" else None
         self._views: dict[str, NodeView | None] = {}  # fragmentation: node -> its GPUs' states
         # fragmentation: node -> its GPUs and the positions of those this claim should take
-        self._prefer: dict[str, tuple[Sequence[Unit], tuple[int, ...]]] = {}
+        self._prefer: dict[str, Preferred] = {}
+        self._rankings = Rankings()  # fragmentation: the order of requests asked again, kept
         self._units: dict[str, list[Unit]] = {}  # fragmentation: node -> its GPUs, as counted in its census
+        self._unit_kinds: dict[str, tuple[Hashable, ...]] = {}  # fragmentation: node -> its GPUs' kinds
         self._hosting: dict[Hashable, set[str]] = {}  # fragmentation: request -> nodes with GPUs enough of its kind
         self._flood_at = 0  # fragmentation: claims observed when the rooms' level is next counted
         for name in snapshot.pools:
@@ -209,10 +229,12 @@ class ClusterAllocator:
         if self._fragmentation is None:
             return
         self._fragmentation.count_units(self._units.pop(node, []), -1)
+        self._unit_kinds.pop(node, None)
         self._hosting.clear()
         found = units_of(self.snapshot.pools.get(node, []))
         if found:
             self._units[node] = [unit for _, unit in found]
+            self._unit_kinds[node] = tuple(unit.kind for unit in self._units[node])
             self._fragmentation.count_units(self._units[node], 1)
 
     def _measure(self, node: str) -> None:
@@ -221,6 +243,7 @@ class ClusterAllocator:
         self._candidates.pop(node, None)
         self._no_fit.pop(node, None)
         self._views.pop(node, None)
+        self._rankings.touch(node)
         used: Amount = 0
         total: Amount = 0
         partial = tenanted = False
@@ -356,6 +379,7 @@ class ClusterAllocator:
                 for cached in (self._usage, self._candidates, self._no_fit, self._partial, self._views):
                     cached.pop(node, None)
                 self._tenanted.discard(node)
+                self._rankings.touch(node)
 
     def pods_changed(self, nodes: Iterable[str]) -> None:
         """What these nodes hold for pods changed while their devices did not (a pod without
@@ -366,6 +390,7 @@ class ClusterAllocator:
             view = self._views.get(node)
             if view is not None:
                 view.room_changed()
+            self._rankings.touch(node)
 
     def allocate(
         self,
@@ -401,15 +426,14 @@ class ClusterAllocator:
         # Whether the claim's pods fit a node, asked once a node: the room stays as it is meanwhile.
         pods_fit = functools.cache(functools.partial(room.fits, claim)) if room is not None else None
         budget = budget or SearchBudget(SEARCH_STEPS)
-        if self._fragmentation is not None:
-            nodes = self._by_fragmentation(claim, nodes, room)
+        ordered = self._by_fragmentation(claim, nodes, room) if self._fragmentation is not None else nodes
         errors: list[str] = []
         unfit: list[str] = []  # nodes the claim's pods cannot run on
         best: tuple[tuple[int, int, float], Placement] | None = None
         end = self._end((claim,))
         found: list[tuple[tuple[int, int, float], Placement]] = []  # with a hint: each node's placement
         scanned = 0
-        order: Iterator[str] = iter(nodes if nodes is not None else self.node_order())
+        order: Iterator[str] = iter(ordered if ordered is not None else self.node_order())
         while (node := next(order, None)) is not None:
             if best is not None and scanned >= SCAN_LIMIT:
                 break
@@ -449,7 +473,7 @@ class ClusterAllocator:
             return Failure(claim, "")
         if room is not None and unfit:
             reason = room.why_not(claim, unfit)
-            if len(unfit) == len(nodes if nodes is not None else self.snapshot.pools):
+            if len(unfit) == len(ordered if ordered is not None else self.snapshot.pools):
                 return Failure(claim, reason)
             return Failure(claim, f"{errors[0] if errors else self._explain(claim)}; and for its pods: {reason}")
         if errors:
@@ -502,53 +526,100 @@ class ClusterAllocator:
         claim: Claim,
         nodes: Sequence[str] | None,
         room: PodRoom | None,
-    ) -> list[str]:
+    ) -> Sequence[str] | RankedNodes:
         """The nodes by the rise in fragmentation the claim's best placement there causes, its pods
         counted (ties in binpack's order); nodes the model sees no room on last, for the search to
         try all the same. The GPUs picked on each node are what its device order takes first
-        (_prefer)."""
+        (_prefer). A request asked again over every node keeps its order from claim to claim
+        (ranking.py)."""
         assert self._fragmentation is not None
         learned = self._fragmentation
         key = request_key(claim)
-        self._prefer.clear()
-        order = list(nodes if nodes is not None else self.node_order())
+        self._prefer = {}
         if key is None:
-            return order
+            return list(nodes if nodes is not None else self.node_order())
         demand = room.demand(claim) if room is not None else None
         needs = tuple(sorted(room.needs(claim).items())) if room is not None else ()
         learned.observe(claim, demand, needs, functools.partial(self._node_kinds, room))
         if room is not None and learned.observed >= self._flood_at and not learned.places_claimless():
-            self._flood_at = learned.observed + FLOOD_EVERY
+            self._flood_at = learned.observed + max(FLOOD_EVERY, len(self._units) // FLOOD_NODES)
             self._flood(room)
+        end = self._end((claim,))
+        hosting = self._hosting_nodes(claim, key) if key else None  # a claim without devices: every node
+        scoring = _Scoring(claim, key, needs, learned.asked(key, needs), room, hosting)
+        if nodes is None and end is None and self._rankings.asked_before(scoring.ask):
+            return self._from_ranking(scoring)
         scored: list[tuple[float, int, str]] = []
         unscored: list[str] = []
-        end = self._end((claim,))
         near: dict[str, tuple[tuple[int, float], ...]] = {}  # with a hint: a node's GPUs scoring alike
-        hosting = self._hosting_nodes(claim, key) if key else None
-        ask, version, views = learned.asked(key, needs), learned.version, self._views
-        for position, node in enumerate(order):
-            if hosting is not None and node not in hosting:  # no state of its GPUs could take it
+        for position, node in enumerate(nodes if nodes is not None else self.node_order()):
+            found = self._scored(node, scoring)
+            if found is None:
                 unscored.append(node)
                 continue
-            view = views[node] if node in views else self._view(node)
-            choice = None
-            if view is not None:
-                # what the view keeps, looked up here: most nodes, most claims (score() does the same)
-                choice = view.scored.get(ask, _UNKEPT) if view.version == version else _UNKEPT
-                if choice is _UNKEPT:
-                    allocator = functools.partial(self.node_allocator, node)
-                    choice = learned.score(allocator, view, room, node, claim, key, needs, ask)
-            if choice is None:
-                unscored.append(node)
-                continue
+            view, choice = found
             scored.append((choice.score, position, node))
-            self._prefer[node] = (view.units, choice.units)  # type: ignore[union-attr]
+            self._prefer[node] = (view.units, choice.units)
             if end is not None and len(choice.near) > 1:
                 near[node] = choice.near
         scored.sort()
         if end is not None and scored:
             scored = self._ending_units(scored, near, end)
         return [node for _, _, node in scored] + unscored
+
+    def _scored(self, node: str, scoring: _Scoring) -> tuple[NodeView, Choice] | None:
+        """fragmentation: the node's view and the claim's best choice on it; None where the policy
+        sees no room (no state of its GPUs could take it, or no view of them)."""
+        assert self._fragmentation is not None
+        if scoring.hosting is not None and node not in scoring.hosting:
+            return None
+        view = self._views[node] if node in self._views else self._view(node)
+        if view is None:
+            return None
+        # what the view keeps, looked up here: most nodes, most claims (score() does the same)
+        choice = view.scored.get(scoring.ask, _UNKEPT) if view.version == self._fragmentation.version else _UNKEPT
+        if choice is _UNKEPT:
+            allocator = functools.partial(self.node_allocator, node)
+            choice = self._fragmentation.score(
+                allocator, view, scoring.room, node, scoring.claim, scoring.key, scoring.needs, scoring.ask
+            )
+        return None if choice is None else (view, choice)
+
+    def _from_ranking(self, scoring: _Scoring) -> RankedNodes:
+        """_by_fragmentation's order over every node, from the request's ranking: the nodes touched
+        since it was last used scored again (every node for a new one)."""
+        assert self._fragmentation is not None
+        ranking, touched = self._rankings.ranking(scoring.ask, self._fragmentation.version, len(self._usage))
+        if touched is None:
+            entries: dict[str, Entry] = {}
+            prefer: dict[str, Preferred] = {}
+            for node in self._usage:
+                entries[node], preferred = self._entry(node, scoring)
+                if preferred is not None:
+                    prefer[node] = preferred
+            ranking.fill(entries, prefer)
+        for node in touched or ():
+            if node in self._usage:
+                ranking.place(node, *self._entry(node, scoring))
+            else:
+                ranking.place(node, None, None)  # gone
+        self._prefer = ranking.prefer
+        return ranking.order()
+
+    def _entry(self, node: str, scoring: _Scoring) -> tuple[Entry, Preferred | None]:
+        """The node's entry in a ranking: (rise in F, position) and the units its placement should
+        take where the policy scores it, else its position alone."""
+        position, found = self._position(node), self._scored(node, scoring)
+        if found is None:
+            return position, None
+        view, choice = found
+        return (choice.score, *position), (view.units, choice.units)
+
+    def _position(self, node: str) -> Position:
+        """The node's place in node_order(), as a key: used nodes by (sign x usage), then by name;
+        idle ones at 0."""
+        usage = self._usage.get(node, 0.0)
+        return (self._sign * usage if usage else 0.0, node)
 
     def _ending_units(
         self, scored: list[tuple[float, int, str]], near: dict[str, tuple[tuple[int, float], ...]], end: float
@@ -608,22 +679,29 @@ class ClusterAllocator:
             free, taken = free + gpus, taken + len(units) - gpus
         per_gpu = self._fragmentation.claims_per_gpu(self._node_kinds(room))
         reached = [found for node, found in rooms.items() if room.open_to_any_pod(node)]  # where those pods go
-        self._fragmentation.flood(level(reached, demand_to_come(used, per_gpu, taken, free)), self._views.values())
+        water = level(reached, demand_to_come(used, per_gpu, taken, free))
+        for node in self._fragmentation.flood(water, self._views):
+            self._rankings.touch(node)
 
     def _node_kinds(self, room: PodRoom | None) -> list[NodeKind]:
         """The cluster's nodes grouped by their GPUs and what they hold for pods (fragmentation's
         supply of shapes; without a room, nothing is known of their pods)."""
-        groups: dict[Hashable, NodeKind] = {}
-        for node, units in self._units.items():
+        count: Counter[Hashable] = Counter()
+        first: dict[Hashable, str] = {}
+        for node, kinds in self._unit_kinds.items():
             allocatable = room.allocatable(node) if room is not None else {}
-            key = (tuple(unit.kind for unit in units), tuple(sorted(allocatable.items())))
-            found = groups.get(key)
-            groups[key] = (
-                NodeKind(tuple(units), allocatable, 1, functools.partial(self.node_allocator, node))
-                if found is None
-                else dataclasses.replace(found, count=found.count + 1)
+            key = (kinds, tuple(sorted(allocatable.items())))
+            count[key] += 1
+            first.setdefault(key, node)
+        return [
+            NodeKind(
+                tuple(self._units[node]),
+                room.allocatable(node) if room is not None else {},
+                count[key],
+                functools.partial(self.node_allocator, node),
             )
-        return list(groups.values())
+            for key, node in first.items()
+        ]
 
     def _explain(self, claim: Claim) -> str:
         return explain(self, claim)

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -481,28 +481,35 @@ class Fragmentation:
         """The free share of the view's units, summed."""
         return sum(self._states[u][2] for u in view.ids)
 
-    def flood(self, water: Mapping[str, float], views: Iterable[NodeView | None]) -> None:
+    def flood(self, water: Mapping[str, float], views: Mapping[str, NodeView | None]) -> list[str]:
         """A new level for the rooms (see `water`), taken where it moved by LEVEL_STEP or more. Of
-        the `views`, those whose room the new level caps otherwise are counted again when next asked
-        (room_changed); a room under both levels keeps its copies and scores, as does all a claim
-        leaves of it (the views' copies change for a level of other resources: counted again)."""
+        the `views` (by node), those whose room the new level caps otherwise are counted again when
+        next asked (room_changed): their nodes are returned. A room under both levels keeps its
+        copies and scores, as does all a claim leaves of it (the views' copies change for a level of
+        other resources: every view counted again, under a new version)."""
         if water.keys() != self.water.keys():
             self.water = dict(water)
             self.version += 1
             self._alike.clear()
-        elif any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
-            old, self.water = self.water, dict(water)
-            self._alike.clear()  # what was scored under the old level
-            for view in views:
-                if view is not None and view.version == self.version and view.allocatable and self._recapped(view, old):
-                    view.room_changed()
+            return []
+        if not any(abs(water[n] - v) >= LEVEL_STEP for n, v in self.water.items()):
+            return []
+        old, self.water = self.water, dict(water)
+        self._alike.clear()  # what was scored under the old level
+        recapped = []
+        for node, view in views.items():
+            if view is not None and view.version == self.version and view.allocatable and self._recapped(view, old):
+                view.room_changed()
+                recapped.append(node)
+        return recapped
 
     def _recapped(self, view: NodeView, old: Mapping[str, float]) -> bool:
         """Whether the view's room capped at the level now differs from it capped at `old`."""
         return capped(view.left, view.allocatable, old) != capped(view.left, view.allocatable, self.water)
 
     def count_units(self, units: Sequence[Unit], sign: int) -> None:
-        """A node's units in (sign 1) or out (-1) of the census; what scarcity was kept goes."""
+        """A node's units in (sign 1) or out (-1) of the census: what was scored against the old one
+        goes (scarcity weighs each unit by the census), a new version for every view."""
         for unit in units:
             example, count = self.census.get(unit.kind, (unit, 0))
             if count + sign:
@@ -511,6 +518,8 @@ class Fragmentation:
                 del self.census[unit.kind]
         self._scarcity.clear()
         self._choices.clear()
+        self._alike.clear()
+        self.version += 1
 
     # --- units ----------------------------------------------------------------------------------
 

@@ -460,16 +460,16 @@ def test_a_new_level_recounts_only_the_rooms_it_caps_otherwise():
     # stand), one of 80 was capped at 60 and is now capped at 55 (counted again); a level of
     # other resources counts every view again.
     learned = fragmentation.Fragmentation()
-    learned.flood({CPU: 0.6}, [])
+    learned.flood({CPU: 0.6}, {})
     version = learned.version
 
     def counted(left: int) -> fragmentation.NodeView:
         return fragmentation.NodeView([], (), version=version, left={CPU: left}, allocatable={CPU: 100.0})
 
     under, over = counted(50), counted(80)
-    learned.flood({CPU: 0.55}, [under, over, None])
+    assert learned.flood({CPU: 0.55}, {"under": under, "over": over, "none": None}) == ["over"]
     assert (learned.version, under.version, over.version) == (version, version, -1)
-    learned.flood({CPU: 0.55, MEMORY: 0.5}, [under])
+    learned.flood({CPU: 0.55, MEMORY: 0.5}, {"under": under})
     assert learned.version == version + 1
 
 
