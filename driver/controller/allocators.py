@@ -81,7 +81,8 @@ class AllocatorCache:
         self._lifetime_hints = lifetime_hints
         self._snapshot: Snapshot | None = None
         self._counted: Counted | None = None
-        self._snapshot_nodes = -1  # hash of the nodes (and labels) the snapshot was gathered for
+        # node -> (its object as last read, its labels): what the snapshot was gathered for
+        self._node_labels: dict[str, tuple[Any, tuple[tuple[str, str], ...]]] = {}
         self._snapshot_slices: tuple[int, dict[str, Slice]] = (-1, {})  # informer version, slices by name
         self._room: NodeRoom | None = None  # the last room the allocator placed with (follow)
 
@@ -89,15 +90,12 @@ class AllocatorCache:
         """Slices and nodes as the allocator sees them: gathered afresh only when a node's labels
         change (other node updates come often and matter not); a slice added, changed or deleted
         touches only its pool, for the nodes that see it (and the allocator's caches of those)."""
-        nodes = sorted(
-            (n["metadata"]["name"], tuple(sorted((n["metadata"].get("labels") or {}).items())))
-            for n in self._informers["nodes"].items()
-        )
+        relabelled = self._nodes_relabelled()
         slices_version = self._informers["slices"].version
-        if self._snapshot is None or hash(tuple(nodes)) != self._snapshot_nodes:
+        if self._snapshot is None or relabelled:
             slices = self._informers["slices"].items()
-            self._snapshot = Snapshot.from_slices(slices, [Node(name, dict(labels)) for name, labels in nodes])
-            self._snapshot_nodes = hash(tuple(nodes))
+            nodes = [Node(name, dict(labels)) for name, (_, labels) in sorted(self._node_labels.items())]
+            self._snapshot = Snapshot.from_slices(slices, nodes)
             self._snapshot_slices = (slices_version, {s.name: s for s in slices})
         elif slices_version != self._snapshot_slices[0]:
             before, now = self._snapshot_slices[1], {s.name: s for s in self._informers["slices"].items()}
@@ -110,6 +108,23 @@ class AllocatorCache:
                 self._snapshot.update(added, removed)
             self._snapshot_slices = (slices_version, now)
         return self._snapshot
+
+    def _nodes_relabelled(self) -> bool:
+        """Whether a node came, went or changed its labels since last asked: the labels are read
+        again only from node objects the informer replaced (at 5,000 nodes, sorting every node's
+        labels for each pass took an eighth of the controller's time)."""
+        before, now = self._node_labels, {}
+        relabelled = False
+        for obj in self._informers["nodes"].items():
+            name = obj["metadata"]["name"]
+            kept = before.get(name)
+            if kept is None or kept[0] is not obj:
+                labels = tuple(sorted((obj["metadata"].get("labels") or {}).items()))
+                relabelled = relabelled or kept is None or kept[1] != labels
+                kept = (obj, labels)
+            now[name] = kept
+        self._node_labels = now
+        return relabelled or len(now) != len(before)
 
     def allocator(self) -> ClusterAllocator:
         """Everything the claims hold and the ledgers record (as of the ledger versions the pass's

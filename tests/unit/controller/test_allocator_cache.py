@@ -49,6 +49,29 @@ def test_new_slices_reach_the_allocator_without_gathering_other_nodes_again(h100
     assert {s.pool for s in controller.informers["slices"].items()} == {"n1", "n2"}  # n3's left out
 
 
+def test_the_nodes_are_gathered_again_when_one_is_relabelled_or_joins_not_when_its_status_changes(
+    h100_slices, replicas
+):
+    api = fake_cluster(h100_slices, nodes=2)
+    controller = replicas(api)
+    controller.run_pass()
+    snapshot = controller.allocators.snapshot()
+    api.put("nodes", {"metadata": {"name": "n2", "labels": {}}, "status": {"allocatable": {"cpu": "64"}}})
+    sync(controller, "nodes")
+    assert controller.allocators.snapshot() is snapshot  # a status update: nothing a selector reads
+    api.put("nodes", {"metadata": {"name": "n2", "labels": {"zone": "b"}}})
+    sync(controller, "nodes")
+    relabelled = controller.allocators.snapshot()
+    assert relabelled is not snapshot and relabelled.nodes["n2"].labels == {"zone": "b"}
+    api.put("nodes", {"metadata": {"name": "n3", "labels": {}}})
+    sync(controller, "nodes")
+    joined = controller.allocators.snapshot()
+    assert joined is not relabelled and set(joined.nodes) == {"n1", "n2", "n3"}
+    del api.store["nodes"]["/n3"]
+    sync(controller, "nodes")
+    assert set(controller.allocators.snapshot().nodes) == {"n1", "n2"}
+
+
 def test_a_pod_without_claims_bound_between_passes_reaches_the_kept_allocators_view_of_its_node(h100_slices, replicas):
     # n1 and n2: 8 H100s and 200 CPUs each. Pass 1 places 16 quarter-GPU MPS claims whose pods ask
     # 5 CPUs: all on n1 (four GPUs full), the mix learned from them, n2 scored and its view kept.
