@@ -76,13 +76,15 @@ L4X4 = InstanceType("l4x4", "l4x4", cpu="48", memory="192Gi", price=4.0)
 class NodePool:
     """A Karpenter NodePool of one GPU node type, at most `max_nodes` nodes, emptied nodes
     removed after `consolidate_after`. Karpenter tries NodePools by `weight`, highest first, then
-    by name in reverse order, and takes the first whose types fit a pod."""
+    by name in reverse order, and takes the first whose types fit a pod. Its nodes carry kwok's
+    taint, and `taint_key` (NoSchedule) where given: nodes kept for the pods that tolerate it."""
 
     name: str
     instance_types: tuple[str, ...]
     max_nodes: int = 2
     consolidate_after: str = "0s"
     weight: int | None = None
+    taint_key: str = ""
 
     def body(self) -> dict[str, Any]:
         requirements = [
@@ -104,13 +106,16 @@ class NodePool:
                 "template": {
                     "spec": {
                         "expireAfter": "Never",
-                        "taints": [KWOK_TAINT],
+                        "taints": [KWOK_TAINT, *self._kept_for()],
                         "requirements": requirements,
                         "nodeClassRef": {"group": NODE_CLASS_GROUP, "kind": "KWOKNodeClass", "name": NODE_CLASS},
                     }
                 },
             },
         }
+
+    def _kept_for(self) -> list[dict[str, str]]:
+        return [{"key": self.taint_key, "value": "true", "effect": "NoSchedule"}] if self.taint_key else []
 
 
 def slice_template(instance_type: InstanceType) -> str:

@@ -34,6 +34,7 @@ from testbed.cluster.karpenter_manager import DGX_H100, L4X4, KarpenterManager, 
 from testbed.cluster.kwok_manager import ON_FLEET_NODES, Kwok
 from testbed.workloads import wait_until
 from tests.support.controller import by_kube_scheduler, running_controller
+from tests.support.webhook import gpu_pods_toleration_webhook
 
 pytestmark = pytest.mark.cluster
 
@@ -55,6 +56,8 @@ TEST_SELECTOR = "test=karpenter"
 # Karpenter may otherwise replace a node whose pods fit a cheaper type (an H100 node holding one
 # GPU's claim that may fall back to an L4) while the test still looks at them.
 DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+GPU_PODS_ONLY = "gpu.fgpu.dev/gpu-pods-only"  # the taint docs/autoscaling.md puts on GPU NodePools
+KARPENTER_ROUND_S = 30  # a provisioning batch (at most 5 s here) and its decision, with margin
 GANG = 4
 GANG_GPUS = 8  # a whole DGX H100 per member
 
@@ -79,13 +82,18 @@ def fleet(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @contextlib.contextmanager
 def _karpenter(
-    cluster: Cluster, workdir: Path, share_counters_once: bool = False, h100_pool: NodePool = H100_POOL
+    cluster: Cluster,
+    workdir: Path,
+    share_counters_once: bool = False,
+    h100_pool: NodePool = H100_POOL,
+    taint_key: str = "",
 ) -> Iterator[KarpenterManager]:
-    """Karpenter with a DGX H100 pool (3 nodes at most unless the test says) and an L4 pool; at the
-    end the test's pods go first, then Karpenter's nodes (while the publisher runs, so their slices
-    go too)."""
+    """Karpenter with a DGX H100 pool (3 nodes at most unless the test says) and an L4 pool, both
+    tainted `taint_key` where given; at the end the test's pods go first, then Karpenter's nodes
+    (while the publisher runs, so their slices go too)."""
+    pools = tuple(dataclasses.replace(pool, taint_key=taint_key) for pool in (h100_pool, L4_POOL))
     manager = KarpenterManager(cluster, workdir, INSTANCE_TYPES, share_counters_once=share_counters_once,
-                               node_pools=(h100_pool, L4_POOL))  # fmt: skip
+                               node_pools=pools)  # fmt: skip
     try:
         yield manager.start()
     finally:
@@ -286,6 +294,55 @@ def _whole_gpu_scale_up_and_down(karpenter: KarpenterManager, core_api, resource
     _consolidated(karpenter, core_api, {node_name})
     print(f"whole GPU: Running on a new node after {running_s:.1f}s, node removed {time.monotonic() - emptied:.1f}s "
           "after the pod went")  # fmt: skip
+
+
+def test_gpu_node_pools_kept_for_pods_with_gpus_get_nodes_only_for_pods_the_webhook_tolerated(
+    fleet: Path, cluster: Cluster, core_api, resource_api, tmp_path: Path
+) -> None:
+    """Both NodePools tainted for pods with GPUs, as platform teams keep their GPU nodes; fgpu's
+    webhook (`--gpu-pods-toleration`) gives a pod of a gpu.fgpu.dev claim the toleration at create,
+    so Karpenter adds a node for it and it runs there. A pod without claims that tolerates only
+    kwok's taint gets no node (Karpenter's event names the taint) and stays pending beside it."""
+    with gpu_pods_toleration_webhook(cluster, GPU_PODS_ONLY, tmp_path / "webhook.log"), \
+            _karpenter(cluster, tmp_path, taint_key=GPU_PODS_ONLY) as karpenter:  # fmt: skip
+        core_api.create_namespaced_pod("default", _pod_without_claims("karpenter-cpu-only"))
+        refused = wait_until(
+            "Karpenter's event on the pod without claims",
+            lambda: _untolerated(core_api, "karpenter-cpu-only"),
+            KARPENTER_ROUND_S,
+            interval=1.0,
+        )
+        assert GPU_PODS_ONLY in refused
+        assert not karpenter.node_claims()
+
+        _claimed_pod(core_api, resource_api, "karpenter-kept", _request("gpu.fgpu.dev"))
+        tolerations = core_api.read_namespaced_pod("karpenter-kept", "default").spec.tolerations
+        assert {(t.key, t.operator, t.effect) for t in tolerations} >= {(GPU_PODS_ONLY, "Exists", "NoSchedule")}
+        instance_type, (result,) = _placed(karpenter, core_api, resource_api, "karpenter-kept")
+        assert instance_type == "dgx-h100"
+        taints = core_api.read_node(result.pool).spec.taints
+        assert (GPU_PODS_ONLY, "NoSchedule") in {(t.key, t.effect) for t in taints}
+        cpu_only = core_api.read_namespaced_pod("karpenter-cpu-only", "default")
+        assert (cpu_only.status.phase, cpu_only.spec.node_name) == ("Pending", None)
+        assert len(karpenter.node_claims()) == 1
+
+
+def _pod_without_claims(name: str) -> dict[str, Any]:
+    """A pod of the test for the fleet's nodes, asking only for a CPU."""
+    container = {"name": "main", "image": "registry.invalid/app:1", "resources": {"requests": {"cpu": "1"}}}
+    spec = {**ON_FLEET_NODES, "terminationGracePeriodSeconds": 0, "containers": [container]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"test": "karpenter"}},
+        "spec": spec,
+    }
+
+
+def _untolerated(core_api, pod: str) -> str | None:
+    """Karpenter's message on the pod that it fits no NodePool for a taint, once there is one."""
+    events = core_api.list_namespaced_event("default", field_selector=f"involvedObject.name={pod}").items
+    return next((e.message for e in events if e.reason == "FailedScheduling" and "did not tolerate" in e.message), None)
 
 
 def test_an_l4_share_gets_an_l4_node_with_its_offer(

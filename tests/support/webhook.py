@@ -76,26 +76,50 @@ def pointed_at_host(config: dict[str, Any], cluster: Cluster, port: int, path: s
 
 
 @contextlib.contextmanager
-def rightsize_webhook(cluster: Cluster, log: Path) -> Iterator[str]:
-    """`fgpu webhook` serving /rightsize with a usage-history namespace of its own, and the chart's
-    rightsize entries of the MutatingWebhookConfiguration pointed at it; yields the history
-    namespace (where node plugins write their ConfigMaps). Its output goes to `log`."""
-    core, admission = CoreV1Api(cluster.api_client()), AdmissionregistrationV1Api(cluster.api_client())
-    history_ns, port, name = unique("fgpu-history"), free_port(), unique("fgpu-rightsize")
-    core.create_namespace({"metadata": {"name": history_ns}})
-    flags = (f"--kubeconfig={cluster.kubeconfig}", f"--rightsize-history-namespace={history_ns}")
-    process = serve_webhook(cluster, port, "rightsize-webhook", *flags, log=log)
-    config = find(render({"webhook.rightsize.enabled": "true"}), "MutatingWebhookConfiguration")
-    config["webhooks"] = [w for w in config["webhooks"] if w["name"].startswith("rightsize-")]
-    assert [w["name"] for w in config["webhooks"]] == [
-        "rightsize-namespaces.gpu.fgpu.dev",
-        "rightsize-templates.gpu.fgpu.dev",
-    ]
-    admission.create_mutating_webhook_configuration(pointed_at_host(config, cluster, port, "/rightsize", name))
+def host_webhook(
+    cluster: Cluster, values: dict[str, str], webhooks: list[str], path: str, flags: tuple[str, ...], log: Path
+) -> Iterator[None]:
+    """`fgpu webhook` with `flags` serving on this host, and the entries `webhooks` of the
+    MutatingWebhookConfiguration the chart renders with `values` pointed at its `path`. Its output
+    goes to `log`."""
+    admission = AdmissionregistrationV1Api(cluster.api_client())
+    port, name = free_port(), unique("fgpu-mutating")
+    process = serve_webhook(cluster, port, name, f"--kubeconfig={cluster.kubeconfig}", *flags, log=log)
+    config = find(render(values), "MutatingWebhookConfiguration")
+    config["webhooks"] = [w for w in config["webhooks"] if w["name"] in webhooks]
+    assert [w["name"] for w in config["webhooks"]] == webhooks
+    admission.create_mutating_webhook_configuration(pointed_at_host(config, cluster, port, path, name))
     try:
-        yield history_ns
+        yield
     finally:
         admission.delete_mutating_webhook_configuration(name)
         process.terminate()
         process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def rightsize_webhook(cluster: Cluster, log: Path) -> Iterator[str]:
+    """`fgpu webhook` serving /rightsize with a usage-history namespace of its own, and the chart's
+    rightsize entries of the MutatingWebhookConfiguration pointed at it; yields the history
+    namespace (where node plugins write their ConfigMaps). Its output goes to `log`."""
+    core = CoreV1Api(cluster.api_client())
+    history_ns = unique("fgpu-history")
+    core.create_namespace({"metadata": {"name": history_ns}})
+    webhooks = ["rightsize-namespaces.gpu.fgpu.dev", "rightsize-templates.gpu.fgpu.dev"]
+    flags = (f"--rightsize-history-namespace={history_ns}",)
+    try:
+        with host_webhook(cluster, {"webhook.rightsize.enabled": "true"}, webhooks, "/rightsize", flags, log):
+            yield history_ns
+    finally:
         core.delete_namespace(history_ns)
+
+
+@contextlib.contextmanager
+def gpu_pods_toleration_webhook(cluster: Cluster, taint_key: str, log: Path) -> Iterator[None]:
+    """`fgpu webhook --gpu-pods-toleration taint_key` and the chart's pods entry pointed at it: pods
+    whose claims ask for fgpu's devices are given the toleration of `taint_key` at create, failurePolicy
+    Fail (a pod admitted is one the webhook answered for)."""
+    values = {"webhook.gpuPodsToleration": taint_key, "webhook.gatePods.failurePolicy": "Fail"}
+    flags = (f"--gpu-pods-toleration={taint_key}",)
+    with host_webhook(cluster, values, ["pods.gpu.fgpu.dev"], "/mutate", flags, log):
+        yield
