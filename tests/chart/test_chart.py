@@ -16,6 +16,7 @@ import yaml
 from driver.admission.lifetimes import Lifetimes
 from driver.admission.settings import webhook_settings
 from driver.cli.main import build_parser
+from driver.controller.emptying import EMPTYING_TAINT
 from driver.node.health.taints import HealthPolicy
 from driver.node.kubelet.liveness import READY_SERVICE
 from driver.node.settings import health_policy, sharing_config
@@ -584,6 +585,22 @@ def test_a_toleration_of_nodes_kept_for_gpu_pods_is_added_by_the_pods_webhook_wi
         assert webhook_settings(args).gpu_pods_toleration == key
         assert rbac_rules(objects, "ClusterRole", "webhook") == CA_WRITES | GATE_READS
     assert webhook_args(render()).gpu_pods_toleration == ""
+
+
+def test_the_plugin_tolerates_fgpus_own_node_taints() -> None:
+    """The plugin runs where the controller empties a node (its pods' claims are unprepared there)
+    and on the nodes kept for pods with GPUs: a plugin pod made again there (a rollout, a new node
+    an autoscaler adds already tainted) must not be kept off by the taint the pods it serves tolerate."""
+    key = "gpu.fgpu.dev/gpu-pods-only"
+
+    def tolerated(values: dict[str, Any]) -> set[tuple[str, str, str]]:
+        spec = find(render(values), "DaemonSet")["spec"]["template"]["spec"]
+        return {(t["key"], t["operator"], t["effect"]) for t in spec["tolerations"]}
+
+    emptying = (EMPTYING_TAINT, "Exists", "NoSchedule")
+    assert tolerated({}) == {("nvidia.com/gpu", "Exists", "NoSchedule"), emptying}
+    assert tolerated({"webhook.gpuPodsToleration": key}) >= {(key, "Exists", "NoSchedule"), emptying}
+    assert tolerated({"kubeletPlugin.tolerations": []}) == {emptying}
 
 
 def test_webhook_modes_that_do_not_go_together() -> None:

@@ -296,6 +296,14 @@ def tolerating_pod(core: kubernetes.client.CoreV1Api, cluster: Cluster, node: Re
     return None
 
 
+def ready_replacement(release: Release, uid: str) -> bool:
+    """Whether the one plugin pod is another than `uid`, Running and Ready."""
+    pod = release.single_plugin_pod()
+    if pod is None or pod.metadata.uid == uid or pod.status.phase != "Running":
+        return False
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or ())
+
+
 def test_on_a_node_kept_for_gpu_pods_a_pod_of_fgpus_claims_runs_and_a_pod_without_claims_does_not(
     cluster, real_node, release: Release
 ) -> None:
@@ -305,6 +313,11 @@ def test_on_a_node_kept_for_gpu_pods_a_pod_of_fgpus_claims_runs_and_a_pod_withou
     core.patch_node(real_node.name, {"spec": {"taints": [*before, taint]}})
     plain = unique("cpu-only")
     try:
+        # The plugin made again on the tainted node (a rollout; a node added already tainted): the
+        # chart's toleration of the key lets it back.
+        (old,) = release.plugin_pods()
+        core.delete_namespaced_pod(old.metadata.name, NAMESPACE)
+        wait_until("the plugin back on the tainted node", lambda: ready_replacement(release, old.metadata.uid), 120)
         name = wait_until("a GPU pod given the toleration", lambda: tolerating_pod(core, cluster, real_node), 90)
         wait_running(core, name)
         container = {"name": "main", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}
