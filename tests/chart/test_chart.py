@@ -484,6 +484,22 @@ def test_webhook_on_the_nodes_network_reaches_an_explicit_api_server() -> None:
     assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
 
 
+@pytest.mark.parametrize("component", ["controller", "webhook"])
+def test_replicas_are_spread_and_kept_up_through_voluntary_disruptions(component: str) -> None:
+    """Drains and autoscalers (Eviction API) take one replica at a time: a PodDisruptionBudget over
+    exactly the Deployment's pods; the replicas spread over nodes where they can be. Both optional."""
+    objects = render()
+    deployment = find(objects, "Deployment", component)
+    budget = find(objects, "PodDisruptionBudget", component)
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["labelSelector"] == deployment["spec"]["selector"]
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "ScheduleAnyway")
+    off = render({f"{component}.maxUnavailable": 0, f"{component}.spreadAcrossNodes": False})
+    assert not [o for o in off if o["kind"] == "PodDisruptionBudget" and component in o["metadata"]["name"]]
+    assert "topologySpreadConstraints" not in find(off, "Deployment", component)["spec"]["template"]["spec"]
+
+
 def test_cert_manager_mode_issues_the_certificate_and_injects_its_ca() -> None:
     objects = render(WEBHOOK_MODES["cert-manager"], namespace="gpus")
     for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):

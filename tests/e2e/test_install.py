@@ -296,12 +296,16 @@ def tolerating_pod(core: kubernetes.client.CoreV1Api, cluster: Cluster, node: Re
     return None
 
 
+def ready_pod(pod: Any) -> bool:
+    return pod.status.phase == "Running" and any(
+        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or ()
+    )
+
+
 def ready_replacement(release: Release, uid: str) -> bool:
     """Whether the one plugin pod is another than `uid`, Running and Ready."""
     pod = release.single_plugin_pod()
-    if pod is None or pod.metadata.uid == uid or pod.status.phase != "Running":
-        return False
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or ())
+    return pod is not None and pod.metadata.uid != uid and ready_pod(pod)
 
 
 def test_on_a_node_kept_for_gpu_pods_a_pod_of_fgpus_claims_runs_and_a_pod_without_claims_does_not(
@@ -373,6 +377,39 @@ def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None
     coordination = kubernetes.client.CoordinationV1Api(cluster.api_client())
     leases = wait_until("a leader", lambda: coordination.list_namespaced_lease(NAMESPACE).items)
     assert leases[0].spec.holder_identity
+
+
+def test_a_drain_takes_one_controller_replica_at_a_time_and_a_standby_leads(cluster, release: Release) -> None:
+    """Two replicas and the chart's PodDisruptionBudget: evicting both at once (what a drain or an
+    autoscaler removing their node does) is refused for the second while the first is replaced; then
+    two replicas run again and one of them holds the Lease."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+    policy = kubernetes.client.PolicyV1Api(cluster.api_client())
+    budget = f"{RELEASE}-controller"
+    wait_until(
+        "the budget counted",
+        lambda: policy.read_namespaced_pod_disruption_budget(budget, NAMESPACE).status.disruptions_allowed == 1,
+    )
+    selector = "app.kubernetes.io/component=controller"
+    first, second = (p.metadata.name for p in core.list_namespaced_pod(NAMESPACE, label_selector=selector).items)
+
+    def evict(name: str) -> None:
+        body = {"metadata": {"name": name, "namespace": NAMESPACE}}
+        core.create_namespaced_pod_eviction(name, NAMESPACE, body)
+
+    evict(first)
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        evict(second)
+    assert refused.value.status == 429 and "disruption budget" in refused.value.body
+
+    def leading() -> bool:
+        pods = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+        ready = {p.metadata.name for p in pods if p.metadata.deletion_timestamp is None and ready_pod(p)}
+        coordination = kubernetes.client.CoordinationV1Api(cluster.api_client())
+        holders = {lease.spec.holder_identity for lease in coordination.list_namespaced_lease(NAMESPACE).items}
+        return len(ready) == 2 and first not in ready and bool(holders & ready)
+
+    wait_until("two replicas again, one leading", leading, 90)
 
 
 # --- the plugin's service account ---------------------------------------------------------------

@@ -141,3 +141,37 @@ true
 true
 {{- end -}}
 {{- end -}}
+
+{{/* A Deployment's replicas kept apart and kept up through voluntary disruptions (a node drained,
+  an autoscaler consolidating nodes: Karpenter and Cluster Autoscaler evict through the Eviction
+  API, which honours PodDisruptionBudgets). Called with (dict "root" . "component" C "values" V). */}}
+{{- define "fgpu.spreadAcrossNodes" -}}
+{{- if .values.spreadAcrossNodes }}
+topologySpreadConstraints:
+- maxSkew: 1
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: ScheduleAnyway
+  labelSelector:
+    matchLabels:
+      {{- include "fgpu.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{- define "fgpu.disruptionBudget" -}}
+{{- with .values.maxUnavailable }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "fgpu.fullname" $.root }}-{{ $.component }}
+  namespace: {{ $.root.Release.Namespace }}
+  labels:
+    {{- include "fgpu.labels" $.root | nindent 4 }}
+    app.kubernetes.io/component: {{ $.component }}
+spec:
+  maxUnavailable: {{ . }}
+  selector:
+    matchLabels:
+      {{- include "fgpu.selectorLabels" $ | nindent 6 }}
+{{- end }}
+{{- end -}}
