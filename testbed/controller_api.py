@@ -133,6 +133,15 @@ class InMemoryControllerApi:
         time.sleep(self.write_delay_s)
         return self._replace("ledgers", ledger)
 
+    def delete_ledger(self, namespace: str, ledger: dict[str, Any]) -> None:
+        with self._lock:
+            current = self.store["ledgers"].get(object_key(ledger))
+            if current is None:
+                raise NotFoundError(object_key(ledger))
+            if any(current["metadata"][k] != ledger["metadata"][k] for k in ("uid", "resourceVersion")):
+                raise ConflictError("Precondition failed: the object has been modified")
+            del self.store["ledgers"][object_key(ledger)]
+
     def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
         return self._replace("pods", {**pod, "spec": {**pod["spec"], "schedulingGates": gates}})
 

@@ -57,6 +57,8 @@ class ControllerApi(Protocol):
 
     def replace_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject: ...
 
+    def delete_ledger(self, namespace: str, ledger: JsonObject) -> None: ...
+
 
 class ClientControllerApi(ClientKubeApi):
     """ControllerApi over the official client."""
@@ -150,3 +152,10 @@ class ClientControllerApi(ClientKubeApi):
     def replace_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject:
         name = ledger["metadata"]["name"]
         return self._call(self._core.replace_namespaced_config_map, name, namespace, ledger)
+
+    def delete_ledger(self, namespace: str, ledger: JsonObject) -> None:
+        """Delete the ledger as read: its uid and resourceVersion are preconditions, so one that
+        anyone changed since is kept (ConflictError)."""
+        meta = ledger["metadata"]
+        body = {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
+        self._call(self._core.delete_namespaced_config_map, meta["name"], namespace, body=body)

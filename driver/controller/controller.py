@@ -116,7 +116,8 @@ class Controller:
             stalled=self.progress.stalled,
         )
         self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on
-        self.ledgers = Ledgers(api, lease_namespace, self.informers["ledgers"].update, self.stale.set)
+        ledgers = self.informers["ledgers"]
+        self.ledgers = Ledgers(api, lease_namespace, ledgers.update, self.stale.set, ledgers.forget)
         self.writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
         self._sync_reported = False
         self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
@@ -204,6 +205,7 @@ class Controller:
         self.stale.clear()
         self.ledgers.begin(self.informers["ledgers"].items())
         self.writer.resolve_undecided()
+        self.writer.retire_gone_pools()
         reserved = self.room_maker.reservations()
         self.refusals.notice()
         current = Pass(

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.kube.errors import ConflictError, KubeError
+from driver.kube.errors import ConflictError, KubeError, NotFoundError
 
 log = logging.getLogger(__name__)
 LEDGER_LABEL = "gpu.fgpu.dev/ledger"
@@ -206,6 +206,7 @@ class Ledgers:
     namespace: str
     on_write: Callable[[dict[str, Any]], None]  # a written ledger, for the informer's cache
     on_failure: Callable[[], None]  # a write failed: the pass must end and refresh
+    on_delete: Callable[[dict[str, Any]], None]  # a retired ledger, for the informer's cache
     _base: dict[str, dict[str, Any]] = field(default_factory=dict)
     _pending: dict[str, list[_Change]] = field(default_factory=lambda: defaultdict(list))
     _busy: set[str] = field(default_factory=set)
@@ -241,6 +242,33 @@ class Ledgers:
                         change.done, change.ok = True, ok
                     self._cond.notify_all()
         return item.ok
+
+    def retire(self, name: str) -> bool:
+        """Delete the ledger if it records nothing, on the version this pass read (a ledger another
+        replica wrote to since is kept); False if it was kept. A pool that comes back, or a replica
+        that counted no ledger, creates it afresh: a create of one that exists conflicts, as ever."""
+        with self._cond:
+            base = self._base.get(name)
+            if base is None or base.get("data") or name in self._busy or self._pending.get(name):
+                return False
+            self._busy.add(name)
+        retired = False
+        try:
+            self.api.delete_ledger(self.namespace, base)
+            retired = True
+        except NotFoundError:
+            retired = True  # another replica retired it
+        except KubeError as error:  # ConflictError included: written to since
+            log.info("keeping ledger %s: %s", name, error)
+        finally:
+            with self._cond:
+                self._busy.discard(name)
+                if retired:
+                    self._base.pop(name, None)
+                self._cond.notify_all()
+        if retired:
+            self.on_delete(base)
+        return retired
 
     def _commit(self, name: str, pool: PoolId, batch: list[_Change]) -> bool:
         with self._cond:

@@ -74,6 +74,8 @@ class ClaimWriter:
         self._replica, self._written, self._allocated = replica, written, allocated
         self._wall_clock, self._hooks = wall_clock, hooks
         self._api, self._informers, self._ledgers = replica.api, replica.informers, replica.ledgers
+        self._swept: tuple[int, int] | None = None  # the informers' versions retire_gone_pools last saw
+        self._pools: tuple[int, set[tuple[str, str]]] = (-1, set())  # slices' version, their pools
 
     def write_unit(self, unit: Unit) -> None:
         """Finalizers, then the ledger entries (the fence), then the claims' status; the unit's pods
@@ -221,6 +223,23 @@ class ClaimWriter:
             if self._replica.acting():
                 log.info("dropping %d ledger entries of pool %s/%s no claim holds", len(uids), *pool)
                 self._ledgers.change(pool, remove=uids)
+
+    def retire_gone_pools(self) -> None:
+        """Delete the ledgers that record nothing and whose pool has no slice left (a node an
+        autoscaler removed): otherwise every pool a fleet ever had keeps a ConfigMap that each pass
+        reads. Looked at again only when the slices or the ledgers changed (a deletion that failed
+        is tried again then, not on every pass)."""
+        slices, ledgers = self._informers["slices"], self._informers["ledgers"]
+        seen = (slices.version, ledgers.version)
+        if seen == self._swept or not self._replica.acting():
+            return
+        if seen[0] != self._pools[0]:  # ledgers change with every write, slices seldom
+            self._pools = (seen[0], {(s.driver, s.pool) for s in slices.items()})
+        self._swept, pools = seen, self._pools[1]
+        for ledger in self._ledgers.objects():
+            pool = pool_of(ledger)
+            if not ledger.get("data") and pool not in pools and self._ledgers.retire(ledger["metadata"]["name"]):
+                log.info("deleted the ledger of pool %s/%s: the pool is gone and the ledger records nothing", *pool)
 
     def _voided(self, pool: PoolId, uid: str, entry: Entry) -> bool:
         """Whether no write can still give the claim what the entry records: read afresh, the claim

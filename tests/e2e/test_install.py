@@ -27,6 +27,7 @@ import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.stream import stream
 
+from driver.controller.ledger import LEDGER_LABEL, POOL_ANNOTATION, ledger_name
 from driver.scheduling.opt_in import OPT_IN_LABEL, OPT_IN_VALUE
 from partitioner.mps import IDENTITY_FILE, DaemonIdentity
 from testbed.cluster.harness import Cluster, free_port
@@ -377,6 +378,29 @@ def test_controller_deployment_runs_and_leads(cluster, release: Release) -> None
     coordination = kubernetes.client.CoordinationV1Api(cluster.api_client())
     leases = wait_until("a leader", lambda: coordination.list_namespaced_lease(NAMESPACE).items)
     assert leases[0].spec.holder_identity
+
+
+def test_the_controller_deletes_the_empty_ledger_of_a_pool_that_is_gone(cluster, release: Release) -> None:
+    """A node an autoscaler removed leaves its pool's ledger; once it records nothing the leader
+    deletes it, with the chart's RBAC. A ledger of a pool that is there stays."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client())
+
+    def ledger(node: str) -> dict[str, Any]:
+        pool = ("gpu.fgpu.dev", node)
+        metadata = {"name": ledger_name(pool), "labels": {LEDGER_LABEL: "true"},
+                    "annotations": {POOL_ANNOTATION: "/".join(pool)}}  # fmt: skip
+        return {"metadata": metadata, "data": {}}
+
+    gone, there = ledger(unique("removed-node")), ledger(release.node.name)
+    for body in (gone, there):
+        with contextlib.suppress(kubernetes.client.ApiException):  # the node's own may exist
+            core.create_namespaced_config_map(NAMESPACE, body)
+    wait_until("the gone pool's ledger deleted", lambda: gone["metadata"]["name"] not in names_now(core), 60)
+    assert there["metadata"]["name"] in names_now(core)
+
+
+def names_now(core: kubernetes.client.CoreV1Api) -> set[str]:
+    return {c.metadata.name for c in core.list_namespaced_config_map(NAMESPACE).items}
 
 
 def test_a_drain_takes_one_controller_replica_at_a_time_and_a_standby_leads(cluster, release: Release) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from driver.controller.controller import MAX_IN_FLIGHT
-from driver.controller.ledger import FENCE_ANNOTATION
+from driver.controller.ledger import FENCE_ANNOTATION, Entry, ledger_name
 from driver.kube.errors import ConflictError
 from tests.support.controller_cluster import (
     assert_no_device_given_twice,
@@ -149,3 +149,67 @@ def test_a_status_write_that_may_have_landed_keeps_its_entry(h100_slices, replic
     assert devices_of(claims_in(api)["y"]) == []
     assert api.status_writes == ["x"]  # nor is x placed again: its entry was checked against the claim
     assert_no_device_given_twice(api)
+
+
+def _drop_node(api, node: str) -> None:
+    """The node an autoscaler removed: its slices go with it."""
+    for key in [k for k, s in api.store["slices"].items() if s["spec"].get("nodeName") == node]:
+        del api.store["slices"][key]
+    del api.store["nodes"][f"/{node}"]
+
+
+def test_the_ledger_of_a_pool_that_is_gone_is_deleted_once_it_records_nothing(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    api.put("claims", opt_in_claim("x", 8))
+    api.put("claims", opt_in_claim("y", 8))
+    controller = replicas(api)
+    controller.run_pass()
+    held = {
+        claim["status"]["allocation"]["devices"]["results"][0]["pool"]: name for name, claim in claims_in(api).items()
+    }
+    assert set(held) == {"n1", "n2"} and ledger_entries(api, "n1") and ledger_entries(api, "n2")
+    _drop_node(api, "n2")
+    sync(controller, "slices", "nodes")
+    controller.run_pass()  # its claim still holds the entry: the ledger stays
+    assert ledger_entries(api, "n2")
+    del api.store["claims"][f"ml/{held['n2']}"]
+    sync(controller, "claims")
+    controller.run_pass()  # the entry goes, then the ledger: no pool, nothing recorded
+    assert set(api.store["ledgers"]) == {f"fgpu/{ledger_name(('gpu.fgpu.dev', 'n1'))}"}
+    assert not controller.informers["ledgers"].get(f"fgpu/{ledger_name(('gpu.fgpu.dev', 'n2'))}")
+    del api.store["claims"][f"ml/{held['n1']}"]
+    sync(controller, "claims")
+    controller.run_pass()  # n1's ledger records nothing now, but its pool is there: kept
+    assert f"fgpu/{ledger_name(('gpu.fgpu.dev', 'n1'))}" in api.store["ledgers"] and not ledger_entries(api, "n1")
+
+
+def test_a_ledger_another_replica_wrote_to_since_is_not_deleted(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    api.put("claims", opt_in_claim("x", 8))
+    api.put("claims", opt_in_claim("y", 8))
+    first = replicas(api, "a")
+    first.run_pass()
+    n2 = f"fgpu/{ledger_name(('gpu.fgpu.dev', 'n2'))}"
+    on_n2 = next(
+        c for c in claims_in(api).values() if c["status"]["allocation"]["devices"]["results"][0]["pool"] == "n2"
+    )
+    del api.store["claims"][f"ml/{on_n2['metadata']['name']}"]
+    _drop_node(api, "n2")
+    sync(first)
+    stale = replicas(api, "b")  # reads the ledger with the entry of a claim that is gone
+    first.run_pass()  # drops the entry, deletes the ledger
+    assert n2 not in api.store["ledgers"]
+    # A replica whose cache holds the ledger as it was (the entry still in) drops the entry
+    # first: its write is refused (the ledger is gone), so it reads afresh and deletes nothing.
+    ledger = stale.informers["ledgers"].get(n2)
+    assert ledger["data"]
+    stale.run_pass()
+    assert n2 not in api.store["ledgers"]
+    # One written to after this replica read it (another replica's entry) is kept.
+    empty = api.put("ledgers", {**ledger, "data": {}})
+    sync(stale, "ledgers")
+    api.put("ledgers", {**empty, "data": {"u": Entry("ml/z", "1", (("gpu-0", ""),), ({},)).encode()}})
+    stale.ledgers.begin(stale.informers["ledgers"].items())  # as a pass begins: the empty ledger
+    assert not stale.ledgers.objects()[-1]["data"]
+    stale.writer.retire_gone_pools()
+    assert api.store["ledgers"][n2]["data"]
