@@ -22,7 +22,8 @@ class InMemoryControllerApi:
     def __init__(self) -> None:
         self.version = 100
         self.store: dict[str, dict[str, dict[str, Any]]] = {
-            kind: {} for kind in ("slices", "classes", "claims", "pods", "nodes", "ledgers", "leases", "podgroups")
+            kind: {}
+            for kind in ("slices", "classes", "claims", "pods", "nodes", "ledgers", "leases", "podgroups", "configmaps")
         }
         self.events: list[dict[str, Any]] = []
         self.status_writes: list[str] = []  # claim names, in order
@@ -133,14 +134,17 @@ class InMemoryControllerApi:
         time.sleep(self.write_delay_s)
         return self._replace("ledgers", ledger)
 
-    def delete_ledger(self, namespace: str, ledger: dict[str, Any]) -> None:
+    def delete_configmap(self, namespace: str, configmap: dict[str, Any]) -> None:
+        """A ledger or a usage history, deleted as read (uid and resourceVersion preconditions)."""
+        key = object_key(configmap)
         with self._lock:
-            current = self.store["ledgers"].get(object_key(ledger))
-            if current is None:
-                raise NotFoundError(object_key(ledger))
-            if any(current["metadata"][k] != ledger["metadata"][k] for k in ("uid", "resourceVersion")):
+            kind = next((k for k in ("ledgers", "configmaps") if key in self.store[k]), None)
+            if kind is None:
+                raise NotFoundError(key)
+            current = self.store[kind][key]
+            if any(current["metadata"][k] != configmap["metadata"][k] for k in ("uid", "resourceVersion")):
                 raise ConflictError("Precondition failed: the object has been modified")
-            del self.store["ledgers"][object_key(ledger)]
+            del self.store[kind][key]
 
     def set_scheduling_gates(self, pod: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
         return self._replace("pods", {**pod, "spec": {**pod["spec"], "schedulingGates": gates}})

@@ -57,7 +57,7 @@ class ControllerApi(Protocol):
 
     def replace_ledger(self, namespace: str, ledger: JsonObject) -> JsonObject: ...
 
-    def delete_ledger(self, namespace: str, ledger: JsonObject) -> None: ...
+    def delete_configmap(self, namespace: str, configmap: JsonObject) -> None: ...
 
 
 class ClientControllerApi(ClientKubeApi):
@@ -153,9 +153,9 @@ class ClientControllerApi(ClientKubeApi):
         name = ledger["metadata"]["name"]
         return self._call(self._core.replace_namespaced_config_map, name, namespace, ledger)
 
-    def delete_ledger(self, namespace: str, ledger: JsonObject) -> None:
-        """Delete the ledger as read: its uid and resourceVersion are preconditions, so one that
-        anyone changed since is kept (ConflictError)."""
-        meta = ledger["metadata"]
+    def delete_configmap(self, namespace: str, configmap: JsonObject) -> None:
+        """Delete the ConfigMap (a ledger, a usage history) as read: its uid and resourceVersion are
+        preconditions, so one that anyone changed since is kept (ConflictError)."""
+        meta = configmap["metadata"]
         body = {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
         self._call(self._core.delete_namespaced_config_map, meta["name"], namespace, body=body)

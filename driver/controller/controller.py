@@ -47,6 +47,7 @@ from driver.controller.replica import Replica
 from driver.controller.reporter import Reporter
 from driver.controller.search_shares import SearchShares
 from driver.controller.unschedulable import UnschedulableMarker
+from driver.controller.usage_histories import HistorySweeper
 from driver.controller.victims import EvictionBudget
 from driver.controller.writes import ClaimWriter
 from driver.kube.errors import KubeError
@@ -118,6 +119,7 @@ class Controller:
         self.stale = threading.Event()  # a write failed: end the pass, read afresh, then go on
         ledgers = self.informers["ledgers"]
         self.ledgers = Ledgers(api, lease_namespace, ledgers.update, self.stale.set, ledgers.forget)
+        self.histories = HistorySweeper(api, lease_namespace, self.informers["nodes"], wall_clock)
         self.writers = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="writer")
         self._sync_reported = False
         self.budget = EvictionBudget(evictions_per_minute) if evictions_per_minute > 0 else None
@@ -206,6 +208,7 @@ class Controller:
         self.ledgers.begin(self.informers["ledgers"].items())
         self.writer.resolve_undecided()
         self.writer.retire_gone_pools()
+        self.histories.sweep()
         reserved = self.room_maker.reservations()
         self.refusals.notice()
         current = Pass(

@@ -254,7 +254,7 @@ class Ledgers:
             self._busy.add(name)
         retired = False
         try:
-            self.api.delete_ledger(self.namespace, base)
+            self.api.delete_configmap(self.namespace, base)
             retired = True
         except NotFoundError:
             retired = True  # another replica retired it
