@@ -4,7 +4,7 @@ the node, so that the workloads that ran there are still sized by it for the wee
 nothing in it counts any more (every bucket past the retention: history.expire), the leader deletes
 it, as read (uid and resourceVersion preconditions: a plugin that wrote it since keeps it), so a
 fleet that grows and shrinks does not keep a ConfigMap for every node it ever had. Looked at once
-an hour: one LIST of the namespace's histories."""
+an hour: one paged LIST of the namespace's histories; only those of nodes that are gone are read."""
 
 from __future__ import annotations
 
@@ -43,16 +43,15 @@ class HistorySweeper:
             return 0
         self._last = now
         selector = f"{store.COMPONENT_LABEL}={store.COMPONENT}"
-        try:
-            found = [obj for page, _ in self._api.list_pages("configmaps", selector, self._namespace) for obj in page]
-        except KubeError as error:
-            log.warning("cannot list the usage histories: %s", error)
-            return 0
         live = {store.configmap_name(obj["metadata"]["name"]) for obj in self._nodes.items()}
         deleted = 0
-        for obj in found:
-            if store.is_usage_configmap(obj) and obj["metadata"]["name"] not in live and self._spent(obj):
-                deleted += self._delete(obj)
+        try:  # page by page: a fleet's histories together are far larger than one page of them
+            for page, _ in self._api.list_pages("configmaps", selector, self._namespace):
+                for obj in page:
+                    if store.is_usage_configmap(obj) and obj["metadata"]["name"] not in live and self._spent(obj):
+                        deleted += self._delete(obj)
+        except KubeError as error:
+            log.warning("cannot list the usage histories: %s", error)
         return deleted
 
     def _spent(self, obj: dict[str, Any]) -> bool:
