@@ -392,11 +392,20 @@ def test_the_controller_deletes_the_empty_ledger_of_a_pool_that_is_gone(cluster,
         return {"metadata": metadata, "data": {}}
 
     gone, there = ledger(unique("removed-node")), ledger(release.node.name)
-    for body in (gone, there):
-        with contextlib.suppress(kubernetes.client.ApiException):  # the node's own may exist
-            core.create_namespaced_config_map(NAMESPACE, body)
-    wait_until("the gone pool's ledger deleted", lambda: gone["metadata"]["name"] not in names_now(core), 60)
-    assert there["metadata"]["name"] in names_now(core)
+    made = []
+    try:
+        for body in (gone, there):
+            with contextlib.suppress(kubernetes.client.ApiException):  # the node's own may exist
+                made.append(core.create_namespaced_config_map(NAMESPACE, body).metadata.name)
+        wait_until("the gone pool's ledger deleted", lambda: gone["metadata"]["name"] not in names_now(core), 60)
+        assert there["metadata"]["name"] in names_now(core)
+    finally:
+        for name in made:  # as it was made, empty: one the controller has written to since is its own
+            with contextlib.suppress(kubernetes.client.ApiException):
+                made_now = core.read_namespaced_config_map(name, NAMESPACE)
+                preconditions = {"resourceVersion": made_now.metadata.resource_version}
+                if not made_now.data:
+                    core.delete_namespaced_config_map(name, NAMESPACE, body={"preconditions": preconditions})
 
 
 def names_now(core: kubernetes.client.CoreV1Api) -> set[str]:
