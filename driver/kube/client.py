@@ -175,9 +175,8 @@ class ClientKubeApi:
         return kubernetes.client.CoreV1Api(self._client)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        with translated_errors():
-            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
-        data = response.data
+        with translated_errors():  # the body too: a connection lost while it is read is an outage
+            data = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs).data
         return json.loads(data) if data else None
 
     def _send(
