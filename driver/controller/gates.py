@@ -125,7 +125,11 @@ class GateLifter:
         if pods and self._replica.acting():
             groups = self._replica.groups()
             deadline = self._delivery_deadline()
-            wait([self._replica.writers.submit(self._lift, pod, whole, groups, deadline) for pod in pods])
+            lifts = {self._replica.writers.submit(self._lift, pod, whole, groups, deadline): pod for pod in pods}
+            wait(lifts)
+            for lift, pod in lifts.items():  # a refusal is logged by _lift; anything else would vanish here
+                if (error := lift.exception()) is not None:
+                    log.error("lifting the gate of pod %s failed", object_key(pod), exc_info=error)
 
     def _delivery_deadline(self) -> float:
         return time.monotonic() + self._delivery_wait_s

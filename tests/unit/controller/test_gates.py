@@ -139,3 +139,23 @@ def test_a_template_claim_whose_pod_is_not_there_is_not_placed(h100_slices, repl
     controller.informers["pods"].relist()
     controller.run_pass()
     assert api.status_writes == ["a-gpu"] and gates(api, "a") == []
+
+
+def test_a_lift_that_fails_unexpectedly_is_logged_and_tried_again(h100_slices, replicas, caplog):
+    # The lifts of a pass run on the writers: an error that is not the API's refusal must not
+    # vanish with its future, leaving the pod gated and nothing said.
+    api = fake_cluster(h100_slices)
+    claim = opt_in_claim("a", 1)
+    claim["status"] = {"allocation": {"devices": {"results": []}}}  # written by an earlier pass
+    api.put("claims", claim)
+    api.put("pods", gated_pod("pod-a", "a"))
+    controller = replicas(api)
+    lift = api.set_scheduling_gates
+    api.set_scheduling_gates = lambda pod, gates: (_ for _ in ()).throw(ValueError("truncated response"))
+    controller.run_pass()
+    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation"]
+    failed = [r for r in caplog.records if r.levelname == "ERROR" and "ml/pod-a" in r.getMessage()]
+    assert failed and "truncated response" in str(failed[0].exc_info[1])
+    api.set_scheduling_gates = lift
+    controller.run_pass()
+    assert gates(api, "pod-a") == []
