@@ -21,5 +21,8 @@ def test_the_small_fleet_places_every_pod_on_both_paths_and_reports():
     assert fleet["slices"] == 4 * 2 and fleet["fleet_publish_s"] > 0  # dgx-h100 offering whole GPUs: 2 slices
     for phase in (scheduler, controller):
         assert phase["pods"] == 20 and phase["not_placed"] is None and phase["pods_per_s"] > 0
+    # kube-scheduler's share on the controller's path: from the gate lifted to the pod bound
+    assert 0 <= controller["released_to_bound_p50_s"] <= controller["released_to_bound_p99_s"]
+    assert "released_to_bound_p50_s" not in scheduler
     assert ready["controller_ready_s"] > 0 and memory["controller_rss_mib"] > 0
     assert ratio["ratio_pods_per_s"] > 0
