@@ -33,6 +33,7 @@ class InMemoryControllerApi:
         self.write_delay_s = 0.0
         self.ledger_writes = 0
         self.evicted: list[str] = []  # pod names, in order
+        self.nominated: list[tuple[str, str]] = []  # (pod name, node), in order
         self.taint_writes = 0
         self.budgeted: set[str] = set()  # pods a PodDisruptionBudget protects: their eviction is refused
         self._lock = threading.Lock()
@@ -155,6 +156,12 @@ class InMemoryControllerApi:
         status = current.get("status") or {}
         others = [c for c in status.get("conditions") or [] if c.get("type") != condition["type"]]
         current["status"] = {**status, "conditions": [*others, condition]}
+        return self.put("pods", current)
+
+    def nominate_node(self, pod: dict[str, Any], node: str) -> dict[str, Any]:
+        current = self.get("pods", object_key(pod))
+        current["status"] = {**(current.get("status") or {}), "nominatedNodeName": node}
+        self.nominated.append((pod["metadata"]["name"], node))
         return self.put("pods", current)
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> dict[str, Any]:

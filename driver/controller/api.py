@@ -39,6 +39,8 @@ class ControllerApi(Protocol):
 
     def set_pod_condition(self, pod: JsonObject, condition: JsonObject) -> JsonObject: ...
 
+    def nominate_node(self, pod: JsonObject, node: str) -> JsonObject: ...
+
     def create_event(self, namespace: str, event: JsonObject) -> JsonObject: ...
 
     def scheduling_failures(self, namespace: str, pod: str) -> list[str]: ...
@@ -102,6 +104,16 @@ class ClientControllerApi(ClientKubeApi):
         """Set one condition in the pod's status, by type (a strategic merge patch: the others stay)."""
         meta = pod["metadata"]
         body = {"metadata": {"uid": meta["uid"]}, "status": {"conditions": [condition]}}
+        path = CORE_V1 + "/namespaces/{namespace}/pods/{name}/status"
+        return self._json(
+            "PATCH", path, body, content_type=STRATEGIC_MERGE_PATCH, namespace=meta["namespace"], name=meta["name"]
+        )
+
+    def nominate_node(self, pod: JsonObject, node: str) -> JsonObject:
+        """Set the pod's `status.nominatedNodeName` (kube-scheduler tries that node first, then the
+        others), on the pod of that uid."""
+        meta = pod["metadata"]
+        body = {"metadata": {"uid": meta["uid"]}, "status": {"nominatedNodeName": node}}
         path = CORE_V1 + "/namespaces/{namespace}/pods/{name}/status"
         return self._json(
             "PATCH", path, body, content_type=STRATEGIC_MERGE_PATCH, namespace=meta["namespace"], name=meta["name"]

@@ -5,7 +5,14 @@ our labelled gang, or the pod's PodGroup or operator's gang, groups.py); and whi
 A gate is lifted only once the claim watch delivered the allocations we wrote (or after
 DELIVERY_WAIT_S): kube-scheduler watches the same API server, and a pod it sees before its claim
 cache has the allocation makes it try to allocate the claim itself ("allocated elsewhere in the
-meantime") and retry the pod."""
+meantime") and retry the pod.
+
+Before the gate goes, the pod's `status.nominatedNodeName` is set to the node its claims were
+allocated on: kube-scheduler reads no node out of an allocation, and unhinted it runs its filters
+on every node of the cluster to find the one the allocation admits (at 5,000 nodes most of its time
+a pod); a nominated node it tries first, alone (and counts the pod's requests there for the pods it
+places meanwhile). A hint, not a pin: where that node no longer fits the pod, kube-scheduler goes
+on to the others as before (refusals.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from concurrent.futures import wait
 from typing import Any
 
 from driver.controller import metrics
+from driver.controller.fit import allocated_node
 from driver.controller.groups import Groups, in_some_gang
 from driver.controller.replica import Replica
 from driver.kube.errors import KubeError
@@ -158,10 +166,14 @@ class GateLifter:
             gang = (claim["metadata"].get("labels") or {}).get(GANG_LABEL) if opted_in(claim) else None
             if gang and not whole_gangs().get(f"{namespace}/{gang}"):
                 return
-        early = not self._delivered([claim for claim in used if claim is not None], deadline)
+        claims = [claim for claim in used if claim is not None]
+        early = not self._delivered(claims, deadline)
         gates = [g for g in pod["spec"]["schedulingGates"] if g.get("name") != SCHEDULING_GATE]
+        api = self._replica.api
         try:
-            self._informers["pods"].update(self._replica.api.set_scheduling_gates(pod, gates))
+            if node := node_to_nominate(pod, claims):
+                pod = api.nominate_node(pod, node)
+            self._informers["pods"].update(api.set_scheduling_gates(pod, gates))
         except KubeError as error:
             log.warning("cannot lift the gate of pod %s: %s", object_key(pod), error)
             return
@@ -169,3 +181,14 @@ class GateLifter:
         if early:
             log.info("lifted the gate of pod %s before the watch delivered its claims", object_key(pod))
             metrics.GATES_LIFTED_EARLY.inc()
+
+
+def node_to_nominate(pod: dict[str, Any], claims: list[dict[str, Any]]) -> str:
+    """The one node the pod's allocated claims name, for kube-scheduler to try first; "" where
+    they name none (devices reachable from several nodes) or several (the pod fits nowhere:
+    kube-scheduler says so), or where the pod is nominated to it already."""
+    nodes = {node for claim in claims if (node := allocated_node(claim))}
+    if len(nodes) != 1:
+        return ""
+    node = nodes.pop()
+    return "" if (pod.get("status") or {}).get("nominatedNodeName") == node else node

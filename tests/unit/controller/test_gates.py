@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from driver.kube.errors import KubeUnavailableError
 from tests.support.controller_cluster import (
     claims_in,
     fake_cluster,
@@ -159,3 +160,56 @@ def test_a_lift_that_fails_unexpectedly_is_logged_and_tried_again(h100_slices, r
     api.set_scheduling_gates = lift
     controller.run_pass()
     assert gates(api, "pod-a") == []
+
+
+def _allocated_on(name: str, node: str | None) -> dict:
+    claim = opt_in_claim(name, 1)
+    by_name = {"key": "metadata.name", "operator": "In", "values": [node]}
+    selector = {"nodeSelector": {"nodeSelectorTerms": [{"matchFields": [by_name]}]}} if node else {}
+    claim["status"] = {"allocation": {"devices": {"results": []}, **selector}}  # written by an earlier pass
+    return claim
+
+
+def test_a_pod_is_nominated_to_its_claims_node_before_its_gate_goes(h100_slices, replicas):
+    # kube-scheduler reads no node out of an allocation: unhinted, it filters every node of the
+    # cluster to find the one the allocation admits; a nominated node it tries first.
+    api = fake_cluster(h100_slices, nodes=2)
+    api.put("claims", opt_in_claim("a", 1))
+    api.put("pods", gated_pod("pod-a", "a"))
+    replicas(api).run_pass()
+    node = claims_in(api)["a"]["status"]["allocation"]["devices"]["results"][0]["pool"]
+    assert api.nominated == [("pod-a", node)]
+    pod = api.store["pods"]["ml/pod-a"]
+    assert pod["status"]["nominatedNodeName"] == node and gates(api, "pod-a") == []
+
+
+def test_a_pod_is_not_nominated_where_its_claims_name_no_one_node_or_it_is_already(h100_slices, replicas):
+    api = fake_cluster(h100_slices, nodes=2)
+    api.put("claims", _allocated_on("anywhere", None))  # devices reachable from any node
+    api.put("pods", gated_pod("pod-anywhere", "anywhere"))
+    api.put("claims", _allocated_on("on-n1", "n1"))
+    api.put("claims", _allocated_on("on-n2", "n2"))
+    split = gated_pod("pod-split", "on-n1")  # claims on two nodes: it fits nowhere, kube-scheduler says so
+    split["spec"]["resourceClaims"].append({"name": "gpu2", "resourceClaimName": "on-n2"})
+    api.put("pods", split)
+    api.put("claims", _allocated_on("on-n1-again", "n1"))
+    nominated = gated_pod("pod-nominated", "on-n1-again")
+    nominated["status"] = {"nominatedNodeName": "n1"}
+    api.put("pods", nominated)
+    replicas(api).run_pass()
+    assert api.nominated == []
+    assert [gates(api, p) for p in ("pod-anywhere", "pod-split", "pod-nominated")] == [[], [], []]
+
+
+def test_a_nomination_refused_leaves_the_pod_gated_for_the_next_pass(h100_slices, replicas):
+    api = fake_cluster(h100_slices)
+    api.put("claims", _allocated_on("a", "n1"))
+    api.put("pods", gated_pod("pod-a", "a"))
+    controller = replicas(api)
+    nominate = api.nominate_node
+    api.nominate_node = lambda pod, node: (_ for _ in ()).throw(KubeUnavailableError("API server unreachable"))
+    controller.run_pass()
+    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation"]
+    api.nominate_node = nominate
+    controller.run_pass()
+    assert api.nominated == [("pod-a", "n1")] and gates(api, "pod-a") == []
