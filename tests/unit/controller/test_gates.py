@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from driver.kube.errors import KubeUnavailableError
 from tests.support.controller_cluster import (
     claims_in,
@@ -142,32 +145,35 @@ def test_a_template_claim_whose_pod_is_not_there_is_not_placed(h100_slices, repl
     assert api.status_writes == ["a-gpu"] and gates(api, "a") == []
 
 
-def test_a_lift_that_fails_unexpectedly_is_logged_and_tried_again(h100_slices, replicas, caplog):
-    # The lifts of a pass run on the writers: an error that is not the API's refusal must not
-    # vanish with its future, leaving the pod gated and nothing said.
-    api = fake_cluster(h100_slices)
-    claim = opt_in_claim("a", 1)
-    claim["status"] = {"allocation": {"devices": {"results": []}}}  # written by an earlier pass
-    api.put("claims", claim)
-    api.put("pods", gated_pod("pod-a", "a"))
-    controller = replicas(api)
-    lift = api.set_scheduling_gates
-    api.set_scheduling_gates = lambda pod, gates: (_ for _ in ()).throw(ValueError("truncated response"))
-    controller.run_pass()
-    assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation"]
-    failed = [r for r in caplog.records if r.levelname == "ERROR" and "ml/pod-a" in r.getMessage()]
-    assert failed and "truncated response" in str(failed[0].exc_info[1])
-    api.set_scheduling_gates = lift
-    controller.run_pass()
-    assert gates(api, "pod-a") == []
-
-
 def _allocated_on(name: str, node: str | None) -> dict:
     claim = opt_in_claim(name, 1)
     by_name = {"key": "metadata.name", "operator": "In", "values": [node]}
     selector = {"nodeSelector": {"nodeSelectorTerms": [{"matchFields": [by_name]}]}} if node else {}
     claim["status"] = {"allocation": {"devices": {"results": []}, **selector}}  # written by an earlier pass
     return claim
+
+
+def _raising(error: Exception) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        raise error
+
+    return call
+
+
+def test_a_lift_that_fails_unexpectedly_is_logged_and_tried_again(h100_slices, replicas, caplog):
+    # The lifts of a pass run on the writers: an error that is not the API's refusal must not
+    # vanish with its future, leaving the pod gated and nothing said.
+    api = fake_cluster(h100_slices)
+    api.put("claims", _allocated_on("a", None))
+    api.put("pods", gated_pod("pod-a", "a"))
+    controller = replicas(api)
+    api.set_scheduling_gates = _raising(ValueError("truncated response"))
+    controller.run_pass()
+    failed = [r for r in caplog.records if r.levelname == "ERROR" and "ml/pod-a" in r.getMessage()]
+    assert failed and "truncated response" in str(failed[0].exc_info[1])
+    del api.set_scheduling_gates  # the fake API's own again
+    controller.run_pass()
+    assert gates(api, "pod-a") == []
 
 
 def test_a_pod_is_nominated_to_its_claims_node_before_its_gate_goes(h100_slices, replicas):
@@ -206,10 +212,9 @@ def test_a_nomination_refused_leaves_the_pod_gated_for_the_next_pass(h100_slices
     api.put("claims", _allocated_on("a", "n1"))
     api.put("pods", gated_pod("pod-a", "a"))
     controller = replicas(api)
-    nominate = api.nominate_node
-    api.nominate_node = lambda pod, node: (_ for _ in ()).throw(KubeUnavailableError("API server unreachable"))
+    api.nominate_node = _raising(KubeUnavailableError("API server unreachable"))
     controller.run_pass()
     assert gates(api, "pod-a") == ["gpu.fgpu.dev/allocation"]
-    api.nominate_node = nominate
+    del api.nominate_node
     controller.run_pass()
     assert api.nominated == [("pod-a", "n1")] and gates(api, "pod-a") == []
