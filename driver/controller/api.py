@@ -102,18 +102,17 @@ class ClientControllerApi(ClientKubeApi):
 
     def set_pod_condition(self, pod: JsonObject, condition: JsonObject) -> JsonObject:
         """Set one condition in the pod's status, by type (a strategic merge patch: the others stay)."""
-        meta = pod["metadata"]
-        body = {"metadata": {"uid": meta["uid"]}, "status": {"conditions": [condition]}}
-        path = CORE_V1 + "/namespaces/{namespace}/pods/{name}/status"
-        return self._json(
-            "PATCH", path, body, content_type=STRATEGIC_MERGE_PATCH, namespace=meta["namespace"], name=meta["name"]
-        )
+        return self._patch_pod_status(pod, {"conditions": [condition]})
 
     def nominate_node(self, pod: JsonObject, node: str) -> JsonObject:
         """Set the pod's `status.nominatedNodeName` (kube-scheduler tries that node first, then the
-        others), on the pod of that uid."""
+        others)."""
+        return self._patch_pod_status(pod, {"nominatedNodeName": node})
+
+    def _patch_pod_status(self, pod: JsonObject, status: JsonObject) -> JsonObject:
+        """A strategic merge patch of the pod's status, on the pod of that uid only."""
         meta = pod["metadata"]
-        body = {"metadata": {"uid": meta["uid"]}, "status": {"nominatedNodeName": node}}
+        body = {"metadata": {"uid": meta["uid"]}, "status": status}
         path = CORE_V1 + "/namespaces/{namespace}/pods/{name}/status"
         return self._json(
             "PATCH", path, body, content_type=STRATEGIC_MERGE_PATCH, namespace=meta["namespace"], name=meta["name"]
