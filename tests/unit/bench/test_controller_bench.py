@@ -65,8 +65,8 @@ def test_on_the_controllers_path_a_released_pod_is_waited_for_and_one_still_gate
     settled(observed, 3, gated=False)  # kube-scheduler's path: nothing bound for a while, settled
     assert "released" not in observed.pod_bound
     binding = threading.Timer(0.5, observed.on_pod, [_pod("released", gated=False, node="n2")])
+    started = time.monotonic()  # before the timer starts: it binds 0.5 s after this at the earliest
     binding.start()
-    started = time.monotonic()
     settled(observed, 3, gated=True)
     assert "released" in observed.pod_bound and "held" not in observed.pod_bound
     assert time.monotonic() - started >= 0.5
