@@ -312,6 +312,28 @@ def test_before_any_claim_needs_it_the_node_only_the_largest_pods_fit_is_filled_
     assert node_for_it(places_pods=False) == "n3"
 
 
+def whole_node_cpus(nodes: dict[str, int]) -> list[float]:
+    """The CPUs of the prior's whole-node shapes in the mix, on `nodes` (name -> CPUs, 8 GPUs each)
+    once 20 whole-GPU claims whose pods ask 12 CPUs were asked about."""
+    pods_of: dict[str, list[PodNeeds]] = {}
+    room = room_for(nodes, pods_of)
+    cluster = allocator(h100_slices(*nodes), policy="fragmentation")
+    for i in range(20):
+        cluster.allocate(asking_on(pods_of, f"seen{i}", 1, 12), room=room)
+    learned = cluster._fragmentation
+    assert learned is not None
+    return sorted(round(dict(s.needs)[CPU], 1) for s in learned.mix if s.demand[0] == "whole node")
+
+
+def test_the_prior_keeps_whole_only_a_kind_of_node_no_other_kind_stands_in_for():
+    # A claim for a 96-CPU node whole (86.4 CPUs) runs on the 128-CPU node too, so keeping the
+    # 96-CPU nodes whole keeps nothing that only they offer; the 128-CPU node's (115.2) runs there
+    # alone. Nodes all of one kind keep their prior.
+    assert whole_node_cpus({"n1": 96, "n2": 96, "n3": 128}) == [115.2]
+    assert whole_node_cpus({"n1": 96, "n2": 96}) == [86.4]
+    assert whole_node_cpus({"n1": 96, "n2": 128, "n3": 128}) == [115.2]
+
+
 def test_a_shape_first_seen_when_it_fits_nowhere_enters_the_mix_at_once():
     # 20 whole-GPU claims learned the mix (at 16); an 8-GPU claim whose pod asks 120 CPUs then
     # finds every node in use. It would enter the mix at the next learning (32 claims seen); it
