@@ -20,8 +20,9 @@ Model (scoring only: feasibility stays with the search, which tries the nodes in
   weighed by its supply, where no other kind of node runs that claim (a kind another one stands
   in for keeps nothing only it offers). Where a few nodes are larger than the rest, their own
   whole-node claim fits them alone and weighs most, so they are filled last until the claims seen
-  outweigh the prior; the largest pods, however late they first come, find them empty (openb in time: 8-GPU
-  pods asking 120 CPUs, which only the 39 G3 nodes run, arrive after the cluster filled). Whoever
+  outweigh the prior; the largest pods, however late they first come, find them empty (openb in
+  time: 8-GPU pods asking 120 CPUs, which only the 39 G3 nodes run, arrive after the cluster
+  filled). Whoever
   places the pods without claims: where kube-scheduler does, it fills some nodes kept empty with
   their CPU, and then the whole-node claim no longer fits them, so they are no longer kept;
 - supply: a shape whose pods fit nodes holding under SCARCE_SUPPLY of the GPUs its request could
@@ -417,10 +418,10 @@ class Fragmentation:
         claims and weighed by its supply, where that claim fits no other kind (openb, seeds 42-51,
         arrival only: 4.34% unallocated at 100% arrived, 4.37 with a prior for every kind); none
         until a claim for whole GPUs (no capacity, no selectors) was seen, whose class and request
-        it copies. Kept where kube-scheduler places
-        the pods without claims too (openb in time as deployed, a quarter of the cluster, seeds
-        42-44: 36.4, 26.2 and 9.0 GPU-hours waited with it, 69.6, 70.4 and 32.5 without; the
-        level, water_level.py, keeps what it strands in the arrival-only replay small)."""
+        it copies. Kept where kube-scheduler places the pods without claims too (openb in time as
+        deployed, a quarter of the cluster, seeds 42-44: 36.4, 26.2 and 9.0 GPU-hours waited with
+        it, 69.6, 70.4 and 32.5 without; the level, water_level.py, keeps what it strands in the
+        arrival-only replay small)."""
         whole: Counter[RequestKey] = Counter()
         for (key, _), count in self.seen.items():
             if key and not key[1] and not key[3]:
